@@ -1,0 +1,44 @@
+"""Small @triton.jit helpers shared by the kernels (exact rounding rules that match the references)."""
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+@triton.jit
+def rint(x):
+    """Round half to even (torch.round); exact for |x| < 2**22. libdevice.rint is not in the interpreter."""
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def finite_abs(x):
+    ax = tl.abs(x)
+    return tl.where(ax < float("inf"), ax, 0.0)  # NaN < inf is False as well
+
+
+@triton.jit
+def ue8m0_ceil(s):
+    """Round a positive fp32 up to a power of two through its exponent bits."""
+    bits = s.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale(amax, UE8M0: tl.constexpr):
+    s = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+    if UE8M0:
+        s = ue8m0_ceil(s)
+    return s
+
+
+@triton.jit
+def cast_fp8_saturating(y):
+    """Clamp to ±448 keeping NaN (tl.maximum would drop it), then round to e4m3."""
+    c = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    return tl.where(y != y, y, c).to(tl.float8e4nv)

@@ -1,0 +1,130 @@
+"""FP8 (e4m3) quantization ops: per-token-group activations, 128×128 weight blocks, KV rows.
+
+Each public op checks its inputs, then runs the Triton kernel (CUDA, or TRITON_INTERPRET=1) or the
+reference of the same signature (``reference.py``). See docs/formats.md for the layouts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._backend import use_triton
+from .._checks import check_divisible, check_same_device, check_tensor
+from .reference import (
+    FP8,
+    FP8_MAX,
+    act_quant_fp8_reference,
+    block_dequant_fp8_reference,
+    block_quant_fp8_reference,
+    kv_quant_fp8_reference,
+)
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = [
+    "FP8", "FP8_MAX", "act_quant_fp8", "block_quant_fp8", "block_dequant_fp8", "kv_quant_fp8",
+    "act_quant_fp8_reference", "block_quant_fp8_reference", "block_dequant_fp8_reference",
+    "kv_quant_fp8_reference",
+]
+
+
+def act_quant_fp8(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 1×group FP8 quantization. x: [..., K] -> (q [..., K] e4m3, scale [..., K/group] fp32)."""
+    check_tensor("x", x, dtype=FLOATS, contiguous=True)
+    if x.dim() == 0:
+        raise ValueError("x: needs at least one dimension")
+    check_divisible("x.shape[-1]", x.shape[-1], group_size, "group_size")
+    if group_size & (group_size - 1):
+        raise ValueError(f"group_size: {group_size} must be a power of two")
+    if not use_triton(x):
+        return act_quant_fp8_reference(x, group_size, ue8m0)
+    from .kernel import _act_quant_fp8_kernel
+
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(*x.shape[:-1], x.shape[-1] // group_size, dtype=torch.float32, device=x.device)
+    n_groups = x.numel() // group_size
+    block_g = max(1, min(64, 4096 // group_size))
+    if n_groups:
+        _act_quant_fp8_kernel[(triton.cdiv(n_groups, block_g),)](
+            x, q, scale, n_groups, GROUP=group_size, UE8M0=ue8m0, BLOCK_G=block_g, num_warps=4)
+    return q, scale
+
+
+def _check_block(block: tuple[int, int]) -> tuple[int, int]:
+    bn, bk = (int(b) for b in block)
+    if bn <= 0 or bk <= 0 or bn & (bn - 1) or bk & (bk - 1):
+        raise ValueError(f"block: {block} must be two positive powers of two")
+    return bn, bk
+
+
+def block_quant_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled weight quantization. w: [N, K] -> (q [N, K] e4m3, weight_scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32)."""
+    check_tensor("w", w, dtype=FLOATS, ndim=2)
+    bn, bk = _check_block(block)
+    if w.stride(-1) != 1:
+        raise ValueError("w: the last dimension must be contiguous")
+    if not use_triton(w):
+        return block_quant_fp8_reference(w, (bn, bk))
+    from .kernel import _block_quant_fp8_kernel
+
+    n, k = w.shape
+    nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    q = torch.empty((n, k), dtype=FP8, device=w.device)
+    scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    if n and k:
+        _block_quant_fp8_kernel[(nb, kb)](w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk, num_warps=8)
+    return q, scale
+
+
+def block_dequant_fp8(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """[N, K] e4m3 with [⌈N/bn⌉, ⌈K/bk⌉] fp32 block scales -> [N, K] ``out_dtype``."""
+    check_tensor("q", q, dtype=FP8, ndim=2)
+    check_tensor("scale_inv", scale_inv, dtype=torch.float32, ndim=2, contiguous=True)
+    check_same_device(q=q, scale_inv=scale_inv)
+    bn, bk = _check_block(block)
+    n, k = q.shape
+    nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    if tuple(scale_inv.shape) != (nb, kb):
+        raise ValueError(f"scale_inv: shape {tuple(scale_inv.shape)} does not match q {tuple(q.shape)} "
+                         f"with block {block} (expected {(nb, kb)})")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the last dimension must be contiguous")
+    if not use_triton(q, scale_inv):
+        return block_dequant_fp8_reference(q, scale_inv, (bn, bk), out_dtype)
+    from .kernel import _block_dequant_fp8_kernel
+
+    out = torch.empty((n, k), dtype=out_dtype, device=q.device)
+    if n and k:
+        _block_dequant_fp8_kernel[(nb, kb)](q, scale_inv, out, n, k, q.stride(0), out.stride(0), kb,
+                                            BN=bn, BK=bk, num_warps=8)
+    return out
+
+
+def kv_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 KV rows. x: [T, D]; scale None -> per-token scales [T]; scale [1] fp32 -> per-tensor."""
+    check_tensor("x", x, dtype=FLOATS, ndim=2, contiguous=True)
+    if scale is not None:
+        check_tensor("scale", scale, dtype=torch.float32)
+        if scale.numel() != 1:
+            raise ValueError(f"scale: a per-tensor scale has one element, got shape {tuple(scale.shape)}")
+        check_same_device(x=x, scale=scale)
+        if not bool(scale.reshape(()).gt(0).item() if not scale.is_cuda else True):
+            raise ValueError("scale: must be positive")
+    if not use_triton(x, *(s for s in (scale,) if s is not None)):
+        return kv_quant_fp8_reference(x, scale)
+    from .kernel import _kv_quant_fp8_kernel
+
+    t, d = x.shape
+    q = torch.empty((t, d), dtype=FP8, device=x.device)
+    s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
+    block_d = triton.next_power_of_2(max(d, 1))
+    block_t = max(1, 8192 // block_d)
+    if t and d:
+        _kv_quant_fp8_kernel[(triton.cdiv(t, block_t),)](x, q, s, t, d, PER_TOKEN=scale is None,
+                                                         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return q, (s if scale is None else scale)

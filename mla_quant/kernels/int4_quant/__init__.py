@@ -1,0 +1,94 @@
+"""INT4 symmetric group quantization in compressed-tensors ``pack-quantized`` layout (see reference.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._backend import use_triton
+from .._checks import check_divisible, check_same_device, check_tensor
+from .reference import (
+    QMAX,
+    QMIN,
+    int4_dequantize_reference,
+    int4_pack_reference,
+    int4_quantize_reference,
+    int4_unpack_reference,
+)
+
+GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+__all__ = [
+    "QMIN", "QMAX", "GROUP_SIZES", "int4_pack", "int4_unpack", "int4_quantize", "int4_dequantize",
+    "int4_pack_reference", "int4_unpack_reference", "int4_quantize_reference", "int4_dequantize_reference",
+]
+
+
+def _check_group(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size} not supported, expected one of {GROUP_SIZES}")
+
+
+def int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-8, 7] -> int32 [N, K/8] (a layout op: exact, pure torch on every device)."""
+    check_tensor("q", q, dtype=torch.int8, ndim=2)
+    check_divisible("q.shape[1]", q.shape[1], 8, "the nibbles per int32 word")
+    if q.numel() and (int(q.min()) < QMIN or int(q.max()) > QMAX):
+        raise ValueError(f"q: codes must lie in [{QMIN}, {QMAX}]")
+    return int4_pack_reference(q)
+
+
+def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K/8] -> int8 codes [N, K]."""
+    check_tensor("packed", packed, dtype=torch.int32, ndim=2)
+    return int4_unpack_reference(packed)
+
+
+def int4_quantize(
+    w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``)."""
+    check_tensor("w", w, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
+    _check_group(group_size)
+    check_divisible("w.shape[1]", w.shape[1], group_size, "group_size")
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"scale_dtype: {scale_dtype} not supported, expected one of {SCALE_DTYPES}")
+    if w.stride(-1) != 1:
+        raise ValueError("w: the last dimension must be contiguous")
+    if not use_triton(w):
+        return int4_quantize_reference(w, group_size, scale_dtype)
+    from .kernel import _int4_quant_pack_kernel
+
+    n, k = w.shape
+    packed = torch.empty((n, k // 8), dtype=torch.int32, device=w.device)
+    scale = torch.empty((n, k // group_size), dtype=scale_dtype, device=w.device)
+    bn, bk = 16, max(group_size, 128)
+    if n and k:
+        _int4_quant_pack_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            w, packed, scale, n, k, w.stride(0), GROUP=group_size, BN=bn, BK=bk, num_warps=4)
+    return packed, scale
+
+
+def int4_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``."""
+    check_tensor("packed", packed, dtype=torch.int32, ndim=2, contiguous=True)
+    check_tensor("scale", scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
+    check_same_device(packed=packed, scale=scale)
+    _check_group(group_size)
+    n, k = packed.shape[0], packed.shape[1] * 8
+    check_divisible("K (= 8 * packed.shape[1])", k, group_size, "group_size")
+    if tuple(scale.shape) != (n, k // group_size):
+        raise ValueError(f"scale: shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
+                         f"with group {group_size} (expected {(n, k // group_size)})")
+    if not use_triton(packed, scale):
+        return int4_dequantize_reference(packed, scale, group_size, out_dtype)
+    from .kernel import _int4_dequant_kernel
+
+    out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
+    bn, bk = 16, max(group_size, 256)
+    if n and k:
+        _int4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            packed, scale, out, n, k, GROUP=group_size, BN=bn, BK=bk, num_warps=4)
+    return out
