@@ -1,0 +1,101 @@
+"""Shared benchmark machinery: ceilings measured in the same run, medians of many runs, the results file.
+
+Every bench module ``benchmarks/bench_<name>.py`` exposes ``run(ctx: Context) -> list[dict]`` returning
+cases made by :func:`case` (schema in DESIGN.md, "Benchmark results file").
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H200 L2 is 50 MB; rotate inputs past this so reads come from HBM
+RESULTS = Path(__file__).parent / "results" / "h200.json"
+
+
+@dataclass
+class Context:
+    device: str = "cuda"
+    quick: bool = False
+    copy_tbps: float = 0.0
+    bf16_tflops: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def median_us(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of ``fn()`` in µs (triton.testing.do_bench, L2 flushed between runs)."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def rotating(make_inputs, bytes_per_set: int, min_sets: int = 2, max_sets: int = 32):
+    """Build enough independent input sets that cycling through them exceeds the L2 cache.
+    Returns a zero-argument function yielding the next set."""
+    n = max(min_sets, min(max_sets, -(-3 * L2_BYTES // max(bytes_per_set, 1))))
+    sets = [make_inputs() for _ in range(n)]
+    cycle = itertools.cycle(sets)
+    return lambda: next(cycle)
+
+
+def measure_ceilings(ctx: Context) -> None:
+    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate, in this run."""
+    n = 2**30 // 2  # 1 GiB of bf16
+    src = torch.randn(n, device=ctx.device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = median_us(lambda: dst.copy_(src))
+    ctx.copy_tbps = 2 * src.numel() * 2 / (t * 1e-6) / 1e12
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=ctx.device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=ctx.device, dtype=torch.bfloat16)
+    t = median_us(lambda: a @ b)
+    ctx.bf16_tflops = 2 * m**3 / (t * 1e-6) / 1e12
+
+
+def case(bench: str, case: dict, median_us: float, bytes: int = 0, flops: int = 0,
+         peer: str | None = None, peer_median_us: float | None = None, **extra) -> dict:
+    """One results row; derived rates are added for convenience (readers may recompute them)."""
+    row = {"bench": bench, "case": case, "median_us": round(median_us, 3), "bytes": int(bytes),
+           "flops": int(flops), "peer": peer,
+           "peer_median_us": None if peer_median_us is None else round(peer_median_us, 3)}
+    if bytes:
+        row["tbps"] = round(bytes / (median_us * 1e-6) / 1e12, 4)
+    if flops:
+        row["tflops"] = round(flops / (median_us * 1e-6) / 1e12, 2)
+    if peer_median_us:
+        row["speedup_vs_peer"] = round(peer_median_us / median_us, 3)
+    row.update(extra)
+    return row
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("MLA_QUANT_COMMIT", "unknown")
+
+
+def meta(ctx: Context) -> dict:
+    import triton
+
+    return {"commit": _git_commit(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "copy_tbps": round(ctx.copy_tbps, 4), "bf16_tflops": round(ctx.bf16_tflops, 2), "notes": ctx.notes}
+
+
+def write_results(path: Path, ctx: Context, cases: list[dict], replace_benches: set[str] | None = None) -> None:
+    """Write the results file. With ``replace_benches``, keep the existing file's other benches."""
+    old = []
+    if replace_benches is not None and path.exists():
+        old = [c for c in json.loads(path.read_text())["cases"] if c["bench"] not in replace_benches]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta(ctx), "cases": old + cases}, indent=1) + "\n")
