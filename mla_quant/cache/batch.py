@@ -1,0 +1,39 @@
+"""Per-step batch metadata for paged attention, built once per step and shared by every layer
+(flashinfer's plan()/run() split): int32 index tensors on the compute device.
+
+Tokens of a step are flattened over requests: request b contributes ``query_lens[b]`` new tokens
+(a prefill chunk, or 1 for plain decode, or a few for speculative decode), in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    block_table: torch.Tensor   # int32 [B, max_pages]: physical page ids, unused entries -1
+    seq_lens: torch.Tensor      # int32 [B]: tokens in the cache for each request *after* this step's append
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]: prefix sum of the new tokens per request
+    positions: torch.Tensor     # int64 [T]: absolute position of each new token (= its index in its sequence)
+    slot_mapping: torch.Tensor  # int64 [T]: physical slot (page * page_size + offset) each new token is written to
+    page_size: int
+    max_query_len: int          # max(query_lens), a host int so kernels can pick a path without a sync
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request adds exactly one token."""
+        return self.max_query_len == 1
