@@ -2,8 +2,10 @@
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
+# Globals read inside @triton.jit code must be constexpr (Triton >= 3.2 refuses plain Python floats).
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-4)
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -18,7 +20,7 @@ def rint(x):
 @triton.jit
 def finite_abs(x):
     ax = tl.abs(x)
-    return tl.where(ax < float("inf"), ax, 0.0)  # NaN < inf is False as well
+    return tl.where(ax <= FP32_MAX, ax, 0.0)  # False for inf and for NaN
 
 
 @triton.jit

@@ -28,8 +28,14 @@ def ue8m0_ceil(scale: torch.Tensor) -> torch.Tensor:
     return (exponent << 23).view(torch.float32)
 
 
+def div_ieee(a: torch.Tensor, c: float) -> torch.Tensor:
+    """a / c rounded once (IEEE). ``a / c`` with a Python scalar multiplies by 1/c on CUDA, which can
+    differ in the last bit from the kernels' ``div_rn``."""
+    return a / torch.full_like(a, c)
+
+
 def fp8_scale_from_amax(amax: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
-    scale = amax.float().clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = div_ieee(amax.float().clamp_min(AMAX_FLOOR), FP8_MAX)
     return ue8m0_ceil(scale) if ue8m0 else scale
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8_quant.reference import div_ieee
+
 QMIN, QMAX = -8, 7
 HALF_RANGE = 7.5  # (QMAX - QMIN) / 2
 
@@ -37,7 +39,7 @@ def int4_group_scales(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype
     """[N, K] -> [N, K // group_size] symmetric scales, rounded to ``scale_dtype``."""
     n, k = w.shape
     absmax = w.float().reshape(n, k // group_size, group_size).abs().amax(dim=-1)
-    return (absmax / HALF_RANGE).to(scale_dtype)
+    return div_ieee(absmax, HALF_RANGE).to(scale_dtype)
 
 
 def int4_codes(w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
