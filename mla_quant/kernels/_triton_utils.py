@@ -40,6 +40,13 @@ def fp8_scale(amax, UE8M0: tl.constexpr):
 
 
 @triton.jit
+def reciprocal(s):
+    """1 / s rounded once (IEEE); quantizers multiply by it — one division per group, not per element
+    (div_rn per element made the quantizers compute-bound)."""
+    return tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
 def cast_fp8_saturating(y):
     """Clamp to ±448 keeping NaN (tl.maximum would drop it), then round to e4m3."""
     c = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)

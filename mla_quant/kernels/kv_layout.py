@@ -26,8 +26,9 @@ from .fp8_quant.reference import (
     FP8,
     act_quant_fp8_reference,
     cast_fp8_saturating,
-    fp8_scale_from_amax,
     finite_abs,
+    fp8_scale_from_amax,
+    reciprocal,
 )
 
 KV_KINDS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
@@ -61,9 +62,9 @@ def quantize_kv_rows(rows: torch.Tensor, kind: str, d_latent: int,
         return rows.to(torch.bfloat16), None
     if kind == "fp8_e4m3":
         if tensor_scale is not None:
-            return cast_fp8_saturating(x / tensor_scale.float()), tensor_scale
+            return cast_fp8_saturating(x * reciprocal(tensor_scale.float())), tensor_scale
         scale = fp8_scale_from_amax(finite_abs(x).amax(dim=-1))
-        return cast_fp8_saturating(x / scale[:, None]), scale
+        return cast_fp8_saturating(x * reciprocal(scale)[:, None]), scale
     if kind == "fp8_ds_mla":
         d_rope = d - d_latent
         q, s = act_quant_fp8_reference(x[:, :d_latent].contiguous(), DS_MLA_TILE, ue8m0=True)

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .._triton_utils import cast_fp8_saturating, finite_abs, fp8_scale
+from .._triton_utils import cast_fp8_saturating, finite_abs, fp8_scale, reciprocal
 
 
 @triton.jit
@@ -15,7 +15,7 @@ def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, n_groups,
     offs = rows[:, None] * GROUP + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = fp8_scale(tl.max(finite_abs(x), axis=1), UE8M0)
-    q = cast_fp8_saturating(tl.div_rn(x, s[:, None]))
+    q = cast_fp8_saturating(x * reciprocal(s)[:, None])
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + rows, s, mask=rows < n_groups)
 
@@ -29,7 +29,7 @@ def _block_quant_fp8_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, n_k
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     s = fp8_scale(tl.max(tl.max(finite_abs(w), axis=1), axis=0), False)
-    q = cast_fp8_saturating(tl.div_rn(w, s))
+    q = cast_fp8_saturating(w * reciprocal(s))
     tl.store(q_ptr + rn[:, None].to(tl.int64) * stride_qn + rk[None, :], q, mask=mask)
     tl.store(s_ptr + pid_n * n_kb + pid_k, s)
 
@@ -59,8 +59,8 @@ def _kv_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, T, D, PER_TOKEN: tl.constexpr,
     if PER_TOKEN:
         s = fp8_scale(tl.max(finite_abs(x), axis=1), False)
         tl.store(s_ptr + rows, s, mask=rows < T)
-        q = cast_fp8_saturating(tl.div_rn(x, s[:, None]))
+        q = cast_fp8_saturating(x * reciprocal(s)[:, None])
     else:
         s = tl.load(s_ptr)
-        q = cast_fp8_saturating(tl.div_rn(x, s))
+        q = cast_fp8_saturating(x * reciprocal(s))
     tl.store(q_ptr + offs, q, mask=mask)

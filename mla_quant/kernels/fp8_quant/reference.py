@@ -2,7 +2,8 @@
 
 Scale rule (DeepSeek ``act_quant``): ``amax = max(|x| over the group, 1e-4)``, ``scale = amax / 448``,
 optionally rounded up to a power of two ("ue8m0"); ``q = e4m3(clamp(x / scale, -448, 448))`` and
-``real ≈ q * scale``. Non-finite inputs: the scale is taken over the finite values only; ±inf saturates to
+``real ≈ q * scale``; ``x / scale`` is computed as ``x * (1 / scale)`` with the reciprocal rounded
+once per group (one division per group keeps the kernels memory-bound). Non-finite inputs: the scale is taken over the finite values only; ±inf saturates to
 ±448; NaN stays NaN in its own element. Division is IEEE round-to-nearest (the Triton kernels use
 ``div_rn``), so both backends are bit-exact on the GPU.
 """
@@ -34,6 +35,11 @@ def div_ieee(a: torch.Tensor, c: float) -> torch.Tensor:
     return a / torch.full_like(a, c)
 
 
+def reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """1 / s rounded once, as the kernels' ``_triton_utils.reciprocal``."""
+    return torch.ones_like(s) / s
+
+
 def fp8_scale_from_amax(amax: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     scale = div_ieee(amax.float().clamp_min(AMAX_FLOOR), FP8_MAX)
     return ue8m0_ceil(scale) if ue8m0 else scale
@@ -55,7 +61,7 @@ def act_quant_fp8_reference(
     *lead, k = x.shape
     g = x.float().reshape(*lead, k // group_size, group_size)
     scale = fp8_scale_from_amax(finite_abs(g).amax(dim=-1), ue8m0)
-    q = cast_fp8_saturating(g / scale[..., None])
+    q = cast_fp8_saturating(g * reciprocal(scale)[..., None])
     return q.reshape(x.shape), scale
 
 
@@ -80,7 +86,7 @@ def block_quant_fp8_reference(
     n, k = w.shape
     blocks, _, _ = _block_view(w, block)
     scale = fp8_scale_from_amax(finite_abs(blocks).amax(dim=(1, 3)))
-    q = cast_fp8_saturating(blocks / scale[:, None, :, None])
+    q = cast_fp8_saturating(blocks * reciprocal(scale)[:, None, :, None])
     q = q.reshape(blocks.shape[0] * block[0], -1)[:n, :k]
     return q.contiguous(), scale
 
@@ -108,5 +114,5 @@ def kv_quant_fp8_reference(
     xf = x.float()
     if scale is None:
         scale = fp8_scale_from_amax(finite_abs(xf).amax(dim=-1))
-        return cast_fp8_saturating(xf / scale[:, None]), scale
-    return cast_fp8_saturating(xf / scale.float()), scale
+        return cast_fp8_saturating(xf * reciprocal(scale)[:, None]), scale
+    return cast_fp8_saturating(xf * reciprocal(scale.float())), scale

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .._triton_utils import rint
+from .._triton_utils import reciprocal, rint
 
 
 @triton.jit
@@ -16,7 +16,7 @@ def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn,
     wg = tl.reshape(w, (BN, BK // GROUP, GROUP))
     s = tl.div_rn(tl.max(tl.abs(wg), axis=2), 7.5)
     s = s.to(scale_ptr.dtype.element_ty).to(tl.float32)  # quantize against the stored (rounded) scale
-    q = tl.where(s[:, :, None] == 0.0, 0.0, rint(tl.div_rn(wg, s[:, :, None])))
+    q = tl.where(s[:, :, None] == 0.0, 0.0, rint(wg * reciprocal(s)[:, :, None]))
     q = tl.minimum(tl.maximum(q, -8.0), 7.0)
     nib = tl.reshape((q + 8.0).to(tl.int32), (BN, BK // 8, 8))
     shifts = tl.arange(0, 8) * 4

@@ -2,7 +2,8 @@
 
 Quantization (compressed-tensors ``minmax`` observer, symmetric): per group of ``group_size`` input
 columns, ``scale = absmax / 7.5`` rounded to the scale dtype (bf16 for Kimi K2.6), then
-``q = clamp(round_half_even(w / scale), -8, 7)`` computed with that rounded scale; an all-zero group gets
+``q = clamp(round_half_even(w · (1/scale)), -8, 7)`` computed with that rounded scale (its reciprocal
+rounded once); an all-zero group gets
 scale 0 and codes 0. Dequantization: ``w = q * scale``.
 
 Packing: nibble = q + 8 (0..15); element j of a row goes to int32 word j // 8 at bits 4·(j % 8)
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_quant.reference import div_ieee
+from ..fp8_quant.reference import div_ieee, reciprocal
 
 QMIN, QMAX = -8, 7
 HALF_RANGE = 7.5  # (QMAX - QMIN) / 2
@@ -46,7 +47,7 @@ def int4_codes(w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.T
     """Round w to the grid of ``scale`` ([N, K // group_size]): int8 codes [N, K]."""
     n, k = w.shape
     s = scale.float().repeat_interleave(group_size, dim=1)
-    q = torch.where(s == 0, torch.zeros_like(s), torch.round(w.float() / s))
+    q = torch.where(s == 0, torch.zeros_like(s), torch.round(w.float() * reciprocal(s)))
     return q.clamp(QMIN, QMAX).to(torch.int8)
 
 
