@@ -1,0 +1,40 @@
+"""Helpers shared by the GEMM kernels (``fp8_gemm``, ``w4a16_gemm``): tile ordering and launch sizing."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """Map a linear program id to (pid_m, pid_n), walking GROUP_M row tiles per column so that
+    consecutive programs reuse the same weight tiles from L2 (the grouped ordering of Triton's tutorial)."""
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    return pid_m, pid_n
+
+
+def m_bucket(m: int) -> int:
+    """Autotuning key for the token count: 1, then powers of two up to 8192 (configs are kept per bucket,
+    so a prefill with 1000 or 1024 tokens reuses one tuning)."""
+    return 1 if m <= 1 else min(8192, triton.next_power_of_2(m))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for CPU tensors, so split-K runs in the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
+    """Split the K loop until the grid has about two programs per SM (a GEMV with N/BN tiles fills few
+    SMs otherwise), never giving a split fewer than two K iterations. A power of two."""
+    split = 1
+    while split < max_split and tiles * split * 2 <= 2 * sms and k_iters // (split * 2) >= 2:
+        split *= 2
+    return split

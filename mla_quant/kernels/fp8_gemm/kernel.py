@@ -1,0 +1,65 @@
+"""Triton block-scaled FP8 GEMM (W8A8): C = A @ B.T with A e4m3 per-token 1×BK scales and B e4m3 BN_S×BK
+block scales.
+
+Two-level accumulation as in DeepGEMM: the tensor cores multiply one BK-wide slice of e4m3 tiles into a
+fresh fp32 tile, which is scaled by ``a_scale[m, kb] · b_scale[n // BN_S, kb]`` and added to the main fp32
+accumulator on the CUDA cores — so the tensor cores' reduced-precision fp8 accumulation never spans more
+than one scale block. BK equals the scale block width (128 for the real checkpoints).
+"""
+import triton
+import triton.language as tl
+
+from .._gemm_utils import grouped_tile
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm,
+    M_BUCKET,  # autotuning key only
+    BN_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # a [M, K] e4m3, as [M, K/BK] fp32, b [N, K] e4m3, bs [⌈N/BN_S⌉, K/BK] fp32, c [M, N]; K % BK == 0.
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rm_ld = rm % M  # edge rows / columns re-read valid data (no masks in the loop); never stored
+    rn_ld = rn % N
+    n_kb = K // BK
+    a_ptrs = a_ptr + rm_ld[:, None].to(tl.int64) * stride_am + rk[None, :]   # [BM, BK]
+    b_ptrs = b_ptr + rn_ld[None, :].to(tl.int64) * stride_bn + rk[:, None]   # [BK, BN] (B is K-major)
+    as_ptrs = as_ptr + rm_ld.to(tl.int64) * n_kb                              # [BM]
+    bs_ptrs = bs_ptr + (rn_ld // BN_S) * n_kb                                 # [BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, n_kb):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        a_s = tl.load(as_ptrs + kb)
+        b_s = tl.load(bs_ptrs + kb)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        a_ptrs += BK
+        b_ptrs += BK
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _configs() -> list[triton.Config]:
+    c = triton.Config
+    return [c({"BM": bm, "BN": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in ((64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4),
+                                 (128, 256, 8, 3), (256, 128, 8, 3))]
+
+
+def _prune(configs, named_args, **kwargs):
+    m = named_args["M_BUCKET"]
+    keep = [cfg for cfg in configs if (cfg.kwargs["BM"] <= 64) == (m <= 64)]
+    return keep or configs
+
+
+fp8_gemm_autotuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+                                     prune_configs_by={"early_config_prune": _prune})(_fp8_gemm_kernel)

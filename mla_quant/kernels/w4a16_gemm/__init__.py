@@ -1,0 +1,108 @@
+"""W4A16 GEMM: bf16/fp16 activations times INT4 group-quantized weights (compressed-tensors
+``pack-quantized``), dequantized in registers. ``y = x @ W.T``; see ``kernel.py`` for the tiling."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._backend import triton_interpreted, use_triton
+from .._checks import check_divisible, check_same_device, check_tensor
+from .._gemm_utils import m_bucket, num_sms, split_k_for
+from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
+from .reference import w4a16_gemm_reference
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages")
+
+__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS"]
+
+
+def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
+    check_tensor("x", x, dtype=X_DTYPES)
+    if x.dim() == 0 or x.stride(-1) != 1:
+        raise ValueError("x: needs at least one dimension, with the last one contiguous")
+    check_tensor("weight_packed", weight_packed, dtype=torch.int32, ndim=2, contiguous=True)
+    check_tensor("weight_scale", weight_scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
+    check_same_device(x=x, weight_packed=weight_packed, weight_scale=weight_scale)
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size} not supported, expected one of {GROUP_SIZES}")
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} != K = 8 * weight_packed.shape[1] = {k}")
+    check_divisible("K", k, group_size, "group_size")
+    if tuple(weight_scale.shape) != (n, k // group_size):
+        raise ValueError(f"weight_scale: shape {tuple(weight_scale.shape)}, expected {(n, k // group_size)} "
+                         f"for weight_packed {tuple(weight_packed.shape)} and group_size {group_size}")
+    return n, k
+
+
+def _interpreter_config(m: int, group_size: int) -> dict:
+    """A small fixed config for the CPU interpreter (autotuning there would only cost time)."""
+    return {"BM": 1 if m == 1 else 16 if m <= 16 else 32, "BN": 16, "BK": max(64, group_size),
+            "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
+
+
+def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+               group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ W.T for W = int4 codes × group scales.
+
+    x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
+    [N, K/group_size] (bf16/fp16/fp32). Returns y: [..., N] in x.dtype (written into ``out`` if given:
+    contiguous, that shape and dtype).
+
+    ``config`` (keys of ``CONFIG_KEYS``; SPLIT_K optional) pins one kernel configuration instead of the
+    autotuned choice, for tests and benchmarks. BM = 1 selects the one-token GEMV path, 16 the small-batch
+    ``mma`` path, ≥ 32 the tiled path.
+    """
+    n, k = _check(x, weight_packed, weight_scale, group_size)
+    lead = x.shape[:-1]
+    if out is not None:
+        check_tensor("out", out, dtype=x.dtype, contiguous=True)
+        check_same_device(x=x, out=out)
+        if tuple(out.shape) != (*lead, n):
+            raise ValueError(f"out: shape {tuple(out.shape)}, expected {(*lead, n)}")
+    if not use_triton(x, weight_packed, weight_scale):
+        y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
+        return y if out is None else out.copy_(y)
+    from .kernel import _w4a16_gemm_kernel, regime_bm, w4a16_gemm_autotuned
+
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = (torch.empty((*lead, n), dtype=x.dtype, device=x.device) if out is None else out).view(m, n)
+    if m == 0 or n == 0:
+        return y.view(*lead, n)
+    sms = num_sms(x.device)
+    interpreted = triton_interpreted()
+    if config is None and interpreted:
+        config = _interpreter_config(m, group_size)
+    if config is not None:
+        cfg = dict(config)
+        bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+        if bk % group_size or bk % 8:
+            raise ValueError(f"config: BK={bk} must be a multiple of group_size {group_size}")
+        if bm == 1 and m != 1:
+            raise ValueError(f"config: BM=1 is the one-token path, got {m} tokens")
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = cfg.pop("SPLIT_K", None) or split_k_for(tiles, triton.cdiv(k, bk), sms)
+        max_split, max_tiles = split, tiles
+    else:
+        cfg = None
+        bms = regime_bm(m_bucket(m))
+        max_tiles = triton.cdiv(m, min(bms)) * triton.cdiv(n, 16)
+        max_split = split_k_for(triton.cdiv(m, max(bms)) * triton.cdiv(n, 256), triton.cdiv(k, 128), sms)
+    # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
+    part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
+    count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
+    common = dict(GROUP=group_size, INTERPRET=interpreted,
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m_bucket(m), sms)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
+
+    if cfg is None:
+        w4a16_gemm_autotuned[grid](*args, **common)
+    else:
+        meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}
+        _w4a16_gemm_kernel[grid(meta)](*args, **common, **meta)
+    return y.view(*lead, n)

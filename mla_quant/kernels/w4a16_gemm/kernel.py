@@ -1,0 +1,145 @@
+"""Triton W4A16 GEMM: y = x @ W.T with W held as INT4 nibbles (compressed-tensors ``pack-quantized``).
+
+The weight never exists in bf16 outside registers. A tile of int32 words ``[BN, BK/8]`` is loaded with wide
+vector loads, its nibbles are unpacked with shifts and turned into floats by the exponent trick
+``float(0x4B000000 | n) = 2^23 + n`` (one OR and one subtract instead of an int→float conversion, which runs
+at a quarter of the FP32 rate), and scaled by the group's scale.
+
+One kernel, three shapes of work picked by constexprs:
+
+* ``BM == 1`` (one token, decode GEMV): products accumulate elementwise in fp32 registers ``[BN, BK]`` and
+  are reduced once at the end — no tensor cores, no shared memory round trip of the dequantized tile.
+* ``BM == 16`` (2–16 tokens): ``tl.dot`` on the dequantized bf16 tile (``mma`` m16n8k16).
+* ``BM >= 32`` (prefill): a tiled GEMM, grouped tile order for L2 reuse.
+
+Split-K (``SPLIT_K > 1``) fills the SMs when there are few output tiles: each program writes its fp32 partial
+``[BM, BN]`` to a workspace, and the last program to arrive at a tile (an atomic counter) sums the partials
+in a fixed order — deterministic — writes the output and resets the counter for the next launch.
+"""
+import triton
+import triton.language as tl
+
+from .._gemm_utils import grouped_tile
+
+
+@triton.jit
+def _dequant_tile(words, scales, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    """words int32 [BN, BK/8], scales fp32 [BN, BK/GROUP] -> fp32 [BN, BK]: (nibble - 8) * scale."""
+    shifts = tl.arange(0, 8) * 4
+    nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # element j: word j // 8, bits 4·(j % 8)
+    codes = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # (2^23 + n) - (2^23 + 8) = n - 8
+    w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scales[:, :, None]
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_ym,
+    M_BUCKET, NUM_SMS,  # autotuning key / split-K heuristic input only
+    GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # x [M, K] (row stride stride_xm), w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    # Rows / columns past the edge re-read valid ones (no masks in the loop); they are never stored.
+    x_rows = x_ptr + (rm % M)[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + (rn % N)[:, None].to(tl.int64) * (K // 8)
+    s_rows = s_ptr + (rn % N)[:, None].to(tl.int64) * (K // GROUP)
+    rk = tl.arange(0, BK)
+    rw = tl.arange(0, BK // 8)
+    rg = tl.arange(0, BK // GROUP)
+
+    k_iters = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_iters, SPLIT_K)
+    it_lo = pid_k * per_split
+    it_hi = tl.minimum(it_lo + per_split, k_iters)
+
+    if BM == 1:
+        acc_e = tl.zeros((BN, BK), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for it in range(it_lo, it_hi):
+        k0 = it * BK
+        if EVEN_K:
+            words = tl.load(w_rows + (k0 // 8 + rw)[None, :])
+            scales = tl.load(s_rows + (k0 // GROUP + rg)[None, :]).to(tl.float32)
+            x = tl.load(x_rows + (k0 + rk)[None, :])
+        else:  # masked words give code -8 but their scale is 0, and x is 0 there
+            words = tl.load(w_rows + (k0 // 8 + rw)[None, :], mask=(k0 // 8 + rw < K // 8)[None, :], other=0)
+            scales = tl.load(s_rows + (k0 // GROUP + rg)[None, :], mask=(k0 // GROUP + rg < K // GROUP)[None, :],
+                             other=0.0).to(tl.float32)
+            x = tl.load(x_rows + (k0 + rk)[None, :], mask=(k0 + rk < K)[None, :], other=0.0)
+        w = _dequant_tile(words, scales, BN, BK, GROUP)  # fp32 [BN, BK]
+        if BM == 1:
+            acc_e += w * x.to(tl.float32)
+        else:
+            wt = tl.trans(w.to(x_ptr.dtype.element_ty))  # rounded like int4_dequantize's output
+            if INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
+                acc = tl.dot(x.to(tl.float32), wt.to(tl.float32), acc)
+            else:
+                acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
+    if BM == 1:
+        acc = tl.reshape(tl.sum(acc_e, axis=1), (1, BN))
+
+    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
+    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        mn = M.to(tl.int64) * N
+        tl.store(part_ptr + pid_k * mn + offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last program of this tile: sum the partials in split order
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(part_ptr + s * mn + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
+
+
+def _configs() -> list[triton.Config]:
+    """A few sensible configs per regime; the launcher keeps those whose BM suits the token count."""
+    c = triton.Config
+    gemv = [c({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
+            for bm in (1, 16) for bn, bk, w, s in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4), (32, 512, 8, 2))]
+    tiled = [c({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
+             for bm, bn, w, s in ((32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))]
+    return gemv + tiled
+
+
+def regime_bm(m_bucket: int) -> tuple[int, ...]:
+    """Tile heights that suit a token-count bucket (used to prune the configs)."""
+    if m_bucket == 1:
+        return (1,)
+    if m_bucket <= 16:
+        return (16,)
+    if m_bucket <= 64:
+        return (32, 64)
+    return (64, 128)
+
+
+def _prune(configs, named_args, **kwargs):
+    bms = regime_bm(named_args["M_BUCKET"])
+    group = named_args.get("GROUP", kwargs.get("GROUP"))
+    return [cfg for cfg in configs if cfg.kwargs["BM"] in bms and cfg.kwargs["BK"] % group == 0]
+
+
+def _split_k(args) -> int:
+    from .._gemm_utils import split_k_for
+
+    tiles = triton.cdiv(args["M"], args["BM"]) * triton.cdiv(args["N"], args["BN"])
+    return split_k_for(tiles, triton.cdiv(args["K"], args["BK"]), args["NUM_SMS"])
+
+
+w4a16_gemm_autotuned = triton.autotune(
+    configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
+)(triton.heuristics({"SPLIT_K": _split_k, "EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_w4a16_gemm_kernel))

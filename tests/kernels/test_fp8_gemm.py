@@ -1,0 +1,107 @@
+"""Block-scaled FP8 GEMM: the Triton kernel (interpreted on CPU, real on GPU) against its reference."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mla_quant.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8_reference, block_quant_fp8_reference
+from mla_quant.testing import assert_rel_close, odd_sizes, poisoned_empty, realistic_tensor
+
+
+def _operands(m, n, k, block=(128, 128), device="cpu", seed=0):
+    x = realistic_tensor((m, k), seed)
+    w = realistic_tensor((n, k), seed + 1, heavy_tail=True)
+    a, a_s = act_quant_fp8_reference(x, block[1])
+    b, b_s = block_quant_fp8_reference(w, block)
+    return [t.to(device) for t in (a, a_s, b, b_s)]
+
+
+CFG = {"BM": 32, "BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 37, 256, (128, 128)), (63, 200, 384, (128, 128)),
+                                         (40, 70, 256, (64, 128)), (17, 33, 128, (32, 32))])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(triton_backend, m, n, k, block, out_dtype):
+    a, a_s, b, b_s = _operands(m, n, k, block, triton_backend)
+    out = poisoned_empty((m, n), out_dtype, triton_backend)
+    c = fp8_gemm(a, a_s, b, b_s, block, out_dtype, out=out, config=CFG)
+    assert c.data_ptr() == out.data_ptr()
+    ref = fp8_gemm_reference(a, a_s, b, b_s, block, out_dtype)
+    # products of e4m3 values are exact in fp32: only the summation order differs (and the bf16 rounding)
+    assert_rel_close(c.float(), ref.float(), 1e-5 if out_dtype == torch.float32 else 1e-2, f"{m}x{n}x{k}")
+
+
+def test_scales_apply_per_k_block_and_per_weight_block(triton_backend):
+    # One nonzero K block per case: C must carry exactly that block's a_scale · b_scale.
+    m, n, k = 4, 256, 384
+    a = torch.ones(m, k).to(FP8)
+    b = torch.ones(n, k).to(FP8)
+    a_s = torch.arange(1, 1 + m * 3, dtype=torch.float32).reshape(m, 3)
+    b_s = torch.tensor([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0]])
+    dev = triton_backend
+    c = fp8_gemm(a.to(dev), a_s.to(dev), b.to(dev), b_s.to(dev), (128, 128), torch.float32, config=CFG).cpu()
+    expected = 128 * (a_s[:, None, :] * b_s.repeat_interleave(128, 0)[None, :, :]).sum(-1)
+    assert torch.equal(c, expected)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
+@given(m=odd_sizes(1, 70), n=odd_sizes(1, 150), kb=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_default_config_over_shapes(triton_backend, m, n, kb, seed):
+    a, a_s, b, b_s = _operands(m, n, 128 * kb, device=triton_backend, seed=seed)
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
+    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-5)
+
+
+def test_reference_is_the_sum_of_scaled_block_products():
+    a, a_s, b, b_s = _operands(5, 130, 256)
+    c = fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32)
+    expected = torch.zeros(5, 130, dtype=torch.float64)
+    for kb in range(2):
+        sl = slice(128 * kb, 128 * (kb + 1))
+        prod = a[:, sl].double() @ b[:, sl].double().T
+        expected += prod * a_s[:, kb, None].double() * b_s[:, kb].double().repeat_interleave(128)[None, :130]
+    assert_rel_close(c, expected.float(), 1e-6)
+
+
+def test_dispatch_on_cpu_uses_the_reference(torch_backend):
+    a, a_s, b, b_s = _operands(3, 20, 128)
+    assert torch.equal(fp8_gemm(a, a_s, b, b_s), fp8_gemm_reference(a, a_s, b, b_s))
+
+
+def test_bad_inputs_name_the_argument():
+    a, a_s, b, b_s = _operands(3, 20, 256)
+    with pytest.raises(TypeError, match="a: dtype"):
+        fp8_gemm(a.float(), a_s, b, b_s)
+    with pytest.raises(ValueError, match="b: shape"):
+        fp8_gemm(a, a_s, b[:, :128], b_s)
+    with pytest.raises(ValueError, match="a_scale: shape"):
+        fp8_gemm(a, a_s[:, :1].contiguous(), b, b_s)
+    with pytest.raises(ValueError, match="b_scale: shape"):
+        fp8_gemm(a, a_s, b, b_s[:, :1].contiguous())
+    with pytest.raises(ValueError, match="K: 256 is not divisible"):
+        fp8_gemm(a, a_s, b, b_s, (128, 512))
+    with pytest.raises(ValueError, match="block"):
+        fp8_gemm(a, a_s, b, b_s, (100, 128))
+    with pytest.raises(TypeError, match="out_dtype"):
+        fp8_gemm(a, a_s, b, b_s, out_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 512, 2048])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (2048, 7168)])
+def test_autotuned_kernel_on_real_shapes(m, n, k):
+    a, a_s, b, b_s = _operands(m, n, k, device="cuda")
+    c = fp8_gemm(a, a_s, b, b_s)
+    ref = fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32)
+    # the tensor cores accumulate e4m3 products within one 128-wide block at reduced precision
+    assert_rel_close(c.float(), ref, 1e-2, f"M={m}")
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_output_is_close_to_exact():
+    a, a_s, b, b_s = _operands(256, 384, 1024, device="cuda")
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
+    # fp8 tensor-core accumulation is inexact inside a block; promotion every 128 keeps it small
+    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)

@@ -1,0 +1,161 @@
+"""W4A16 GEMM: the Triton kernel (interpreted on CPU, real on GPU) against its reference, each tile path."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mla_quant.kernels import int4_quant as I
+from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
+from mla_quant.testing import assert_bitwise_equal, assert_rel_close, odd_sizes, poisoned_empty, tensors
+from tests.conftest import HAS_CUDA
+
+
+def _weights(n, k, group, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    packed, scale = I.int4_quantize_reference(w, group, torch.bfloat16)
+    return packed.to(device), scale.to(device)
+
+
+def _cfg(bm, bn, bk, split=None, group_m=2):
+    cfg = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m, "num_warps": 4, "num_stages": 1}
+    if split:
+        cfg["SPLIT_K"] = split
+    return cfg
+
+
+# (M, N, K, group, config): one-token GEMV, small-batch mma, tiled; with and without split-K;
+# N not a multiple of BN, K not a multiple of BK.
+PATHS = [
+    (1, 37, 256, 32, _cfg(1, 16, 64, 1)),
+    (1, 50, 384, 128, _cfg(1, 32, 128, 3)),
+    (5, 33, 256, 64, _cfg(16, 16, 128, 1)),
+    (16, 20, 96, 32, _cfg(16, 16, 64, 2)),
+    (70, 45, 192, 64, _cfg(32, 32, 128, 1)),
+    (63, 17, 512, 32, _cfg(32, 16, 64, 4)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,cfg", PATHS, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         f"BM{v['BM']}-split{v.get('SPLIT_K')}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_path_matches_reference(triton_backend, m, n, k, group, cfg, dtype):
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    out = poisoned_empty((m, n), dtype, dev)
+    y = w4a16_gemm(x, packed, scale, group, out=out, config=cfg)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    # fp32: only the summation order differs; bf16: plus the rounding of the output (and the interpreter's casts)
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"{m}x{n}x{k} g{group}")
+
+
+def test_split_k_is_deterministic_and_agrees_with_one_split(triton_backend):
+    dev = triton_backend
+    packed, scale = _weights(40, 512, 32, dev)
+    x = torch.randn(3, 512, device=dev)
+    a = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 4))
+    b = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 4))
+    c = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 1))
+    assert_bitwise_equal(a, b, "two split-K runs")
+    assert_rel_close(a, c, 1e-6, "split 4 vs split 1")
+
+
+def test_split_k_counters_are_reset_for_the_next_launch(triton_backend):
+    # The last program of a tile resets its arrival counter, so a workspace can be reused (the autotuner
+    # launches the same arguments repeatedly).
+    from mla_quant.kernels.w4a16_gemm.kernel import _w4a16_gemm_kernel
+
+    dev = triton_backend
+    m, n, k, split = 2, 32, 256, 4
+    packed, scale = _weights(n, k, 32, dev)
+    x = torch.randn(m, k, device=dev)
+    part = torch.empty(split, m, n, device=dev)
+    count = torch.zeros(2, dtype=torch.int32, device=dev)
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    for _ in range(2):
+        y = poisoned_empty((m, n), torch.float32, dev)
+        _w4a16_gemm_kernel[(2, split)](x, packed, scale, y, part, count, m, n, k, k, n, 2, 4, GROUP=32, BM=16,
+                                       BN=16, BK=64, SPLIT_K=split, GROUP_M=1, EVEN_K=True,
+                                       INTERPRET=not HAS_CUDA, DOT_PRECISION="ieee")
+        assert_rel_close(y, ref, 1e-5, "reused workspace")
+        assert count.tolist() == [0, 0]
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
+@given(m=odd_sizes(1, 40), n=odd_sizes(1, 70), kg=st.integers(1, 6), group=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**31 - 1))
+def test_autoselected_config_matches_reference_over_shapes(triton_backend, m, n, kg, group, seed):
+    dev = triton_backend
+    k = kg * group
+    packed, scale = _weights(n, k, group, dev, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dev)
+    y = w4a16_gemm(x, packed, scale, group)
+    assert_rel_close(y, w4a16_gemm_reference(x, packed, scale, group), 1e-5)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(x=tensors(st.tuples(st.integers(1, 3), st.integers(1, 5), st.just(128)), dtype=torch.float32))
+def test_leading_dimensions_and_outlier_activations(triton_backend, x):
+    packed, scale = _weights(24, 128, 32, triton_backend)
+    x = x.to(triton_backend)
+    y = w4a16_gemm(x, packed, scale, 32)
+    assert y.shape == (*x.shape[:-1], 24)
+    assert_rel_close(y, w4a16_gemm_reference(x, packed, scale, 32), 1e-5)
+
+
+def test_dispatch_on_cpu_uses_the_reference(torch_backend):
+    packed, scale = _weights(8, 64, 32)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32), w4a16_gemm_reference(x, packed, scale, 32))
+
+
+def test_reference_is_x_times_dequantized_weight():
+    packed, scale = _weights(8, 64, 32)
+    x = torch.randn(3, 64)
+    w = I.int4_dequantize_reference(packed, scale, 32, torch.float32)
+    assert torch.equal(w4a16_gemm_reference(x, packed, scale, 32), x @ w.T)
+
+
+def test_empty_batch():
+    packed, scale = _weights(8, 64, 32)
+    assert w4a16_gemm(torch.zeros(0, 64), packed, scale, 32).shape == (0, 8)
+
+
+def test_bad_inputs_name_the_argument():
+    packed, scale = _weights(8, 64, 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="x: last dimension 32"):
+        w4a16_gemm(torch.randn(2, 32), packed, scale, 32)
+    with pytest.raises(TypeError, match="x: dtype torch.int32"):
+        w4a16_gemm(x.int(), packed, scale, 32)
+    with pytest.raises(TypeError, match="weight_packed: dtype"):
+        w4a16_gemm(x, packed.float(), scale, 32)
+    with pytest.raises(ValueError, match="weight_scale: shape"):
+        w4a16_gemm(x, packed, scale[:, :1].contiguous(), 32)
+    with pytest.raises(ValueError, match="group_size: 48"):
+        w4a16_gemm(x, packed, scale, 48)
+    with pytest.raises(ValueError, match="weight_scale: shape"):
+        w4a16_gemm(x, packed, scale, 64)
+    with pytest.raises(ValueError, match="out: shape"):
+        w4a16_gemm(x, packed, scale, 32, out=torch.empty(2, 9))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 512])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048)])
+def test_autotuned_kernel_on_real_shapes(m, n, k):
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_gemm(x, packed, scale, 32)
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m}")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_output_rounds_like_the_reference():
+    packed, scale = _weights(256, 1024, 32, "cuda")
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_gemm(x, packed, scale, 32).float()
+    ref = w4a16_gemm_reference(x, packed, scale, 32).float()
+    assert ((y - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2).all()  # one bf16 ulp plus summation order
