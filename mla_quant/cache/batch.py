@@ -2,10 +2,13 @@
 (flashinfer's plan()/run() split): int32 index tensors on the compute device.
 
 Tokens of a step are flattened over requests: request b contributes ``query_lens[b]`` new tokens
-(a prefill chunk, or 1 for plain decode, or a few for speculative decode), in order.
+(a prefill chunk, or 1 for plain decode, or a few for speculative decode), in order. The new tokens are the
+last ``query_lens[b]`` of the request's ``seq_lens[b]`` tokens. ``PageAllocator.plan`` builds it; the spec
+of every tensor is in docs/kv_cache.md.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,8 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # int64 [T]: physical slot (page * page_size + offset) each new token is written to
     page_size: int
     max_query_len: int          # max(query_lens), a host int so kernels can pick a path without a sync
+    request_ids: tuple[Hashable, ...] = ()  # the requests, in row order (host)
+    tags: torch.Tensor | None = None        # int64 [B, max_pages]: page tags each request recorded (PageTagTracker)
 
     @property
     def batch_size(self) -> int:
@@ -37,3 +42,9 @@ class PagedBatch:
     def is_decode(self) -> bool:
         """Every request adds exactly one token."""
         return self.max_query_len == 1
+
+    def csr(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The table in flashinfer's CSR form: (kv_indptr [B + 1], kv_indices [nnz], kv_last_page_len [B]), int32."""
+        from .tables import block_table_to_csr
+
+        return block_table_to_csr(self.block_table, self.seq_lens, self.page_size)

@@ -1,0 +1,222 @@
+"""Generation tags on KV pages, checked before decode reads (docs/page_tags.md).
+
+Every physical page carries a tag. The allocator gives a page a fresh tag each time it hands the page out
+(and tag 0 while it is free); a request records the tag of every page it takes — its own, or a shared
+prefix page, whose tag it inherits from the owner it forks. Before attention reads, :meth:`verify` checks in
+one kernel launch, for the whole batch, that every page each request's block table points at still carries
+the tag that request recorded. A page that was freed (tag 0) or handed to someone else (a newer tag) fails.
+
+Tags are drawn from one int64 counter for the whole pool, so a tag is never reused: not by another page
+(a wrong page id in a table can never show the right tag) and not by the same page later (no wrap-around:
+2^63 allocations at a billion per second last 292 years). A match therefore proves both which page it is and
+which allocation of it.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..kernels.page_tag_verify import page_tag_verify
+
+FREE_TAG = 0
+
+
+class PageTagMismatch(RuntimeError):
+    """Requests that were about to read pages they no longer own.
+
+    ``requests``: the failing request ids; ``pages``: for each, a list of
+    ``(entry, page_id, recorded_tag, current_tag)`` (``current_tag`` None for an out-of-range page id,
+    ``entry`` = P and ``page_id`` None for a length that does not fit the table).
+    """
+
+    def __init__(self, requests: Sequence[Hashable], pages: dict):
+        self.requests = list(requests)
+        self.pages = dict(pages)
+        shown = "; ".join(f"request {r!r}: " + ", ".join(
+            f"entry {e} page {p} tag {want} now {have}" for e, p, want, have in self.pages.get(r, [])[:4])
+            for r in self.requests[:8])
+        more = f" (+{len(self.requests) - 8} more)" if len(self.requests) > 8 else ""
+        super().__init__(f"page tag mismatch for {len(self.requests)} request(s){more}: {shown}")
+
+
+class PageTagTracker:
+    """Current tag of every page (on the device, mirrored on the host) and the tags each request recorded.
+
+    Args:
+        num_pages, page_size: the page pool (the same as the allocator's).
+        device: where ``page_tags`` lives (the cache's device); verify runs there.
+    """
+
+    enabled = True
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages {num_pages} and page_size {page_size} must be positive")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.device = torch.device(device)
+        self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)  # [num_pages]
+        self._host_tags = [FREE_TAG] * num_pages
+        self._next_tag = FREE_TAG + 1
+        self._dirty: dict[int, int] = {}            # page -> tag not yet copied to page_tags
+        self._records: dict[Hashable, list[int]] = {}
+
+    # -------------------------------------------------------------------------- allocator hooks (host)
+    def assign(self, pages: Sequence[int]) -> list[int]:
+        """Fresh tags for newly allocated pages; returns them."""
+        tags = list(range(self._next_tag, self._next_tag + len(pages)))
+        self._next_tag += len(pages)
+        for p, t in zip(pages, tags):
+            self._host_tags[p] = t
+            self._dirty[p] = t
+        return tags
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Pages returned to the free list: tag 0, so a reader still holding one fails even before reuse."""
+        for p in pages:
+            self._host_tags[p] = FREE_TAG
+            self._dirty[p] = FREE_TAG
+
+    def record(self, request: Hashable, tags: Sequence[int]) -> None:
+        """``request`` took pages (appended to its table) carrying these tags."""
+        self._records.setdefault(request, []).extend(int(t) for t in tags)
+
+    def replace(self, request: Hashable, entry: int, tag: int) -> None:
+        """Entry ``entry`` of ``request``'s table now holds a page with ``tag`` (copy-on-write)."""
+        self._records[request][entry] = int(tag)
+
+    def forget(self, request: Hashable) -> None:
+        self._records.pop(request, None)
+
+    def recorded(self, request: Hashable) -> list[int]:
+        return list(self._records.get(request, ()))
+
+    def current(self, page: int) -> int:
+        return self._host_tags[page]
+
+    def owns(self, request: Hashable, entry: int, page: int) -> bool:
+        """Whether ``page`` at ``entry`` still carries the tag ``request`` recorded (host-side)."""
+        rec = self._records.get(request, ())
+        return 0 <= page < self.num_pages and entry < len(rec) and self._host_tags[page] == rec[entry]
+
+    # -------------------------------------------------------------------------- device side
+    def flush(self) -> None:
+        """Copy tag changes made since the last flush to ``page_tags`` (one small H2D copy + scatter)."""
+        if not self._dirty:
+            return
+        update = torch.tensor([list(self._dirty.keys()), list(self._dirty.values())], dtype=torch.int64)
+        update = update.to(self.device)                                    # [2, n]: pages, tags
+        self.page_tags.index_copy_(0, update[0], update[1])
+        self._dirty.clear()
+
+    def recorded_table(self, requests: Sequence[Hashable], max_pages: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+        """Recorded tags ``[B, max_pages]`` int64 aligned with the requests' block-table rows (0 past the end)."""
+        rows = []
+        for r in requests:
+            if r not in self._records:
+                raise KeyError(f"request {r!r} has no recorded page tags (unknown to the tracker)")
+            rec = self._records[r][:max_pages]
+            rows.append(rec + [FREE_TAG] * (max_pages - len(rec)))
+        table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), max_pages)
+        return table.to(self.device if device is None else device)
+
+    def verify(self, requests: Sequence[Hashable], block_table: torch.Tensor, seq_lens: torch.Tensor,
+               recorded_tags: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+               slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+        """Failing requests as a device bool mask ``[B]`` (one kernel launch, no host sync).
+
+        ``recorded_tags`` ``[B, max_pages]`` (``PagedBatch.tags``) saves building it from the records.
+        ``cu_seqlens_q`` / ``slot_mapping`` (the step's writes) are checked against the table too.
+        """
+        self.flush()
+        if recorded_tags is None:
+            recorded_tags = self.recorded_table(requests, block_table.shape[1], block_table.device)
+        return page_tag_verify(block_table, seq_lens, recorded_tags, self.page_tags, self.page_size,
+                               cu_seqlens_q, slot_mapping)
+
+    def verify_batch(self, batch) -> torch.Tensor:
+        """:meth:`verify` for a ``PagedBatch`` built by ``PageAllocator.plan`` (its reads and its writes)."""
+        return self.verify(batch.request_ids, batch.block_table, batch.seq_lens, batch.tags,
+                           batch.cu_seqlens_q, batch.slot_mapping)
+
+    def check(self, batch, on_mismatch: str = "raise") -> list:
+        """Verify a ``PagedBatch`` and act on the host (one sync): ``"raise"`` raises :class:`PageTagMismatch`;
+        ``"abort"`` returns the failing request ids (the caller aborts them, the others go on)."""
+        if on_mismatch not in ("raise", "abort"):
+            raise ValueError(f"on_mismatch: {on_mismatch!r} must be 'raise' or 'abort'")
+        failed = self.verify_batch(batch).cpu()
+        if not bool(failed.any()):
+            return []
+        ids = [batch.request_ids[i] for i in failed.nonzero().flatten().tolist()]
+        if on_mismatch == "abort":
+            return ids
+        raise self.mismatch(batch.request_ids, batch.block_table, batch.seq_lens, failed)
+
+    def mismatch(self, requests, block_table, seq_lens, failed) -> PageTagMismatch:
+        """Build the error for the failing rows (host-side details: which entries, pages and tags)."""
+        bt, sl, failed = block_table.cpu(), seq_lens.cpu(), failed.cpu()
+        details = {}
+        for i in failed.nonzero().flatten().tolist():
+            r = requests[i]
+            rec = self._records.get(r, [])
+            n = -(-int(sl[i]) // self.page_size)
+            rows = []
+            if int(sl[i]) < 0 or n > bt.shape[1]:
+                rows.append((bt.shape[1], None, None, None))
+            for e in range(min(max(n, 0), bt.shape[1])):
+                p = int(bt[i, e])
+                want = rec[e] if e < len(rec) else None
+                have = self._host_tags[p] if 0 <= p < self.num_pages else None
+                if have is None or have != want:
+                    rows.append((e, p, want, have))
+            details[r] = rows
+        return PageTagMismatch([requests[i] for i in failed.nonzero().flatten().tolist()], details)
+
+
+class NoopTagTracker:
+    """The tracker switched off: same interface, no records, no device work; every request passes."""
+
+    enabled = False
+
+    def __init__(self, num_pages: int | None = None, page_size: int | None = None, device=None):
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def assign(self, pages: Sequence[int]) -> list[int]:
+        return [FREE_TAG] * len(pages)
+
+    def release(self, pages: Sequence[int]) -> None:
+        pass
+
+    def record(self, request: Hashable, tags: Sequence[int]) -> None:
+        pass
+
+    def replace(self, request: Hashable, entry: int, tag: int) -> None:
+        pass
+
+    def forget(self, request: Hashable) -> None:
+        pass
+
+    def recorded(self, request: Hashable) -> list[int]:
+        return []
+
+    def current(self, page: int) -> int:
+        return FREE_TAG
+
+    def owns(self, request: Hashable, entry: int, page: int) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def verify(self, requests, block_table: torch.Tensor, seq_lens=None, recorded_tags=None,
+               cu_seqlens_q=None, slot_mapping=None) -> torch.Tensor:
+        return torch.zeros(block_table.shape[0], dtype=torch.bool, device=block_table.device)
+
+    def verify_batch(self, batch) -> torch.Tensor:
+        return self.verify(batch.request_ids, batch.block_table)
+
+    def check(self, batch, on_mismatch: str = "raise") -> list:
+        if on_mismatch not in ("raise", "abort"):
+            raise ValueError(f"on_mismatch: {on_mismatch!r} must be 'raise' or 'abort'")
+        return []
