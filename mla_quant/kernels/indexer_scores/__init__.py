@@ -1,0 +1,106 @@
+"""``indexer_scores``: lightning-indexer logits over paged keys with the weighted-ReLU head sum fused.
+
+Inputs (T query tokens, flattened over the requests of a step, H indexer heads of D dims):
+``q [T, H, D]`` (e4m3, or bf16/fp16/fp32), ``weights [T, H]`` fp32 (all positive per-head factors folded in),
+key pages ``k_cache [num_pages, page_size, D]`` with ``k_scale [num_pages, page_size]`` fp32 for e4m3 pages
+(None for float pages), ``block_table`` int32 ``[B, max_pages]``, ``req_ids`` int32 ``[T]`` (each token's row in
+the block table), ``positions`` ``[T]`` (each token's absolute position: it sees keys ``0 .. position``).
+Output: fp32 ``[T, max_ctx]`` with -inf past each token's causal limit (``max_ctx`` defaults to the width of
+the block table in tokens). Math: ``reference.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._backend import triton_interpreted, use_triton
+from .._checks import check_same_device, check_tensor
+from ..indexer_k_append import check_key_pages
+from .reference import indexer_scores_reference
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn
+INT = (torch.int32, torch.int64)
+
+__all__ = ["indexer_scores", "indexer_scores_reference", "req_ids_from_cu_seqlens"]
+
+
+def req_ids_from_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int32 [T]: the request (block-table row) of each flattened token, from ``cu_seqlens_q [B + 1]``
+    (no host sync)."""
+    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
+    return (torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)).to(torch.int32)
+
+
+def _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx) -> int:
+    check_tensor("q", q, dtype=(FP8, *FLOATS), ndim=3)
+    check_tensor("weights", weights, dtype=torch.float32, ndim=2)
+    check_key_pages(k_cache, k_scale)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    check_tensor("req_ids", req_ids, dtype=INT, ndim=1)
+    check_tensor("positions", positions, dtype=INT, ndim=1)
+    check_same_device(q=q, weights=weights, k_cache=k_cache, block_table=block_table, req_ids=req_ids,
+                      positions=positions)
+    t, h, d = q.shape
+    if d != k_cache.shape[-1]:
+        raise ValueError(f"q: head dim {d} != key dim {k_cache.shape[-1]}")
+    if tuple(weights.shape) != (t, h):
+        raise ValueError(f"weights: shape {tuple(weights.shape)}, expected {(t, h)}")
+    for name, x in (("req_ids", req_ids), ("positions", positions)):
+        if x.shape[0] != t:
+            raise ValueError(f"{name}: {x.shape[0]} entries for {t} tokens")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"q: head dim {d} must be a power of two ≥ 16")
+    page_size = k_cache.shape[1]
+    n = block_table.shape[1] * page_size if max_ctx is None else int(max_ctx)
+    if n < 1:
+        raise ValueError(f"max_ctx: {n} must be positive")
+    if not q.is_cuda and t:  # range checks need the values: done where they cost no device sync
+        if int(req_ids.min()) < 0 or int(req_ids.max()) >= block_table.shape[0]:
+            raise IndexError(f"req_ids: values must lie in [0, {block_table.shape[0]})")
+        top = int(positions.max())
+        if int(positions.min()) < 0 or top >= min(n, block_table.shape[1] * page_size):
+            raise IndexError(f"positions: {top} past max_ctx {n} or the block table "
+                             f"({block_table.shape[1]} pages of {page_size})")
+        need = torch.arange(block_table.shape[1])[None, :] <= (positions.long() // page_size)[:, None]
+        pages = block_table.long()[req_ids.long()]
+        bad = need & ((pages < 0) | (pages >= k_cache.shape[0]))
+        if bad.any():
+            tok, col = bad.nonzero()[0].tolist()
+            raise IndexError(f"block_table: token {tok} needs page column {col}, which holds "
+                             f"{int(pages[tok, col])} (not in [0, {k_cache.shape[0]}))")
+    return n
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                   block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
+                   max_ctx: int | None = None) -> torch.Tensor:
+    """Scores fp32 [T, max_ctx]; see the module docstring."""
+    n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx)
+    if not use_triton(q, k_cache):
+        return indexer_scores_reference(q, weights, k_cache, k_scale, block_table, req_ids, positions, n)
+    from .kernel import _indexer_scores_kernel
+
+    t, h, d = q.shape
+    out = torch.empty((t, n), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    weights = weights.contiguous()
+    interpreted = triton_interpreted()
+    if interpreted or torch.float32 in (q.dtype, k_cache.dtype):
+        dot = 2
+    elif q.dtype == k_cache.dtype:
+        dot = 0
+    else:
+        dot = 1 if {q.dtype, k_cache.dtype} <= {FP8, torch.bfloat16} else 2
+    block_h = max(16, triton.next_power_of_2(h))
+    block_n = 64 if interpreted else 128
+    grid = (t, triton.cdiv(n, block_n))
+    _indexer_scores_kernel[grid](
+        q, weights, k_cache, k_scale if k_scale is not None else weights, block_table, req_ids, positions, out,
+        h, n, q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
+        D=d, PAGE_SIZE=k_cache.shape[1], HAS_SCALE=k_scale is not None, DOT=dot,
+        BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if block_h * block_n <= 4096 else 8)
+    return out

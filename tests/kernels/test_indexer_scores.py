@@ -1,0 +1,153 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mla_quant.kernels.indexer_k_append import quantize_indexer_keys_reference
+from mla_quant.kernels.indexer_scores import indexer_scores, indexer_scores_reference, req_ids_from_cu_seqlens
+from mla_quant.testing import page_tables, rel_err
+from tests.conftest import HAS_CUDA
+
+FP8 = torch.float8_e4m3fn
+
+
+def make_keys(key_dtype, lengths, page_size, d, seed=0, tables=None, device="cpu"):
+    """Key pages with NaN in every slot no request uses; returns (k_cache, k_scale, table, keys per request)."""
+    g = torch.Generator().manual_seed(seed)
+    if tables is None:
+        need = [-(-n // page_size) for n in lengths]
+        pool = sum(need) + 2
+        perm = torch.randperm(pool, generator=g).to(torch.int32)
+        table = torch.full((len(lengths), max(need)), -1, dtype=torch.int32)
+        c = 0
+        for b, n in enumerate(need):
+            table[b, :n] = perm[c:c + n]
+            c += n
+    else:
+        table, _, pool = tables
+    raw = torch.randn(pool * page_size, d, generator=g)
+    scale = None
+    if key_dtype == FP8:
+        k, scale = quantize_indexer_keys_reference(raw)
+        scale = scale.reshape(pool, page_size).clone()
+    else:
+        k = raw.to(key_dtype)
+    k = k.reshape(pool, page_size, d).clone()
+    used = torch.zeros(pool * page_size, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n)
+        used[table[b, pos // page_size].long() * page_size + pos % page_size] = True
+    k.view(torch.uint8).reshape(pool * page_size, -1)[~used] = 0xFF
+    if scale is not None:
+        scale.reshape(-1)[~used] = float("nan")
+    return (k.to(device), None if scale is None else scale.to(device), table.to(device))
+
+
+def step_tokens(lengths, query_lens):
+    """Flattened query tokens of a step: the last query_lens[b] positions of request b."""
+    req, pos = [], []
+    for b, (n, m) in enumerate(zip(lengths, query_lens)):
+        req += [b] * m
+        pos += list(range(n - m, n))
+    return torch.tensor(req, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64)
+
+
+def brute_force(q, w, k_cache, k_scale, table, req, pos, n):
+    t, h, d = q.shape
+    ps = k_cache.shape[1]
+    out = torch.full((t, n), float("-inf"))
+    for i in range(t):
+        for s in range(int(pos[i]) + 1):
+            slot = int(table[req[i], s // ps]) * ps + s % ps
+            key = k_cache.reshape(-1, d)[slot].float()
+            ks = 1.0 if k_scale is None else float(k_scale.reshape(-1)[slot])
+            out[i, s] = ks * sum(float(w[i, j]) * max(float(q[i, j].float() @ key), 0.0) for j in range(h))
+    return out
+
+
+@pytest.mark.parametrize("key_dtype", [FP8, torch.bfloat16, torch.float32])
+def test_reference_is_the_formula(key_dtype):
+    lengths = [9, 20]
+    k_cache, k_scale, table = make_keys(key_dtype, lengths, 8, 32)
+    req, pos = step_tokens(lengths, [3, 2])
+    q, w = torch.randn(5, 3, 32), torch.rand(5, 3)
+    got = indexer_scores_reference(q, w, k_cache, k_scale, table, req, pos, 24)
+    want = brute_force(q, w, k_cache, k_scale, table, req, pos, 24)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("key_dtype,q_dtype", [(FP8, FP8), (FP8, torch.float32), (FP8, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_kernel_matches_reference(triton_backend, key_dtype, q_dtype):
+    dev = triton_backend
+    lengths = [130, 7, 64, 65]
+    k_cache, k_scale, table = make_keys(key_dtype, lengths, 16, 64, device=dev)
+    req, pos = step_tokens(lengths, [5, 7, 1, 2])
+    req, pos = req.to(dev), pos.to(dev)
+    q = torch.randn(len(req), 4, 64, device=dev)
+    q = q.clamp(-448, 448).to(q_dtype)
+    w = torch.rand(len(req), 4, device=dev)
+    got = indexer_scores(q, w, k_cache, k_scale, table, req, pos)
+    want = indexer_scores_reference(q, w, k_cache, k_scale, table, req, pos)
+    assert got.shape == (len(req), table.shape[1] * 16)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    fin = torch.isfinite(want)
+    assert rel_err(got[fin], want[fin]) < (1e-5 if not HAS_CUDA else 1e-2)
+
+
+def test_masked_positions_are_minus_inf_and_max_ctx_truncates(triton_backend):
+    dev = triton_backend
+    k_cache, k_scale, table = make_keys(torch.float32, [40], 16, 32, device=dev)
+    req = torch.zeros(3, dtype=torch.int32, device=dev)
+    pos = torch.tensor([0, 17, 39], device=dev)
+    q, w = torch.randn(3, 2, 32, device=dev), torch.rand(3, 2, device=dev)
+    got = indexer_scores(q, w, k_cache, k_scale, table, req, pos, max_ctx=41)
+    assert got.shape == (3, 41)
+    for i, p in enumerate([0, 17, 39]):
+        assert torch.isfinite(got[i, :p + 1]).all() and torch.all(got[i, p + 1:] == float("-inf"))
+
+
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=4), page_size=st.sampled_from([1, 8, 16, 64]),
+       key_dtype=st.sampled_from([FP8, torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16), data=st.data())
+def test_hypothesis_ragged_steps_and_page_boundaries(lengths, page_size, key_dtype, seed, data):
+    tables = data.draw(page_tables(lengths, page_size, share_prefix=True))
+    k_cache, k_scale, table = make_keys(key_dtype, lengths, page_size, 32, seed, tables)
+    qlens = [data.draw(st.integers(1, n)) for n in lengths]
+    req, pos = step_tokens(lengths, qlens)
+    q, w = torch.randn(len(req), 3, 32), torch.rand(len(req), 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLA_QUANT_BACKEND", "triton")
+        got = indexer_scores(q, w, k_cache, k_scale, table, req, pos)
+    want = indexer_scores_reference(q, w, k_cache, k_scale, table, req, pos)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    fin = torch.isfinite(want)
+    assert rel_err(got[fin], want[fin]) < 1e-5
+
+
+def test_req_ids_from_cu_seqlens():
+    cu = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)
+    assert req_ids_from_cu_seqlens(cu, 9).tolist() == [0, 0, 0, 2, 3, 3, 3, 3, 3]
+
+
+def test_bad_inputs_name_the_argument():
+    k_cache, k_scale, table = make_keys(FP8, [10], 16, 32)
+    req, pos = step_tokens([10], [2])
+    q, w = torch.randn(2, 4, 32), torch.rand(2, 4)
+    with pytest.raises(ValueError, match="k_scale"):
+        indexer_scores(q, w, k_cache, None, table, req, pos)
+    with pytest.raises(TypeError, match="weights"):
+        indexer_scores(q, w.double(), k_cache, k_scale, table, req, pos)
+    with pytest.raises(ValueError, match="weights"):
+        indexer_scores(q, w[:, :3], k_cache, k_scale, table, req, pos)
+    with pytest.raises(ValueError, match="head dim"):
+        indexer_scores(torch.randn(2, 4, 64), w, k_cache, k_scale, table, req, pos)
+    with pytest.raises(IndexError, match="positions"):
+        indexer_scores(q, w, k_cache, k_scale, table, req, torch.tensor([3, 16]))
+    with pytest.raises(IndexError, match="req_ids"):
+        indexer_scores(q, w, k_cache, k_scale, table, req + 1, pos)
+    bad = table.clone()
+    bad[0, 0] = -1
+    with pytest.raises(IndexError, match="block_table"):
+        indexer_scores(q, w, k_cache, k_scale, bad, req, pos)
