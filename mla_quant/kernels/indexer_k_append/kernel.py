@@ -3,7 +3,7 @@ to their physical slots. Math and rounding match ``reference.py`` bit for bit on
 import triton
 import triton.language as tl
 
-from .._triton_utils import cast_fp8_saturating, finite_abs, fp8_scale
+from .._triton_utils import cast_fp8_saturating, finite_abs, fp8_scale, reciprocal
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def _indexer_k_append_kernel(k_ptr, slot_ptr, cache_ptr, scale_ptr, T, D, stride
     dst = cache_ptr + slot[:, None] * D + cols[None, :]
     if FP8:
         s = fp8_scale(tl.max(finite_abs(x), axis=1), UE8M0)
-        tl.store(dst, cast_fp8_saturating(tl.div_rn(x, s[:, None])), mask=mask)
+        tl.store(dst, cast_fp8_saturating(x * reciprocal(s)[:, None]), mask=mask)
         tl.store(scale_ptr + slot, s, mask=write)
     else:
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)

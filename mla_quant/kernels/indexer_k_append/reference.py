@@ -4,21 +4,22 @@ Layout (one "full" indexer layer): ``k_cache [num_pages, page_size, D]`` and, fo
 ``k_scale [num_pages, page_size]`` fp32 — physical slot ``page · page_size + offset`` holds one token's key.
 FP8 keys get one scale per token (DeepSeek's ``act_quant`` with a block of D = 128):
 ``scale = max(amax, 1e-4) / 448`` (optionally rounded up to a power of two, "ue8m0"),
-``q = e4m3(clamp(k / scale, ±448))``, ``k ≈ q · scale``. Float pages store the key cast to their dtype.
-Tokens whose slot is negative (padding) are skipped.
+``q = e4m3(clamp(k · (1 / scale), ±448))`` with the reciprocal rounded once per token (as ``fp8_quant``),
+``k ≈ q · scale``. Float pages store the key cast to their dtype. Tokens whose slot is negative (padding)
+are skipped.
 """
 from __future__ import annotations
 
 import torch
 
-from ..fp8_quant.reference import cast_fp8_saturating, finite_abs, fp8_scale_from_amax
+from ..fp8_quant.reference import cast_fp8_saturating, finite_abs, fp8_scale_from_amax, reciprocal
 
 
 def quantize_indexer_keys_reference(k: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """k: [T, D] float -> (e4m3 [T, D], scale [T] fp32), one scale per token."""
     x = k.float()
     scale = fp8_scale_from_amax(finite_abs(x).amax(dim=-1), ue8m0)
-    return cast_fp8_saturating(x / scale[:, None]), scale
+    return cast_fp8_saturating(x * reciprocal(scale)[:, None]), scale
 
 
 def indexer_k_append_reference(k: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
