@@ -2,7 +2,19 @@
 
 The module holds its weight as the checkpoint tensors of its format (``weight`` /
 ``weight`` + ``weight_scale_inv`` / ``weight_packed`` + ``weight_scale`` + ``weight_shape``), so its
-state_dict keys are the checkpoint's. :func:`quant_linear` picks the compute path from the format.
+state_dict keys are the checkpoint's. :func:`quant_linear` picks the compute path from the format:
+
+=====================================  ===========================================================================
+format                                 compute path (each op runs its Triton kernel on CUDA, its reference on CPU)
+=====================================  ===========================================================================
+``BF16``                               ``F.linear`` (cuBLAS)
+``FP8Block(act_quant=True)``  (W8A8)   ``act_quant_fp8`` (1×128 per token) then the block-scaled ``fp8_gemm``
+``FP8Block(act_quant=False)``          weight-only: ``block_dequant_fp8`` to the activation dtype, then cuBLAS;
+                                       the reference (CPU, fp32 activations) multiplies in fp32
+``Int4Group``                          ``w4a16_gemm``: nibbles unpacked and scaled in registers
+=====================================  ===========================================================================
+
+A format's ``kernel`` field set to ``"torch"`` forces the reference math on any device.
 """
 from __future__ import annotations
 
@@ -12,26 +24,66 @@ from torch import nn
 
 from ..formats import BF16, FP8Block, Int4Group, WeightFormat
 from ..kernels import fp8_quant
+from ..kernels._backend import use_triton
+from ..kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from ..kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
+
+
+def _fp8_w8a8(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.Tensor], reference: bool) -> torch.Tensor:
+    """x2: [M, K] -> [M, N]: activations rounded to e4m3 per 1×act_group, products accumulated in fp32."""
+    quant = fp8_quant.act_quant_fp8_reference if reference else fp8_quant.act_quant_fp8
+    q, s = quant(x2.contiguous(), fmt.act_group, fmt.ue8m0)
+    if fmt.act_group != fmt.block[1]:  # the block-scaled GEMM needs one K block per activation group
+        xs = (q.float().unflatten(-1, (-1, fmt.act_group)) * s[..., None]).flatten(-2)
+        return (xs @ fmt.dequantize(tensors, torch.float32).T).to(x2.dtype)
+    gemm = fp8_gemm_reference if reference else fp8_gemm
+    return gemm(q, s, tensors["weight"], tensors["weight_scale_inv"], fmt.block, out_dtype=x2.dtype)
+
+
+def _fp8_weight_only(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.Tensor], reference: bool) -> torch.Tensor:
+    if reference or x2.dtype == torch.float32 or not use_triton(x2, tensors["weight"]):
+        return (x2.float() @ fmt.dequantize(tensors, torch.float32).T).to(x2.dtype)
+    return F.linear(x2, fmt.dequantize(tensors, x2.dtype))  # dequantize on the GPU, then cuBLAS
+
+
+def _int4(x2: torch.Tensor, fmt: Int4Group, tensors: dict[str, torch.Tensor], reference: bool) -> torch.Tensor:
+    gemm = w4a16_gemm_reference if reference else w4a16_gemm
+    return gemm(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size)
+
+
+def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
+             bias: torch.Tensor | None, reference: bool) -> torch.Tensor:
+    if isinstance(fmt, BF16):
+        return F.linear(x, tensors["weight"].to(x.dtype), bias)
+    reference = reference or getattr(fmt, "kernel", "auto") == "torch"
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(fmt, FP8Block):
+        y = (_fp8_w8a8 if fmt.act_quant else _fp8_weight_only)(x2, fmt, tensors, reference)
+    elif isinstance(fmt, Int4Group):
+        y = _int4(x2, fmt, tensors, reference)
+    else:
+        raise TypeError(f"quant_linear: no compute path for format {fmt!r}")
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
 
 
 def quant_linear(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) for a weight held in ``fmt``. x: [..., K] -> [..., N] in x.dtype."""
-    if isinstance(fmt, BF16):
-        return F.linear(x, tensors["weight"].to(x.dtype), bias)
-    if isinstance(fmt, FP8Block):
-        w = fmt.dequantize(tensors, torch.float32)
-        if fmt.act_quant:  # W8A8: x is rounded to e4m3 per 1×group, products accumulate in fp32
-            q, s = fp8_quant.act_quant_fp8(x.contiguous(), fmt.act_group, fmt.ue8m0)
-            xs = (q.float().unflatten(-1, (-1, fmt.act_group)) * s[..., None]).flatten(-2)
-            y = xs @ w.T
-        else:
-            y = x.float() @ w.T
-        y = y.to(x.dtype)
-        return y if bias is None else y + bias
-    if isinstance(fmt, Int4Group):
-        return F.linear(x, fmt.dequantize(tensors, x.dtype), bias)
-    raise TypeError(f"quant_linear: no compute path for format {fmt!r}")
+    return _compute(x, fmt, tensors, bias, reference=False)
+
+
+def quant_linear_reference(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference math of :func:`quant_linear` (pure torch, whatever the device): what the kernels are
+    checked against."""
+    return _compute(x, fmt, tensors, bias, reference=True)
+
+
+def _same_storage(a: WeightFormat, b: WeightFormat, n: int, k: int) -> bool:
+    """The two formats hold identical tensors (they differ only in how they compute, e.g. ``act_quant``)."""
+    return type(a) is type(b) and a.tensor_specs(n, k) == b.tensor_specs(n, k) and (
+        not isinstance(a, FP8Block) or a.block == b.block)
 
 
 class QuantLinear(nn.Module):
@@ -47,6 +99,19 @@ class QuantLinear(nn.Module):
         self.fmt.check_shape(out_features, in_features)
         self._make_tensors(device)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: WeightFormat | None = None,
+                    dtype: torch.dtype | None = None) -> "QuantLinear":
+        """A QuantLinear holding ``linear``'s weight (and bias) in ``fmt`` (BF16 keeps the values exactly)."""
+        w = linear.weight
+        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt,
+                  dtype=dtype or w.dtype, device=w.device)
+        out.set_weight(w.detach())
+        if linear.bias is not None:
+            with torch.no_grad():
+                out.bias.copy_(linear.bias.detach())
+        return out
 
     def _make_tensors(self, device) -> None:
         for name, (shape, dt) in self.fmt.tensor_specs(self.out_features, self.in_features, self.dtype).items():
@@ -76,11 +141,17 @@ class QuantLinear(nn.Module):
                 getattr(self, name).data = t.to(getattr(self, name).device)
 
     def convert_format_(self, fmt: WeightFormat) -> "QuantLinear":
-        """Re-hold the weight in ``fmt`` (dequantize, then quantize). Returns self."""
+        """Re-hold the weight in ``fmt`` (dequantize, then quantize). Returns self.
+
+        Formats that store the same tensors (e.g. ``FP8Block`` with and without ``act_quant``) only switch
+        the compute path: the stored bits are kept."""
+        fmt.check_shape(self.out_features, self.in_features)
+        if _same_storage(self.fmt, fmt, self.out_features, self.in_features):
+            self.fmt = fmt
+            return self
         w = self.weight_dequantized(torch.float32)
         for name in self.tensors:
             delattr(self, name)
-        fmt.check_shape(self.out_features, self.in_features)
         self.fmt = fmt
         self._make_tensors(w.device)
         self.set_weight(w)
