@@ -1,0 +1,205 @@
+"""Fused MoE experts: ``fused_moe(x, topk_weights, topk_ids, gate, up, down, kind=...)``.
+
+Pipeline on the GPU (see docs/moe.md): ``moe_align`` groups the T·k assignments by expert into blocks of
+``block_m`` rows; a grouped gate+up GEMM with SiLU-and-multiply in its epilogue writes the intermediate
+``h [T·k, I]``; a grouped down GEMM multiplies each row by its routing weight and writes ``y [T·k, H]`` in
+fp32; a combine kernel sums each token's k rows (and the shared experts' output, if given) and rounds once.
+The CPU path is the per-expert reference (``reference.py``) of the same signature.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .._backend import triton_interpreted, use_triton
+from .._checks import check_same_device, check_tensor
+from ..fp8_quant import FP8, act_quant_fp8, act_quant_fp8_reference
+from ..int4_quant import GROUP_SIZES
+from ..moe_align import moe_align
+from .reference import KINDS, dequantize_expert, fused_moe_reference
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
+               "int4_group": ("weight_packed", "weight_scale")}
+
+__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS"]
+
+
+def choose_block_m(num_assignments: int, num_experts: int) -> int:
+    """Rows per block. 1 (a GEMV per assignment) while nearly every active expert gets one row (decode at
+    a few tokens), then the smallest tensor-core tile (16), larger tiles as the rows per expert grow
+    (prefill), so each expert's weights are re-read less often."""
+    per_expert = num_assignments / max(num_experts, 1)
+    if per_expert <= 0.5:
+        return 1
+    for bm in (16, 32, 64):
+        if per_expert <= bm:
+            return bm
+    return 128
+
+
+def _check_weights(name: str, w: dict, kind: str, e: int | None, n: int | None, k: int,
+                   group_size: int, block: tuple[int, int]) -> tuple[int, int]:
+    """Check one stacked projection ([E, N, K] in ``kind``); returns (E, N)."""
+    if not isinstance(w, dict) or set(w) != set(WEIGHT_KEYS[kind]):
+        got = sorted(w) if isinstance(w, dict) else type(w).__name__
+        raise ValueError(f"{name}: expected a dict with keys {WEIGHT_KEYS[kind]} for kind {kind!r}, got {got}")
+    main = WEIGHT_KEYS[kind][0]
+    t = w[main]
+    if kind == "bf16":
+        check_tensor(f"{name}['weight']", t, dtype=FLOATS, ndim=3, contiguous=True)
+    elif kind == "fp8_block":
+        check_tensor(f"{name}['weight']", t, dtype=FP8, ndim=3, contiguous=True)
+    else:
+        check_tensor(f"{name}['weight_packed']", t, dtype=torch.int32, ndim=3, contiguous=True)
+    e = t.shape[0] if e is None else e
+    n = t.shape[1] if n is None else n
+    k_stored = k // 8 if kind == "int4_group" else k
+    if tuple(t.shape) != (e, n, k_stored):
+        raise ValueError(f"{name}['{main}']: shape {tuple(t.shape)}, expected {(e, n, k_stored)}")
+    if kind == "fp8_block":
+        s = check_tensor(f"{name}['weight_scale_inv']", w["weight_scale_inv"], dtype=torch.float32, ndim=3,
+                         contiguous=True)
+        want = (e, -(-n // block[0]), -(-k // block[1]))
+    elif kind == "int4_group":
+        s = check_tensor(f"{name}['weight_scale']", w["weight_scale"], dtype=FLOATS, ndim=3, contiguous=True)
+        want = (e, n, k // group_size)
+    else:
+        return e, n
+    if tuple(s.shape) != want:
+        raise ValueError(f"{name}: scale shape {tuple(s.shape)}, expected {want}")
+    return e, n
+
+
+def _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block, act_quant, act_group,
+                  shared_out, out):
+    check_tensor("x", x, dtype=FLOATS, ndim=2, contiguous=True)
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2)
+    check_tensor("topk_weights", topk_weights, dtype=FLOATS, ndim=2)
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                         f"both be [T, k] with T = x.shape[0] = {x.shape[0]}")
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} not in {KINDS}")
+    hidden = x.shape[1]
+    if kind == "int4_group":
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size: {group_size} not in {GROUP_SIZES}")
+        if hidden % group_size:
+            raise ValueError(f"x.shape[1]: hidden {hidden} is not divisible by group_size {group_size}")
+    if kind == "fp8_block":
+        if len(block) != 2 or any(b <= 0 or b & (b - 1) for b in block):
+            raise ValueError(f"block: {block} must be two positive powers of two")
+        if act_quant and hidden % act_group:
+            raise ValueError(f"x.shape[1]: hidden {hidden} is not divisible by act_group {act_group}")
+    e, inter = _check_weights("gate", gate, kind, None, None, hidden, group_size, block)
+    _check_weights("up", up, kind, e, inter, hidden, group_size, block)
+    if kind == "int4_group" and inter % group_size:
+        raise ValueError(f"gate: intermediate size {inter} is not divisible by group_size {group_size}")
+    if kind == "fp8_block" and act_quant and inter % act_group:
+        raise ValueError(f"gate: intermediate size {inter} is not divisible by act_group {act_group}")
+    _check_weights("down", down, kind, e, hidden, inter, group_size, block)
+    for name, t in (("shared_out", shared_out), ("out", out)):
+        if t is not None:
+            check_tensor(name, t, dtype=FLOATS, ndim=2, contiguous=True)
+            if t.shape != x.shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)} must equal x's {tuple(x.shape)}")
+    if out is not None and out.dtype != x.dtype:
+        raise TypeError(f"out: dtype {out.dtype} must equal x's {x.dtype}")
+    tensors = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "shared_out": shared_out, "out": out}
+    tensors.update({f"{p}['{s}']": t for p, w in (("gate", gate), ("up", up), ("down", down)) for s, t in w.items()})
+    check_same_device(**tensors)
+    return e, inter
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate: dict[str, torch.Tensor],
+    up: dict[str, torch.Tensor],
+    down: dict[str, torch.Tensor],
+    *,
+    kind: str = "bf16",
+    group_size: int = 32,
+    block: tuple[int, int] = (128, 128),
+    act_quant: bool = False,
+    act_group: int = 128,
+    ue8m0: bool = False,
+    shared_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
+
+    ``gate``/``up``: stacked [E, I, H] and ``down``: [E, H, I] projections, each a dict of the format's
+    checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
+    activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
+    overrides :func:`choose_block_m` (GPU path only).
+    """
+    block = tuple(int(b) for b in block)
+    if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
+        raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile)")
+    num_experts, inter = _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block,
+                                       act_quant, act_group, shared_out, out)
+    act_quant = act_quant and kind == "fp8_block"
+    args = dict(kind=kind, group_size=group_size, block=block, act_quant=act_quant, act_group=act_group,
+                ue8m0=ue8m0, shared_out=shared_out, out=out)
+    if not use_triton(x):
+        return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
+    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
+                         moe_gemv_autotuned)
+
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    result = out if out is not None else torch.empty_like(x)
+    if tokens == 0:
+        return result
+    num_assignments = tokens * top_k
+    bm = block_m or choose_block_m(num_assignments, num_experts)
+    topk_ids = topk_ids.contiguous()
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
+
+    kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
+    interpret = triton_interpreted()
+    consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
+                  IEEE=x.dtype == torch.float32, INTERPRET=interpret, BLOCK_M=bm)
+
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k):
+        keys = WEIGHT_KEYS[kind]
+        w1_main, w3_main = w1[keys[0]], w3[keys[0]]
+        w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
+        w3_s = w3[keys[1]] if len(keys) > 1 else w3_main
+        launch_args = (a, a_scale, w1_main, w1_s, w3_main, w3_s, dst, routing_weights,
+                       sorted_ids, expert_ids, num_padded,
+                       num_assignments, n, k, top_k if gated else 1,
+                       a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
+                       w1_s.stride(0), w1_s.stride(1), dst.stride(0))
+        if interpret:  # one small tile: the interpreter is slow and has nothing to tune
+            bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
+            grid = (expert_ids.numel(), triton.cdiv(n, 32))
+            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk)
+        else:
+            grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+            tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
+            tuned[grid](*launch_args, GATED=gated, **consts)
+
+    # The interpreter rounds fp32 -> e4m3 wrongly (DESIGN.md): there the activation rounding runs in torch.
+    quant = act_quant_fp8_reference if interpret else act_quant_fp8
+    if act_quant:
+        xa, xa_scale = quant(x, act_group, ue8m0)
+    else:
+        xa, xa_scale = x, x
+    h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
+    weights_flat = topk_weights.contiguous()
+    gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
+    ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)
+    y = torch.empty((num_assignments, hidden), dtype=torch.float32, device=x.device)
+    gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter)
+
+    shared = shared_out if shared_out is not None else y
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        y, topk_ids, shared, result, hidden, top_k, num_experts, y.stride(0), shared.stride(0), result.stride(0),
+        HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
+    return result

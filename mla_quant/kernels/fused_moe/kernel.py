@@ -1,0 +1,201 @@
+"""Triton kernels of the fused MoE experts (math in ``reference.py``, layout in docs/moe.md).
+
+``_moe_gemm_kernel`` is one grouped GEMM over the blocks that ``moe_align`` made: program (m, n) takes
+block m (``BLOCK_M`` assignments of one expert, padding rows masked) and output columns n·BLOCK_N...,
+loops over K, and multiplies in one of three weight formats (``KIND``):
+
+* ``KIND_DENSE``: bf16/fp16/fp32 weights as stored.
+* ``KIND_FP8``: e4m3 weights with 128×128 block scales; either dequantized in registers (weight-only) or,
+  with ``W8A8``, multiplied as e4m3 × e4m3 against activations quantized per token in 1×128 groups, the
+  two scales applied to each K block's fp32 partial product (DeepSeek's ``fp8_gemm``).
+* ``KIND_INT4``: compressed-tensors int32 words, eight nibbles each. A [BN, BK/8] tile of words is
+  unpacked in registers: ``nibble | 0x4B000000`` read as fp32 is 2^23 + nibble, so subtracting 2^23 + 8
+  gives the code ``q`` exactly without an int→float conversion; ``q × group scale`` in fp32, then the
+  tile goes to the tensor cores in the activation dtype.
+
+With ``GATED`` the program holds two accumulators (gate and up rows of the same columns) and its
+epilogue writes ``silu(gate) * up`` (the SwiGLU of the expert) in the activation dtype; otherwise (the
+down projection) it multiplies each row by its routing weight and writes fp32. ``_moe_combine_kernel``
+then sums each token's k rows in a fixed order (deterministic), adds the shared experts' output if given,
+and rounds once.
+"""
+import triton
+import triton.language as tl
+
+KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                 KIND: tl.constexpr, W8A8: tl.constexpr, GROUP: tl.constexpr, SBN: tl.constexpr,
+                 SBK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``rn`` ([BLOCK_N]) and columns k0..k0+BLOCK_K of one expert's [N, K] weight: fp32 values,
+    or the raw tile for KIND_DENSE and for W8A8 (whose scales the caller applies after the dot)."""
+    n_ok = rn < N
+    if KIND == 2:
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :],
+                        mask=n_ok[:, None] & (rw[None, :] < K // 8), other=0)
+        shifts = tl.arange(0, 8) * 4
+        nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # (2^23 + nib) - (2^23 + 8)
+        rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + rg[None, :],
+                    mask=n_ok[:, None] & (rg[None, :] < K // GROUP), other=0.0).to(tl.float32)
+        w = tl.reshape(tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
+                    mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+        if KIND == 1:
+            if not W8A8:
+                s = tl.load(s_ptr + (rn // SBN)[:, None].to(tl.int64) * stride_sn + (rk // SBK)[None, :],
+                            mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+                w = w.to(tl.float32) * s
+    return w
+
+
+@triton.jit
+def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ w.T for a [M, K] and w [N, K] (fp32 operands under the interpreter: its bf16/fp8 dot is wrong)."""
+    if INTERPRET:
+        out = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    elif IEEE:
+        out = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
+def _moe_gemm_kernel(
+        a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
+        sorted_ptr, expert_ids_ptr, num_padded_ptr,
+        A, N, K, a_div,
+        stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
+        KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
+        GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
+        IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
+    # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < A
+    a_rows = (rows // a_div).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w1_ptr += e * stride_we
+    s1_ptr += e * stride_se
+    w3_ptr += e * stride_we
+    s3_ptr += e * stride_se
+    if BLOCK_M == 1:  # GEMV: products accumulate elementwise, reduced once after the loop
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a_mask = row_ok[:, None] & (rk[None, :] < K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], mask=a_mask, other=0.0)
+        if BLOCK_M == 1:
+            a = a.to(tl.float32)
+            if W8A8:
+                a *= tl.load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], mask=a_mask, other=0.0)
+            w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                              KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+            acc1 += w1.to(tl.float32) * a
+            if GATED:
+                w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                acc3 += w3.to(tl.float32) * a
+        else:
+            w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                              KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+            if GATED:
+                w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+            if W8A8:
+                # e4m3 × e4m3 -> fp32 per K block, then × activation scale (row) × weight block scale (column)
+                a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
+                s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
+                zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
+                acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
+                if GATED:
+                    w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
+                    acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
+            else:
+                acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
+                if GATED:
+                    acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
+    if BLOCK_M == 1:
+        acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
+        acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
+    if GATED:
+        res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
+    else:
+        res = acc1 * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + rn[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, top_k, E,
+                        stride_yt, stride_st, stride_ot,
+                        HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = sum_j y[t * top_k + j] (j in order; dropped expert ids skipped) (+ shared[t]), rounded once.
+    t = tl.program_id(0).to(tl.int64)
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = rh < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, top_k):
+        eid = tl.load(ids_ptr + t * top_k + j + tl.zeros_like(rh))  # broadcast: one id for the whole row
+        kept = h_ok & (eid >= 0) & (eid < E)
+        acc += tl.load(y_ptr + (t * top_k + j) * stride_yt + rh, mask=kept, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * stride_st + rh, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def _configs(shapes) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). GEMV (BLOCK_M == 1) keeps [BN, BK] fp32 products per
+# accumulator in registers; dot tiles: narrow N with long K at decode (many programs, each expert's weights
+# read once), square-ish tiles for prefill.
+GEMV_CONFIGS = _configs([(16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 8, 2), (64, 128, 8, 2)])
+DOT_CONFIGS = _configs([(32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4),
+                        (256, 64, 8, 3)])
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the tiles the format can use: INT4 needs BLOCK_K ≥ its group; W8A8 dots need each K tile
+    inside one scale block; wide N tiles only pay off with many rows per block."""
+    meta = {**named_args, **kwargs}
+    bm = meta["BLOCK_M"]
+    out = []
+    for c in configs:
+        bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
+            continue
+        if meta["W8A8"] and bm > 1 and (meta["ACT_G"] % bk or meta["SBK"] % bk):
+            continue
+        if 1 < bm <= 16 and bn > 64 or bm >= 64 and bn < 64:
+            continue
+        out.append(c)
+    return out or configs[:1]
+
+
+def _autotuned(configs):
+    return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M"],
+                           prune_configs_by={"early_config_prune": _prune})(_moe_gemm_kernel)
+
+
+moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
+moe_gemm_autotuned = _autotuned(DOT_CONFIGS)
