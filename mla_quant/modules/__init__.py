@@ -1,6 +1,9 @@
 """Plain nn.Modules that only call kernels, formats and cache."""
 from .linear import QuantLinear, quant_linear, quant_linear_reference
+from .mlp import MLP
+from .moe import MoE, Router, StackedExperts
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, YarnScaling
 
 __all__ = ["QuantLinear", "quant_linear", "quant_linear_reference", "RMSNorm", "RotaryEmbedding", "YarnScaling"]
+__all__ += ["MLP", "MoE", "Router", "StackedExperts"]
