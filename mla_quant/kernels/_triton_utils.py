@@ -1,20 +1,30 @@
 """Small @triton.jit helpers shared by the kernels (exact rounding rules that match the references)."""
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Globals read inside @triton.jit code must be constexpr (Triton >= 3.2 refuses plain Python floats).
 FP8_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-4)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+# Triton picks the interpreter when a kernel is decorated, from this variable; so may we.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
 def rint(x):
-    """Round half to even (torch.round); exact for |x| < 2**22. libdevice.rint is not in the interpreter."""
-    r = tl.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
+    """Round half to even (torch.round). On the GPU libdevice's rint (a software ``floor(x + 0.5)`` there
+    would be contracted with the preceding multiply into an FMA and round differently); the interpreter has
+    no libdevice, so it gets the software form, exact for |x| < 2**22."""
+    if INTERPRETED:
+        r = tl.floor(x + 0.5)
+        tie = (r - x) == 0.5
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        return tl.where(tie & odd, r - 1.0, r)
+    else:
+        return libdevice.rint(x)
 
 
 @triton.jit

@@ -72,7 +72,8 @@ def block_quant_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     if n and k:
-        _block_quant_fp8_kernel[(nb, kb)](w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk, num_warps=8)
+        _block_quant_fp8_kernel[(nb, kb)](w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk,
+                                          num_warps=16)
     return q, scale
 
 
@@ -101,7 +102,7 @@ def block_dequant_fp8(
     out = torch.empty((n, k), dtype=out_dtype, device=q.device)
     if n and k:
         _block_dequant_fp8_kernel[(nb, kb)](q, scale_inv, out, n, k, q.stride(0), out.stride(0), kb,
-                                            BN=bn, BK=bk, num_warps=8)
+                                            BN=bn, BK=bk, num_warps=4)
     return out
 
 
@@ -122,9 +123,10 @@ def kv_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[to
     t, d = x.shape
     q = torch.empty((t, d), dtype=FP8, device=x.device)
     s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
-    block_d = triton.next_power_of_2(max(d, 1))
-    block_t = max(1, 8192 // block_d)
+    d_head = 1 << (max(d, 1).bit_length() - 1)
+    d_tail = triton.next_power_of_2(max(d - d_head, 1))
+    block_t = max(1, 1024 // d_head)
     if t and d:
-        _kv_quant_fp8_kernel[(triton.cdiv(t, block_t),)](x, q, s, t, d, PER_TOKEN=scale is None,
-                                                         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        _kv_quant_fp8_kernel[(triton.cdiv(t, block_t),)](x, q, s, t, d, PER_TOKEN=scale is None, BLOCK_T=block_t,
+                                                         D_HEAD=d_head, D_TAIL=d_tail, num_warps=2)
     return q, (s if scale is None else scale)

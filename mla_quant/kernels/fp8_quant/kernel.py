@@ -50,17 +50,21 @@ def _block_dequant_fp8_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_on,
 
 @triton.jit
 def _kv_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, T, D, PER_TOKEN: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_T: tl.constexpr, D_HEAD: tl.constexpr, D_TAIL: tl.constexpr):
+    # A row of D values is read as a power-of-two head [0, D_HEAD) and a masked tail [D_HEAD, D)
+    # (576 = 512 + 64 for MLA rows), so no lanes are wasted on padding to 1024.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < T) & (cols[None, :] < D)
-    offs = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ch = tl.arange(0, D_HEAD)
+    ct = D_HEAD + tl.arange(0, D_TAIL)
+    m_h = (rows[:, None] < T) & (ch[None, :] < D)
+    m_t = (rows[:, None] < T) & (ct[None, :] < D)
+    xh = tl.load(x_ptr + rows[:, None] * D + ch[None, :], mask=m_h, other=0.0).to(tl.float32)
+    xt = tl.load(x_ptr + rows[:, None] * D + ct[None, :], mask=m_t, other=0.0).to(tl.float32)
     if PER_TOKEN:
-        s = fp8_scale(tl.max(finite_abs(x), axis=1), False)
+        s = fp8_scale(tl.maximum(tl.max(finite_abs(xh), axis=1), tl.max(finite_abs(xt), axis=1)), False)
         tl.store(s_ptr + rows, s, mask=rows < T)
-        q = cast_fp8_saturating(x * reciprocal(s)[:, None])
+        r = reciprocal(s)[:, None]
     else:
-        s = tl.load(s_ptr)
-        q = cast_fp8_saturating(x * reciprocal(s))
-    tl.store(q_ptr + offs, q, mask=mask)
+        r = reciprocal(tl.load(s_ptr))
+    tl.store(q_ptr + rows[:, None] * D + ch[None, :], cast_fp8_saturating(xh * r), mask=m_h)
+    tl.store(q_ptr + rows[:, None] * D + ct[None, :], cast_fp8_saturating(xt * r), mask=m_t)

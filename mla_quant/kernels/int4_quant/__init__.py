@@ -62,10 +62,10 @@ def int4_quantize(
     n, k = w.shape
     packed = torch.empty((n, k // 8), dtype=torch.int32, device=w.device)
     scale = torch.empty((n, k // group_size), dtype=scale_dtype, device=w.device)
-    bn, bk = 16, max(group_size, 128)
+    bn, bk = 1, 1024  # measured best on the H200 (docs/benchmarks.md); K is masked
     if n and k:
         _int4_quant_pack_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-            w, packed, scale, n, k, w.stride(0), GROUP=group_size, BN=bn, BK=bk, num_warps=4)
+            w, packed, scale, n, k, w.stride(0), GROUP=group_size, BN=bn, BK=bk, num_warps=1)
     return packed, scale
 
 
@@ -87,8 +87,8 @@ def int4_dequantize(
     from .kernel import _int4_dequant_kernel
 
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
-    bn, bk = 16, max(group_size, 256)
+    bn, bk = 8, 1024
     if n and k:
         _int4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-            packed, scale, out, n, k, GROUP=group_size, BN=bn, BK=bk, num_warps=4)
+            packed, scale, out, n, k, GROUP=group_size, BN=bn, BK=bk, num_warps=1)
     return out
