@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -196,6 +198,19 @@ class QuantPlan:
         if not metadata or METADATA_KEY not in metadata:
             return None
         return cls.from_json(metadata[METADATA_KEY])
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike) -> "QuantPlan | None":
+        """The plan stored in a checkpoint's safetensors metadata (a ``.safetensors`` file, or a folder:
+        its first shard), or None when there is none — how a converted checkpoint says how it was made."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]
+        if not files:
+            raise FileNotFoundError(f"path: no .safetensors file at {str(path)!r}")
+        with safe_open(str(files[0]), "pt") as f:
+            return cls.from_metadata(f.metadata())
 
     # ------------------------------------------------------------------------------------ dunder
     def __repr__(self) -> str:
