@@ -51,9 +51,9 @@ def main(argv=None) -> int:
         print(f"[{name}] {len(got)} cases in {time.time() - t0:.0f} s", flush=True)
         for c in got:
             print("  ", {k: c[k] for k in c if k not in ("bytes", "flops")}, flush=True)
-    benches = {c["bench"] for c in cases}
-    write_results(args.out, ctx, cases, replace_benches=benches if args.only else None)
-    print(f"wrote {len(cases)} cases to {args.out}")
+        # Written after every bench, so a run stopped at its time limit keeps what it measured.
+        write_results(args.out, ctx, cases, replace_benches={c["bench"] for c in cases} if args.only else None)
+    print(f"wrote {len(cases)} cases to {args.out}; failed: {failed or 'none'}")
     return 1 if failed else 0
 
 

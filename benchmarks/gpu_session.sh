@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # One call on the lent H200: the whole test suite (kernel tests then run their Triton kernels on the GPU,
 # bit-exact where the references are; `gpu`-marked tests run too), then the benchmarks. Output under $OUT.
-#   device run:  bash benchmarks/gpu_session.sh [comma,separated,benches] [pytest selection]
+#   bash benchmarks/gpu_session.sh [benches: comma-separated, default all] [pytest args, default tests]
+#   TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound the two stages; BENCH_ARGS adds e.g. --quick.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-python -m pytest -q -p no:cacheprovider ${2:-tests} >"$OUT/gpu_tests.log" 2>&1
-echo "pytest exit $?"; tail -15 "$OUT/gpu_tests.log"
-python -m benchmarks ${1:+--only $1} --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log" | tail -60
+timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
+  || true
+grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
+grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -40
+timeout "${BENCH_TIMEOUT:-400}" python -m benchmarks ${1:+--only $1} ${BENCH_ARGS:-} --out "$OUT/h200.json" \
+  >"$OUT/bench.log" 2>&1
+grep -E "^\[|ceilings|wrote|Error|error" "$OUT/bench.log" | tail -40
