@@ -1,4 +1,5 @@
 """Plain nn.Modules that only call kernels, formats and cache."""
+from .indexer import LightningIndexer
 from .linear import QuantLinear, quant_linear, quant_linear_reference
 from .mlp import MLP
 from .moe import MoE, Router, StackedExperts
@@ -7,3 +8,4 @@ from .rope import RotaryEmbedding, YarnScaling
 
 __all__ = ["QuantLinear", "quant_linear", "quant_linear_reference", "RMSNorm", "RotaryEmbedding", "YarnScaling"]
 __all__ += ["MLP", "MoE", "Router", "StackedExperts"]
+__all__ += ["LightningIndexer"]
