@@ -38,3 +38,11 @@ def split_k_for(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
     while split < max_split and tiles * split * 2 <= 2 * sms and k_iters // (split * 2) >= 2:
         split *= 2
     return split
+
+
+def autotune_bench(fn, quantiles=None):
+    """The timing the GEMM autotuners use: short (they tune once per shape bucket, and a prefill
+    benchmark meets many buckets), median of a few runs."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)

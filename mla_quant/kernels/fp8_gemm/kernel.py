@@ -9,7 +9,7 @@ than one scale block. BK equals the scale block width (128 for the real checkpoi
 import triton
 import triton.language as tl
 
-from .._gemm_utils import grouped_tile
+from .._gemm_utils import autotune_bench, grouped_tile
 
 
 @triton.jit
@@ -61,5 +61,5 @@ def _prune(configs, named_args, **kwargs):
     return keep or configs
 
 
-fp8_gemm_autotuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+fp8_gemm_autotuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"], do_bench=autotune_bench,
                                      prune_configs_by={"early_config_prune": _prune})(_fp8_gemm_kernel)

@@ -19,7 +19,7 @@ in a fixed order — deterministic — writes the output and resets the counter 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import grouped_tile
+from .._gemm_utils import autotune_bench, grouped_tile
 
 
 @triton.jit
@@ -142,4 +142,5 @@ def _split_k(args) -> int:
 
 w4a16_gemm_autotuned = triton.autotune(
     configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
+    do_bench=autotune_bench,
 )(triton.heuristics({"SPLIT_K": _split_k, "EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_w4a16_gemm_kernel))

@@ -1,0 +1,129 @@
+"""Plots for ``docs/recipes.md`` (CPU; needs matplotlib): ``python -m benchmarks.plot_recipes [--results F]``.
+
+* ``docs/img/recipes_roofline.png`` — the model: time of a GEMM per format against tokens, bounded by
+  HBM bytes (weights dominate at small T) and by the tensor-core rate (FP8 runs at twice bf16);
+* ``docs/img/gemm_speedup.png`` — measured ``gemm`` rows: each format's speedup over bf16 cuBLAS against M;
+* ``docs/img/prefill_decode.png`` — measured ``prefill`` rows: tokens/s of the layer stack per format.
+
+The measured plots are skipped when the results file has no such rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import RESULTS
+
+IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+# roofline inputs: the H200 ceilings measured by `python -m benchmarks` (copy 4.25 TB/s, bf16 ~700 TFLOP/s);
+# fp8 tensor cores at twice bf16; INT4 runs its products on the bf16 tensor cores after dequantizing.
+COPY_TBPS, BF16_TFLOPS = 4.25, 700.0
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8_block": 1.0 + 4 / 128**2, "int4_g32": 0.5 + 2 / 32}
+TFLOPS = {"bf16": BF16_TFLOPS, "fp8_block": 2 * BF16_TFLOPS, "int4_g32": BF16_TFLOPS}
+COLORS = {"bf16": "tab:gray", "fp8_block": "tab:blue", "int4_g32": "tab:orange", "tinygemm_int4": "tab:red",
+          "torch_scaled_mm": "tab:cyan"}
+
+
+def roofline_us(fmt: str, tokens: int, n: int = 7168, k: int = 7168) -> float:
+    """Lower bound on one [tokens, k] x [k, n] GEMM: max(bytes / bandwidth, flops / tensor-core rate)."""
+    act_bytes = 2 * tokens * (k + n)
+    t_mem = (BYTES_PER_WEIGHT[fmt] * n * k + act_bytes) / (COPY_TBPS * 1e12)
+    t_math = 2 * tokens * n * k / (TFLOPS[fmt] * 1e12)
+    return 1e6 * max(t_mem, t_math)
+
+
+def plot_roofline(plt, path: Path) -> None:
+    tokens = [2**i for i in range(0, 15)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for fmt in ("bf16", "fp8_block", "int4_g32"):
+        us = [roofline_us(fmt, t) for t in tokens]
+        ax1.loglog(tokens, us, "-o", ms=3, color=COLORS[fmt], label=fmt)
+        ax2.semilogx(tokens, [roofline_us("bf16", t) / u for t, u in zip(tokens, us)], "-o", ms=3,
+                     color=COLORS[fmt], label=fmt)
+    for fmt in ("fp8_block", "int4_g32"):  # the ridge: tokens where the math time reaches the byte time
+        ridge = TFLOPS[fmt] * BYTES_PER_WEIGHT[fmt] / (2 * COPY_TBPS)
+        ax1.axvline(ridge, color=COLORS[fmt], ls=":", lw=1)
+    ax1.set(xlabel="tokens in the batch (M)", ylabel="µs per 7168×7168 GEMM (lower bound)",
+            title="roofline: bytes bound left, tensor cores right")
+    ax2.set(xlabel="tokens in the batch (M)", ylabel="speedup over bf16 (bound)",
+            title="INT4 wins decode (≤ ~3.6×), FP8 wins prefill (2×)")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"H200 model: {COPY_TBPS} TB/s, bf16 {BF16_TFLOPS:.0f} / fp8 {2 * BF16_TFLOPS:.0f} TFLOP/s "
+                 "(INT4 computes in bf16)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gemm(plt, cases: list[dict], path: Path) -> bool:
+    rows = [c for c in cases if c["bench"] == "gemm"]
+    shapes = sorted({(c["case"]["N"], c["case"]["K"]) for c in rows})
+    if not shapes:
+        return False
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), squeeze=False)
+    for ax, (n, k) in zip(axes[0], shapes):
+        mine = [c for c in rows if (c["case"]["N"], c["case"]["K"]) == (n, k)]
+        for fmt in ("fp8_block", "int4_g32"):
+            pts = sorted((c["case"]["M"], c) for c in mine if c["case"]["format"] == fmt)
+            ms = [m for m, _ in pts]
+            ax.semilogx(ms, [c["cublas_bf16_us"] / c["median_us"] for _, c in pts], "-o", ms=3,
+                        color=COLORS[fmt], label=fmt)
+            peer = [(m, c["cublas_bf16_us"] / c["peer_median_us"]) for m, c in pts if c.get("peer_median_us")]
+            if peer:
+                ax.semilogx(*zip(*peer), "--", color=COLORS[pts[0][1]["peer"]], label=pts[0][1]["peer"])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(title=f"N={n}, K={k}", xlabel="M", ylabel="speedup over bf16 cuBLAS")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_prefill(plt, cases: list[dict], path: Path) -> bool:
+    rows = [c for c in cases if c["bench"] == "prefill"]
+    if not rows:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, phase in zip(axes, ("decode", "prefill")):
+        pts = [c for c in rows if c["case"].get("phase") == phase]
+        tokens = sorted({c["case"]["tokens"] for c in pts})
+        width = 0.27
+        for i, fmt in enumerate(("bf16", "fp8_block", "int4_g32")):
+            tps = [next((c["tokens_per_s"] for c in pts if c["case"]["format"] == fmt and c["case"]["tokens"] == t), 0)
+                   for t in tokens]
+            ax.bar([j + (i - 1) * width for j in range(len(tokens))], tps, width, color=COLORS[fmt], label=fmt)
+        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set(title=f"{phase}: one Kimi dense layer's projections", xlabel="tokens per step", ylabel="tokens/s")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot_recipes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    plot_roofline(plt, IMG / "recipes_roofline.png")
+    cases = json.loads(args.results.read_text())["cases"] if args.results.is_file() else []
+    for name, fn in (("gemm_speedup.png", plot_gemm), ("prefill_decode.png", plot_prefill)):
+        print(("wrote " if fn(plt, cases, IMG / name) else "no rows for ") + str(IMG / name))
+    print(f"wrote {IMG / 'recipes_roofline.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
