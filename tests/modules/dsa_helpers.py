@@ -73,3 +73,16 @@ def _cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def selected_sets(indices: torch.Tensor) -> list[set[int]]:
     """int [T, K] (-1 unused) -> the selected positions per row."""
     return [set(row[row >= 0].tolist()) for row in indices]
+
+
+def assert_same_selection(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, tol: float = 1e-5) -> None:
+    """Rows of ``got`` and ``want`` (int [T, K], -1 unused) select the same keys, up to ties: where the sets
+    differ, the selected scores (``scores [T, N]``) must agree as sorted lists (ReLU makes exact-zero ties
+    common)."""
+    for t, (a, b) in enumerate(zip(selected_sets(got), selected_sets(want))):
+        if a == b:
+            continue
+        sa = scores[t, sorted(a)].sort().values
+        sb = scores[t, sorted(b)].sort().values
+        assert sa.shape == sb.shape and torch.allclose(sa, sb, rtol=tol, atol=tol), \
+            f"row {t}: {sorted(a)} vs {sorted(b)} (scores {sa.tolist()} vs {sb.tolist()})"
