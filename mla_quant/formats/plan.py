@@ -11,12 +11,16 @@ The first rule that matches a module *and applies to its kind* wins; ``None`` le
 Two kinds of modules take part, found by duck typing (this layer imports no module class):
 
 * weight holders: any module with a ``convert_format_(fmt)`` method (``QuantLinear``, the stacked MoE
-  experts, the DSA indexer's precision) and plain ``nn.Linear`` (replaced by a ``QuantLinear``). Rules whose
-  value is a :class:`WeightFormat` (or None) apply to them.
-* KV writers: any module with a ``kv_format`` attribute (one attention module per decoder layer). Rules
-  whose value is a :class:`KVFormat` (or None) apply to them: :func:`quantize_` sets their ``kv_format``
-  (through ``set_kv_format_(fmt)`` when they have it), and :meth:`QuantPlan.kv_formats` lists one format per
-  KV writer, in model order — what ``PagedKVCache(kv_format=...)`` takes.
+  experts, the DSA indexer's score precision) and plain ``nn.Linear`` (replaced by a ``QuantLinear``).
+  Rules whose value is a :class:`WeightFormat` (or None) apply to them. A module whose current ``fmt`` is a
+  precision name (``LightningIndexer``: ``"bf16"`` / ``"fp8"``) gets ``BF16()`` -> ``"bf16"``,
+  ``FP8Block()`` -> ``"fp8"``. A module that already holds the plan's format is not touched, so expose the
+  current format as ``fmt``.
+* KV writers: any module with a ``kv_format`` attribute, or an MLA attention module (``kv_lora_rank`` and
+  ``forward_paged``) — one per decoder layer. Rules whose value is a :class:`KVFormat` (or None) apply to
+  them: :func:`quantize_` sets their ``kv_format`` (through ``set_kv_format_(fmt)`` when they have it), and
+  :meth:`QuantPlan.kv_formats` lists one format per KV writer, in model order — what
+  ``PagedKVCache(kv_format=[...])`` takes.
 
 So ``QuantPlan({"re:.*mlp\\.experts": Int4Group(32), "re:.*self_attn": KVFormat("fp8_e4m3"),
 "_default": FP8Block()})`` puts the routed experts in INT4, every other linear layer in FP8 and the KV cache
@@ -89,8 +93,28 @@ def is_weight_module(module: nn.Module) -> bool:
 
 
 def is_kv_module(module: nn.Module) -> bool:
-    """Takes KV rules: declares the format of the KV it writes as ``kv_format``."""
-    return isinstance(getattr(module, "kv_format", None), (KVFormat, str))
+    """Takes KV rules: declares the format of the KV it writes as ``kv_format``, or is an MLA attention
+    module (a ``kv_lora_rank`` and a ``forward_paged``; ``MLAttention``, ``DSAttention``)."""
+    if isinstance(getattr(module, "kv_format", None), (KVFormat, str)):
+        return True
+    return hasattr(module, "kv_lora_rank") and callable(getattr(module, "forward_paged", None))
+
+
+def current_kv_format(module: nn.Module, default: KVFormat | str = "bf16") -> KVFormat:
+    return KVFormat.parse(getattr(module, "kv_format", None) or default)
+
+
+def format_arg(module: nn.Module, fmt: WeightFormat):
+    """What ``module.convert_format_`` takes for plan format ``fmt``: the format itself, or — for a module
+    whose ``fmt`` is a precision name (the DSA indexer's ``"bf16"`` / ``"fp8"`` scores) — that name."""
+    if not isinstance(getattr(module, "fmt", None), str):
+        return fmt
+    if type(fmt).__name__ == "FP8Block":
+        return "fp8"
+    if type(fmt).__name__ == "BF16":
+        return "bf16"
+    raise TypeError(f"quantize_: {type(module).__name__} takes a precision name ('bf16' / 'fp8'); "
+                    f"the plan gives it {fmt!r} (use BF16() or FP8Block())")
 
 
 class QuantPlan:
@@ -153,11 +177,11 @@ class QuantPlan:
         for name, module in model.named_modules():
             if is_weight_module(module):
                 fmt = self.format_for(name)
-                if fmt is not None and fmt != getattr(module, "fmt", None):
+                if fmt is not None and format_arg(module, fmt) != getattr(module, "fmt", None):
                     out[name] = fmt
             if is_kv_module(module):
                 kv = self.kv_format_for(name)
-                if kv is not None and kv != KVFormat.parse(module.kv_format):
+                if kv is not None and kv != current_kv_format(module):
                     out[name] = kv
         return out
 
@@ -167,7 +191,7 @@ class QuantPlan:
         back to ``default``)."""
         default = KVFormat.parse(default)
         if isinstance(model, nn.Module):
-            return [self.kv_format_for(n) or KVFormat.parse(m.kv_format)
+            return [self.kv_format_for(n) or current_kv_format(m, default)
                     for n, m in model.named_modules() if is_kv_module(m)]
         return [self.kv_format_for(n) or default for n in model]
 
@@ -253,8 +277,9 @@ def _convert(model: nn.Module, name: str, module: nn.Module, fmt: WeightFormat) 
     """Hold ``module``'s weights in ``fmt``: in place through ``convert_format_``; a plain nn.Linear is
     replaced by a QuantLinear (set into its parent). Returns the module now at ``name``."""
     if callable(getattr(module, "convert_format_", None)):
-        if getattr(module, "fmt", None) != fmt:  # re-quantizing a format into itself is not always exact
-            module.convert_format_(fmt)
+        arg = format_arg(module, fmt)
+        if getattr(module, "fmt", None) != arg:  # re-quantizing a format into itself is not always exact
+            module.convert_format_(arg)
         return module
     from ..modules.linear import QuantLinear  # the one upward import, only for plain nn.Linear
 
@@ -407,9 +432,11 @@ class PhaseSwitch:
             if name == "" or not is_weight_module(module) or self._inside_variant(name):
                 continue
             current = getattr(module, "fmt", None)
-            p_fmt, d_fmt = p_plan.format_for(name) or current, d_plan.format_for(name) or current
-            if p_fmt == d_fmt:  # shared (a descendant that differs gets its own variants when visited)
-                if p_plan.format_for(name) is not None:
+            p_fmt, d_fmt = p_plan.format_for(name), d_plan.format_for(name)
+            p_arg = current if p_fmt is None else format_arg(module, p_fmt)
+            d_arg = current if d_fmt is None else format_arg(module, d_fmt)
+            if p_arg == d_arg:  # shared (a descendant that differs gets its own variants when visited)
+                if p_fmt is not None:
                     _convert(model, name, module, p_fmt)
                 continue
             decode = _quantize_tree(copy.deepcopy(module), d_plan, name)  # both from the loaded weights

@@ -327,3 +327,30 @@ def test_handoff_errors():
         handoff_kv(src, dst, [0, 1], [3, 9])
     with pytest.raises(TypeError, match="src_cache: dict has no copy_pages_to"):
         handoff_kv({}, dst, [0], [1])
+
+
+# ------------------------------------------------------------------------------------------ real modules
+def test_plan_drives_the_library_modules():
+    """The duck typing meets the real StackedExperts (WeightFormat) and LightningIndexer ("bf16"/"fp8")."""
+    from mla_quant.modules.experts import StackedExperts
+    from mla_quant.modules.indexer import LightningIndexer
+
+    holder = nn.Module()
+    holder.mlp = nn.Module()
+    holder.mlp.experts = StackedExperts(4, 128, 64, dtype=torch.float32)
+    holder.self_attn = nn.Module()
+    holder.self_attn.indexer = LightningIndexer(128, 64, n_heads=2, head_dim=32, rope_dim=16, topk=8,
+                                                dtype=torch.float32)
+    plan = QuantPlan({"re:.*experts": Int4Group(32), "re:.*indexer": FP8Block(), "re:.*indexer\\..*": None})
+    assert set(plan.matched(holder)) == {"mlp.experts", "self_attn.indexer"}
+    quantize_(holder, plan)
+    assert holder.mlp.experts.fmt == Int4Group(32) and holder.self_attn.indexer.fmt == "fp8"
+    assert plan.matched(holder) == {}
+    assert holder.self_attn.indexer.wk.fmt == BF16()
+    with pytest.raises(TypeError, match="precision name"):
+        quantize_(holder, {"re:.*indexer": Int4Group(32)})
+    recipe = PhaseRecipe(prefill=Phase(weights={"re:.*indexer": BF16()}), decode=Phase(weights={"re:.*indexer": FP8Block()}))
+    switch = PhaseSwitch(holder, recipe)
+    assert list(switch.variants) == ["self_attn.indexer"] and holder.self_attn.indexer.fmt == "bf16"
+    switch.use("decode")
+    assert holder.self_attn.indexer.fmt == "fp8"
