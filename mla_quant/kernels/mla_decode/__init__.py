@@ -1,0 +1,207 @@
+"""Absorbed MLA decode over paged latent KV (BF16, FP8 e4m3 per token / per tensor, FP8 ds_mla).
+
+``mla_decode(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent)`` returns the
+latent-space attention output ``[B, S, H, d_latent]`` and its log-sum-exp ``[B, S, H]`` (docs/mla.md).
+The Triton path splits long contexts over several programs (flash-decoding) and merges them with a
+log-sum-exp combine kernel; the reference (``reference.py``) gathers rows and attends in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .._backend import triton_interpreted, use_triton
+from .._checks import check_same_device, check_tensor
+from .._outputs import output_buffer
+from ..kv_layout import DS_MLA_TILE, KV_KINDS, kv_data_dtype, kv_row_width
+from .reference import gather_kv_rows, mla_decode_reference
+
+__all__ = ["mla_decode", "mla_decode_reference", "check_paged_kv", "choose_num_splits", "gather_kv_rows"]
+
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_SPLITS = 256
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_paged_kv(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str, d_latent: int,
+                   d_rope: int) -> None:
+    """Shape / dtype checks of one layer's pages in the layout of ``kind`` (kv_layout.py)."""
+    if kind not in KV_KINDS:
+        raise ValueError(f"kind: {kind!r} not in {KV_KINDS}")
+    check_tensor("kv_data", kv_data, dtype=kv_data_dtype(kind), ndim=3)
+    width = kv_row_width(kind, d_latent, d_rope)
+    if kv_data.shape[2] != width:
+        raise ValueError(f"kv_data: rows of {kv_data.shape[2]} elements, but kind {kind!r} with "
+                         f"d_latent={d_latent}, d_rope={d_rope} needs {width}")
+    if kv_data.stride(2) != 1:
+        raise ValueError("kv_data: the row dimension must be contiguous")
+    if kind == "fp8_e4m3":
+        if kv_scales is None:
+            raise ValueError("kv_scales: fp8_e4m3 pages need scales ([num_pages, page_size] or [1])")
+        check_tensor("kv_scales", kv_scales, dtype=torch.float32)
+        per_token = tuple(kv_scales.shape) == tuple(kv_data.shape[:2])
+        if not per_token and kv_scales.numel() != 1:
+            raise ValueError(f"kv_scales: shape {tuple(kv_scales.shape)} is neither per token "
+                             f"{tuple(kv_data.shape[:2])} nor per tensor [1]")
+    elif kv_scales is not None:
+        raise ValueError(f"kv_scales: must be None for kind {kind!r} (bf16 has none, fp8_ds_mla keeps them in the row)")
+
+
+def _validate_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int,
+                     min_len: int) -> None:
+    """Data-dependent checks (one device sync): lengths fit their pages, used page ids exist."""
+    max_pages = block_table.shape[1]
+    need = (seq_lens.long() + page_size - 1) // page_size
+    used = torch.arange(max_pages, device=block_table.device)[None, :] < need[:, None]
+    bad_id = used & ((block_table < 0) | (block_table >= num_pages))
+    flags = torch.stack([(seq_lens < min_len).any(), (need > max_pages).any(), bad_id.any()]).tolist()
+    if flags[0]:
+        b = int((seq_lens < min_len).nonzero()[0])
+        raise ValueError(f"seq_lens: request {b} has {int(seq_lens[b])} cached tokens, fewer than its "
+                         f"{min_len} query tokens")
+    if flags[1]:
+        b = int((need > max_pages).nonzero()[0])
+        raise ValueError(f"seq_lens: request {b} has {int(seq_lens[b])} tokens, longer than its "
+                         f"{max_pages} pages of {page_size} in block_table")
+    if flags[2]:
+        b, j = (int(v) for v in bad_id.nonzero()[0])
+        raise ValueError(f"block_table: page id {int(block_table[b, j])} of request {b} (entry {j}) is out "
+                         f"of range [0, {num_pages})")
+
+
+def choose_num_splits(work_items: int, max_len: int, min_tokens: int, slots: int) -> int:
+    """KV splits per (request, head block) so the grid fills ``slots`` concurrent programs (flash-attn's
+    wave-efficiency heuristic), with at least ``min_tokens`` tokens per split."""
+    if work_items >= 0.8 * slots or max_len <= min_tokens:
+        return 1
+    cap = max(1, min(MAX_SPLITS, max_len // min_tokens, slots))
+    eff = [(n := work_items * s / slots) / math.ceil(n) for s in range(1, cap + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def _scale_mode(kind: str, kv_scales: torch.Tensor | None) -> int:
+    if kind == "bf16":
+        return 0
+    if kind == "fp8_ds_mla":
+        return 3
+    return 1 if kv_scales.numel() > 1 else 2
+
+
+def _page_views(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str, d_latent: int):
+    """(latent view, rope view, scale view) of the pages with their (page, row) strides in elements."""
+    if kind in ("bf16", "fp8_e4m3"):
+        lat, rope = kv_data[..., :d_latent], kv_data[..., d_latent:]
+        sc = kv_scales if kv_scales is not None and kv_scales.numel() > 1 else None
+        sc_strides = (sc.stride(0), sc.stride(1)) if sc is not None else (0, 0)
+        return lat, rope, (kv_scales if kv_scales is not None else kv_data), sc_strides
+    # fp8_ds_mla: one uint8 row = [e4m3 latent | fp32 tile scales | bf16 rope]
+    n_tiles = d_latent // DS_MLA_TILE
+    if kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4:
+        raise ValueError("kv_data: fp8_ds_mla pages must be 4-byte aligned (row stride, page stride, offset)")
+    lat = kv_data.view(torch.float8_e4m3fn)[..., :d_latent]
+    sc = kv_data.view(torch.float32)[..., d_latent // 4: d_latent // 4 + n_tiles]
+    rope = kv_data.view(torch.bfloat16)[..., (d_latent + 4 * n_tiles) // 2:]
+    return lat, rope, sc, (sc.stride(0), sc.stride(1))
+
+
+def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor | None, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, softmax_scale: float, kind: str, d_latent: int, *,
+               num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
+    in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
+
+    ``num_splits``: KV splits per request (None: chosen from the grid size and ``max_seq_len``, a host-side
+    upper bound of seq_lens defaulting to the block table's capacity). ``validate``: check seq_lens and
+    page ids against the tables (one device sync; engines that build the tables themselves may skip it).
+    ``out`` / ``lse``: optional preallocated outputs (contiguous, the shapes and dtypes above).
+    """
+    check_tensor("q", q, dtype=Q_DTYPES, ndim=4)
+    if q.stride(-1) != 1:
+        raise ValueError("q: the last dimension must be contiguous")
+    bsz, s_q, heads, d = q.shape
+    d_rope = d - d_latent
+    if d_latent <= 0 or d_rope <= 0:
+        raise ValueError(f"d_latent: {d_latent} must lie strictly inside q's last dimension {d}")
+    check_paged_kv(kv_data, kv_scales, kind, d_latent, d_rope)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1)
+    if block_table.shape[0] != bsz or seq_lens.shape[0] != bsz:
+        raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens {tuple(seq_lens.shape)}: "
+                         f"need one row per request ({bsz})")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table: rows must be contiguous")
+    check_same_device(q=q, kv_data=kv_data, kv_scales=kv_scales, block_table=block_table, seq_lens=seq_lens)
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale: {softmax_scale} must be a positive finite number")
+    num_pages, page_size = kv_data.shape[:2]
+    if validate and bsz:
+        _validate_tables(block_table, seq_lens, num_pages, page_size, s_q)
+    out = output_buffer("out", out, (bsz, s_q, heads, d_latent), q.dtype, q.device)
+    lse = output_buffer("lse", lse, (bsz, s_q, heads), torch.float32, q.device)
+    if not use_triton(q, kv_data, block_table, seq_lens):
+        o_ref, lse_ref = mla_decode_reference(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind,
+                                              d_latent)
+        return out.copy_(o_ref), lse.copy_(lse_ref)
+    if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
+        raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
+    return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
+                              num_splits, max_seq_len, out, lse)
+
+
+def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
+                       num_splits, max_seq_len, out, lse):
+    from .kernel import _mla_decode_combine_kernel, _mla_decode_kernel, _mla_decode_kernel_tuned
+
+    bsz, s_q, heads, d = q.shape
+    page_size = kv_data.shape[1]
+    m_rows = s_q * heads
+    if bsz == 0 or m_rows == 0:
+        return out, lse
+    interpreted = triton_interpreted()
+    block_m = 16 if m_rows <= 16 else 32 if m_rows <= 32 else 64
+    m_blocks = triton.cdiv(m_rows, block_m)
+    if num_splits is None:
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        row_bytes = kv_data.shape[2] * kv_data.element_size() + (4 if kind == "fp8_e4m3" else 0)
+        # a split must read ≥ 4× the bytes its partial output costs (fp32 written + read)
+        min_tokens = max(128, 4 * block_m * d_latent * 8 // row_bytes)
+        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
+        slots = sms * (2 if block_m <= 32 else 1)
+        num_splits = choose_num_splits(bsz * m_blocks, max_len, min_tokens, slots)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+
+    lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
+    split = num_splits > 1
+    if split:
+        o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
+        lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
+    else:
+        o_dst, lse_dst = out, lse
+    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst,
+            softmax_scale * math.log2(math.e), s_q, heads, num_splits,
+            q.stride(0), q.stride(1), q.stride(2),
+            lat.stride(0), lat.stride(1), rope.stride(0), rope.stride(1), sc_page, sc_row,
+            block_table.stride(0))
+    meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
+                TILE=DS_MLA_TILE, BLOCK_M=block_m, SPLIT_OUT=split,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=interpreted)
+    grid = (m_blocks, num_splits, bsz)
+    if interpreted:
+        _mla_decode_kernel[grid](*args, **meta, BLOCK_N=16)
+    else:
+        _mla_decode_kernel_tuned[grid](*args, **meta)
+    if split:
+        block_r = 8
+        _mla_decode_combine_kernel[(triton.cdiv(m_rows, block_r), bsz)](
+            o_dst, lse_dst, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=block_r,
+            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+    return out, lse
+

@@ -1,0 +1,160 @@
+"""Triton kernels for absorbed MLA decode over paged latents (split-K / flash-decoding).
+
+One program per (head block, KV split, request). The latent tile of BLOCK_N tokens is loaded once and used
+by every head of the block twice: as K (scores = q_abs·latentᵀ + q_pe·k_peᵀ) and as V (out += p·latent) —
+the point of MLA's absorbed form. FP8 pages are dequantized in registers right after the load: e4m3 → the
+dot dtype, with a per-token scale folded into the score column and into p (never multiplied into K), a
+per-tensor scale folded into the softmax scale and the output, and fp8_ds_mla's per-128 tile scales
+multiplied in (power-of-two, so exact). Scores are kept in the log2 domain (exp2).
+"""
+import triton
+import triton.language as tl
+
+# how the latent part of a row is scaled (mirrors kv_layout.py)
+SCALE_NONE = tl.constexpr(0)    # bf16
+SCALE_TOKEN = tl.constexpr(1)   # fp8_e4m3, one fp32 per row (latent and rope)
+SCALE_TENSOR = tl.constexpr(2)  # fp8_e4m3, one fp32 for the layer
+SCALE_TILE = tl.constexpr(3)    # fp8_ds_mla, one fp32 per 128 latent values; rope is bf16
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    sm_scale_log2, S_Q, H, NUM_SPLITS,
+    stride_qb, stride_qs, stride_qh,
+    stride_lat_page, stride_lat_row, stride_rope_page, stride_rope_row, stride_sc_page, stride_sc_row,
+    stride_bt,
+    D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_MODE: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    M = S_Q * H
+    # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    s_idx = rows // H
+    h_idx = rows % H
+    d_lat = tl.arange(0, D_LAT)
+    d_rope = tl.arange(0, D_ROPE)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + s_idx * stride_qs + h_idx * stride_qh
+    q_lat = tl.load(q_rows[:, None] + d_lat[None, :], mask=row_ok[:, None], other=0.0)        # [M, D_LAT]
+    q_pe = tl.load(q_rows[:, None] + D_LAT + d_rope[None, :], mask=row_ok[:, None], other=0.0)  # [M, D_ROPE]
+    dot_ty = q_ptr.dtype.element_ty
+    if INTERPRET:  # the interpreter's bf16 dot is wrong: run the dots in fp32
+        dot_ty = tl.float32
+    q_lat = q_lat.to(dot_ty)
+    q_pe = q_pe.to(dot_ty)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    limit = seq_len - S_Q + 1 + s_idx  # row s sees tokens < limit (causal among the S_Q new tokens)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    if SCALE_MODE == SCALE_TENSOR:
+        tensor_scale = tl.load(scale_ptr)
+        qk_scale = tensor_scale * sm_scale_log2
+    else:
+        qk_scale = sm_scale_log2
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < end
+        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block-table lookup
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+        else:
+            page = tl.load(bt_row + toks // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % PAGE_SIZE
+        lat_rows = lat_ptr + page * stride_lat_page + slot * stride_lat_row
+        rope_rows = rope_ptr + page * stride_rope_page + slot * stride_rope_row
+        # masked loads never touch slots past seq_len (they may hold anything, NaN included)
+        k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)      # [N, D_LAT]
+        k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)  # [N, D_ROPE]
+        if SCALE_MODE == SCALE_TILE:
+            NT: tl.constexpr = D_LAT // TILE
+            sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
+            tile_sc = tl.load(sc_rows[:, None] + tl.arange(0, NT)[None, :], mask=tok_ok[:, None], other=0.0)
+            k3 = tl.reshape(k.to(tl.float32), (BLOCK_N, NT, TILE)) * tile_sc[:, :, None]
+            k = tl.reshape(k3, (BLOCK_N, D_LAT))  # power-of-two scales: exact in bf16
+        k = k.to(dot_ty)
+        k_pe = k_pe.to(dot_ty)
+
+        s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)  # [M, N]
+        if SCALE_MODE == SCALE_TOKEN:
+            tok_sc = tl.load(scale_ptr + page * stride_sc_page + slot * stride_sc_row, mask=tok_ok, other=0.0)
+            s = s * (tok_sc * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+        visible = tok_ok[None, :] & (toks[None, :] < limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if SCALE_MODE == SCALE_TOKEN:
+            p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
+        acc = tl.dot(p.to(dot_ty), k, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SCALE_MODE == SCALE_TENSOR:
+        acc = acc * tensor_scale
+    empty = l_i == 0.0
+    l_use = tl.where(empty, 1.0, l_i)
+    o = acc / l_use[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_use))
+    if SPLIT_OUT:  # partials: o [B, NUM_SPLITS, M, D_LAT] fp32, lse [B, NUM_SPLITS, M] (log2)
+        base = (b * NUM_SPLITS + pid_split).to(tl.int64) * M
+        tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_ptr + base + rows, lse2, mask=row_ok)
+    else:  # final: out [B, S_Q, H, D_LAT] = [B, M, D_LAT], lse [B, M] (natural log)
+        base = b.to(tl.int64) * M
+        tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(lse_ptr + base + rows, lse2 * LN2, mask=row_ok)
+
+
+# GPU launches go through a small autotuner (the interpreter runs one fixed config): the tile of tokens and
+# the pipeline depth trade registers and shared memory against latency hiding, per head block and KV format.
+_mla_decode_kernel_tuned = triton.autotune(
+    [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+     for bn, w, st in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (16, 4, 4), (32, 8, 2), (64, 8, 2))],
+    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "BLOCK_M", "SPLIT_OUT"],
+)(_mla_decode_kernel)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
+                               D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """Merge the splits' (o, lse) of BLOCK_R query rows: out = Σ_s 2^(lse_s - lse)·o_s."""
+    pid_r, b = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    splits = tl.arange(0, SPLITS_P2)
+    part = b.to(tl.int64) * NUM_SPLITS * M
+    lse = tl.load(lse_part_ptr + part + splits[:, None] * M + rows[None, :],
+                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"))  # [S, R]
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m_use[None, :]), 0)
+    d_lat = tl.arange(0, D_LAT)
+    acc = tl.zeros([BLOCK_R, D_LAT], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_part_ptr + part + s * M + rows, mask=row_ok, other=float("-inf")) - m_use)
+        o = tl.load(o_part_ptr + (part + s * M + rows)[:, None] * D_LAT + d_lat[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        acc += w[:, None] * o
+    empty = denom == 0.0
+    d_use = tl.where(empty, 1.0, denom)
+    out = acc / d_use[:, None]
+    base = b.to(tl.int64) * M
+    tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + base + rows, tl.where(empty, float("-inf"), (m_use + tl.log2(d_use)) * LN2), mask=row_ok)

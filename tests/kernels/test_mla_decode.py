@@ -1,0 +1,245 @@
+"""mla_decode: absorbed MLA decode over paged latents — the Triton kernel (interpreted on the CPU, real on the GPU)
+and the reference against a contiguous attention over the rows each request meant to cache (paged ==
+contiguous), ragged lengths, page sizes 1/16/64, shuffled and shared pages, NaN in every unused slot,
+speculative (S > 1) causal queries, split-K, FP8 SQNR against BF16, and bad input."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mla_quant.kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width, quantize_kv_rows
+from mla_quant.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_reference
+from mla_quant.testing import assert_all_written, page_tables, poisoned_empty, ragged_lengths, rel_err, sqnr_db
+from tests.conftest import HAS_CUDA
+
+KINDS = [("bf16", None), ("fp8_e4m3", None), ("fp8_e4m3", 0.05), ("fp8_ds_mla", None)]
+
+
+def build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope, seed, device="cpu"):
+    """NaN-poisoned pages holding each request's rows. Requests that share request 0's leading pages
+    (prefix sharing) also share its rows there. Returns (data, scales, rows per request as stored, fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    d = d_latent + d_rope
+    width = kv_row_width(kind, d_latent, d_rope)
+    data = torch.empty(num_pages * page_size, width, dtype=kv_data_dtype(kind))
+    data.view(torch.uint8).fill_(0xFF)
+    ts = None if tensor_scale is None else torch.tensor([tensor_scale])
+    scales = torch.full((num_pages * page_size,), float("nan")) if kind == "fp8_e4m3" and ts is None else ts
+    base = torch.randn(max(lengths), d, generator=g) * 2
+    stored = []
+    for b, n in enumerate(lengths):
+        rows = torch.randn(n, d, generator=g) * 2
+        shared = 0
+        while b and shared < table.shape[1] and table[b, shared] >= 0 and table[b, shared] == table[0, shared]:
+            shared += 1
+        rows[: shared * page_size] = base[: shared * page_size]
+        if b == 0:
+            base = rows
+        q, s = quantize_kv_rows(rows, kind, d_latent, ts)
+        tok = torch.arange(n)
+        slots = table[b, tok // page_size].long() * page_size + tok % page_size
+        data[slots] = q
+        if kind == "fp8_e4m3" and ts is None:
+            scales[slots] = s
+        stored.append(dequantize_kv_rows(q, s, kind, d_latent, d_rope))
+    data = data.reshape(num_pages, page_size, width).to(device)
+    if scales is not None and scales.numel() > 1:
+        scales = scales.reshape(num_pages, page_size)
+    return data, (scales.to(device) if scales is not None else None), stored
+
+
+def contiguous_attention(q, rows, scale, d_latent):
+    """fp64 attention of one request's queries q [S, H, D] over its rows [n, D] (causal among the S)."""
+    s_q, n = q.shape[0], rows.shape[0]
+    scores = torch.einsum("shd,nd->shn", q.double(), rows.double()) * scale
+    visible = torch.arange(n)[None, :] < (n - s_q + 1 + torch.arange(s_q))[:, None]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.softmax(scores, -1) @ rows[:, :d_latent].double(), torch.logsumexp(scores, -1)
+
+
+def _tables(lengths, page_size, data):
+    return data.draw(page_tables(lengths, page_size, share_prefix=data.draw(st.booleans())))
+
+
+# ------------------------------------------------------------------------ paged == contiguous (Hypothesis)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the backend fixture is constant
+@given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16, 64]),
+       s_q=st.sampled_from([1, 1, 2, 3]), heads=st.integers(1, 5), num_splits=st.sampled_from([None, 1, 2, 5]))
+def test_kernel_matches_contiguous_attention(triton_backend, data, kind, page_size, s_q, heads, num_splits):
+    kind, tensor_scale = kind
+    d_latent, d_rope = 128, 32
+    lengths = data.draw(ragged_lengths(st.integers(1, 4), min_len=s_q, max_len=150 if page_size > 1 else 40))
+    table, seq_lens, num_pages = _tables(lengths, page_size, data)
+    dev = triton_backend
+    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
+                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope)
+    scale = (d_latent // 4 + d_rope) ** -0.5
+    out = poisoned_empty((len(lengths), s_q, heads, d_latent), device=dev)
+    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
+    table, seq_lens = table.to(dev), seq_lens.to(dev)
+    mla_decode(q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent, num_splits=num_splits, out=out, lse=lse)
+    assert_all_written(out, "out")
+    assert_all_written(lse, "lse")
+    out, lse = out.cpu(), lse.cpu()
+    for b, rows in enumerate(stored):
+        o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
+        assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
+        assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+    o_r, lse_r = mla_decode_reference(q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent)
+    assert rel_err(out, o_r.cpu()) < 1e-5 and torch.allclose(lse, lse_r.cpu(), atol=1e-4)
+
+
+def test_ds_mla_with_several_tiles_and_a_long_split_sequence(triton_backend):
+    """d_latent 256 (two 128-tiles per row) and 3 splits over a 300-token request with a short neighbour."""
+    lengths, page_size = [300, 5], 16
+    table = torch.randperm(40)[:40].int().reshape(2, 20)
+    table[1, 1:] = -1
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    dev = triton_backend
+    kv, _, stored = build_pages(lengths, table, 40, page_size, "fp8_ds_mla", None, 256, 32, seed=3, device=dev)
+    q = torch.randn(2, 2, 3, 288)
+    out, lse = mla_decode(q.to(dev), kv, None, table.to(dev), seq_lens.to(dev), 0.07, "fp8_ds_mla", 256,
+                          num_splits=3)
+    out, lse = out.cpu(), lse.cpu()
+    for b, rows in enumerate(stored):
+        o_ref, lse_ref = contiguous_attention(q[b], rows, 0.07, 256)
+        assert rel_err(out[b], o_ref) < 1e-5 and torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+
+
+def test_absorbed_decode_equals_naive_attention():
+    """Scores q_nope·(W_UK c) + q_pe·k_pe and output W_UV(p·c) equal naive attention with expanded K/V."""
+    torch.manual_seed(0)
+    heads, nope, v_dim, d_latent, d_rope, n = 3, 24, 20, 64, 16, 37
+    w_uk, w_uv = torch.randn(heads, nope, d_latent) / 8, torch.randn(heads, v_dim, d_latent) / 8
+    rows = torch.randn(n, d_latent + d_rope)
+    q_nope, q_pe = torch.randn(1, heads, nope), torch.randn(1, heads, d_rope)
+    q_abs = torch.einsum("shd,hdc->shc", q_nope, w_uk)
+    data, _ = quantize_kv_rows(rows.to(torch.bfloat16).float(), "bf16", d_latent)
+    table = torch.arange(n, dtype=torch.int32)[None]
+    o_lat, _ = mla_decode_reference(torch.cat([q_abs, q_pe], -1)[None], data.reshape(n, 1, -1), None, table,
+                                    torch.tensor([n], dtype=torch.int32), 0.1, "bf16", d_latent)
+    absorbed = torch.einsum("hc,hvc->hv", o_lat[0, 0], w_uv)
+    rows_bf16 = rows.to(torch.bfloat16).float()
+    k = torch.cat([torch.einsum("hdc,nc->nhd", w_uk, rows_bf16[:, :d_latent]),
+                   rows_bf16[:, None, d_latent:].expand(n, heads, d_rope)], -1)
+    v = torch.einsum("hvc,nc->nhv", w_uv, rows_bf16[:, :d_latent])
+    scores = torch.einsum("hd,nhd->hn", torch.cat([q_nope, q_pe], -1)[0], k) * 0.1
+    naive = torch.einsum("hn,nhv->hv", torch.softmax(scores, -1), v)
+    assert rel_err(absorbed, naive) < 1e-5
+
+
+def test_fp8_pages_sqnr_against_bf16_pages():
+    """The stated accuracy of FP8 pages (docs/mla.md): output SQNR vs BF16 pages on Gaussian latents."""
+    torch.manual_seed(0)
+    n, heads, d_latent, d_rope, page_size = 512, 8, 512, 64, 64
+    rows = torch.randn(n, d_latent + d_rope)
+    table = torch.arange(n // page_size, dtype=torch.int32)[None]
+    seq = torch.tensor([n], dtype=torch.int32)
+    q = torch.randn(1, 1, heads, d_latent + d_rope) * 3
+    outs = {}
+    for kind, ts in KINDS:
+        data, s = quantize_kv_rows(rows, kind, d_latent, None if ts is None else torch.tensor([rows.abs().max() / 448]))
+        s = s.reshape(-1, page_size) if s is not None and s.numel() > 1 else s
+        outs[(kind, ts)] = mla_decode_reference(q, data.reshape(-1, page_size, data.shape[-1]), s, table, seq,
+                                                576 ** -0.5, kind, d_latent)[0]
+    ref = outs[("bf16", None)]
+    assert sqnr_db(ref, outs[("fp8_e4m3", None)]) > 25
+    assert sqnr_db(ref, outs[("fp8_e4m3", 0.05)]) > 20  # one scale for the whole layer
+    assert sqnr_db(ref, outs[("fp8_ds_mla", None)]) > 25
+
+
+# ------------------------------------------------------------------------------------------ split rule
+def test_choose_num_splits():
+    assert choose_num_splits(work_items=300, max_len=65536, min_tokens=256, slots=264) == 1  # grid already full
+    assert choose_num_splits(work_items=1, max_len=200, min_tokens=256, slots=264) == 1      # too short to split
+    s = choose_num_splits(work_items=64, max_len=4096, min_tokens=256, slots=264)
+    assert 2 <= s <= 16 and 64 * s <= 264
+    s = choose_num_splits(work_items=1, max_len=65536, min_tokens=512, slots=264)
+    assert 64 <= s <= 128
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _small_case(kind="bf16"):
+    data, s = quantize_kv_rows(torch.randn(32, 144), kind, 128)
+    data = data.reshape(4, 8, -1)
+    s = s.reshape(4, 8) if s is not None else None
+    return (torch.randn(2, 1, 2, 144), data, s, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+            torch.tensor([16, 9], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: a.__setitem__(3, torch.tensor([[0, 1], [2, 7]], dtype=torch.int32)), ValueError, "block_table: page id 7"),
+    (lambda a: a.__setitem__(3, torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)), ValueError, "block_table: page id -1"),
+    (lambda a: a.__setitem__(4, torch.tensor([17, 9], dtype=torch.int32)), ValueError, "seq_lens: request 0 has 17"),
+    (lambda a: a.__setitem__(4, torch.tensor([16, 0], dtype=torch.int32)), ValueError, "fewer than its 1 query"),
+    (lambda a: a.__setitem__(4, torch.tensor([16, 9])), TypeError, "seq_lens"),
+    (lambda a: a.__setitem__(3, torch.tensor([[0, 1], [2, 3]])), TypeError, "block_table"),
+    (lambda a: a.__setitem__(0, torch.randn(2, 1, 2, 144).to(torch.int32)), TypeError, "q"),
+    (lambda a: a.__setitem__(0, torch.randn(3, 1, 2, 144)), ValueError, "one row per request"),
+    (lambda a: a.__setitem__(1, a[1].float()), TypeError, "kv_data"),
+    (lambda a: a.__setitem__(1, a[1][..., :140]), ValueError, "kv_data: rows of 140"),
+    (lambda a: a.__setitem__(2, torch.ones(4, 8)), ValueError, "kv_scales: must be None"),
+])
+def test_bad_input_raises_naming_the_argument(mutate, exc, match):
+    args = list(_small_case())
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        mla_decode(*args, 0.1, "bf16", 128)
+
+
+def test_bad_scales_and_options():
+    q, data, s, table, seq = _small_case("fp8_e4m3")
+    with pytest.raises(ValueError, match="kv_scales: fp8_e4m3 pages need scales"):
+        mla_decode(q, data, None, table, seq, 0.1, "fp8_e4m3", 128)
+    with pytest.raises(ValueError, match="kv_scales: shape"):
+        mla_decode(q, data, s[:2], table, seq, 0.1, "fp8_e4m3", 128)
+    with pytest.raises(ValueError, match="kind"):
+        mla_decode(q, data, s, table, seq, 0.1, "int4", 128)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        mla_decode(q, data, s, table, seq, float("nan"), "fp8_e4m3", 128)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        mla_decode(q, data, s, table, seq, 0.1, "fp8_e4m3", 128, out=torch.empty(2, 1, 2, 144))
+    with pytest.raises(ValueError, match="fewer than its 2 query"):
+        mla_decode(torch.randn(2, 2, 2, 144), data, s, table, torch.tensor([16, 1], dtype=torch.int32), 0.1,
+                   "fp8_e4m3", 128)
+
+
+def test_kernel_rejects_bad_split_count_and_dims(triton_backend):
+    dev = triton_backend
+    q, data, s, table, seq = (t.to(dev) if t is not None else None for t in _small_case())
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(q, data, s, table, seq, 0.1, "bf16", 128, num_splits=0)
+    data24, _ = quantize_kv_rows(torch.randn(32, 152), "bf16", 128)
+    with pytest.raises(ValueError, match="powers of two"):
+        mla_decode(torch.randn(2, 1, 2, 152, device=dev), data24.reshape(4, 8, -1).to(dev), None, table, seq, 0.1,
+                   "bf16", 128)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, tensor_scale", KINDS)
+@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097]), (64, 1, [2000, 5]),
+                                                 (128, 1, [777]), (16, 2, [100, 3000]), (8, 4, [4, 70])])
+def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
+    """Real dims (512 + 64), bf16 queries, page size 64, splits chosen by the launcher and forced."""
+    d_latent, d_rope, page_size = 512, 64, 64
+    need = sum(-(-n // page_size) for n in lengths)
+    perm = torch.randperm(need + 3).int()
+    table = torch.full((len(lengths), max(-(-n // page_size) for n in lengths)), -1, dtype=torch.int32)
+    c = 0
+    for b, n in enumerate(lengths):
+        k = -(-n // page_size)
+        table[b, :k] = perm[c:c + k]
+        c += k
+    kv, scales, _ = build_pages(lengths, table, need + 3, page_size, kind, tensor_scale, d_latent, d_rope, seed=1,
+                                device="cuda")
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
+    table, seq = table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    o_ref, lse_ref = mla_decode_reference(q, kv, scales, table, seq, 0.1, kind, d_latent)
+    for splits in (None, 1, 7):
+        out, lse = mla_decode(q, kv, scales, table, seq, 0.1, kind, d_latent, num_splits=splits)
+        assert_all_written(out, "out")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
