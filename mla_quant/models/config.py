@@ -64,9 +64,11 @@ class _HFConfig:
     # ---- construction / serialisation -------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict):
-        """Known keys become fields, the others go to ``extra`` (kept for ``to_hf``)."""
+        """Known keys become fields, the others go to ``extra`` (kept for ``to_hf``). Absent keys take the
+        defaults (the real model's), except ``quantization_config``: absent means unquantized."""
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
+        known.setdefault("quantization_config", None)
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
 
@@ -370,6 +372,16 @@ class Glm52Config(_HFConfig):
         freq = max(freq if freq is not None else 1, 1)
         offset = 2 if offset is None else offset
         return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+    def replace(self, **changes) -> "Glm52Config":
+        """``dataclasses.replace``; ``indexer_types`` that follow the freq / offset rule are derived again when
+        the layer count or the rule's inputs change (explicit lists are kept and must still fit)."""
+        schedule = ("num_hidden_layers", "index_topk_freq", "index_skip_topk_offset")
+        derived = self.derive_indexer_types(self.num_hidden_layers, self.index_topk_freq,
+                                            self.index_skip_topk_offset, self.extra.get("index_topk_pattern"))
+        if "indexer_types" not in changes and any(k in changes for k in schedule) and self.indexer_types == derived:
+            changes["indexer_types"] = None
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> "Glm52Config":
