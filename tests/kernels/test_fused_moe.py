@@ -1,0 +1,208 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mla_quant.kernels.fp8_quant import block_quant_fp8_reference
+from mla_quant.kernels.int4_quant import int4_quantize_reference
+from mla_quant.kernels.fused_moe import WEIGHT_KEYS, choose_block_m, dequantize_expert, fused_moe, fused_moe_reference
+from mla_quant.testing import assert_rel_close, poisoned_empty
+from tests.conftest import HAS_CUDA
+
+# (kind, act_quant): the three weight formats, FP8 both weight-only and W8A8
+VARIANTS = [("bf16", False), ("int4_group", False), ("fp8_block", False), ("fp8_block", True)]
+
+
+def stacked(kind, e, n, k, seed, group_size=32, device="cpu"):
+    """[E, N, K] random weights held in ``kind`` (the format's checkpoint tensors, stacked)."""
+    w = (torch.randn(e, n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5).to(device)
+    if kind == "bf16":
+        return {"weight": w}
+    # the references quantize (fast on the CPU, also under the interpreter)
+    quant = (lambda m: int4_quantize_reference(m, group_size)) if kind == "int4_group" else block_quant_fp8_reference
+    per = [quant(w[i]) for i in range(e)]
+    return {key: torch.stack([p[i] for p in per]) for i, key in enumerate(WEIGHT_KEYS[kind])}
+
+
+def experts(kind, e, hidden, inter, seed=0, group_size=32, device="cpu"):
+    return (stacked(kind, e, inter, hidden, seed, group_size, device),
+            stacked(kind, e, inter, hidden, seed + 1, group_size, device),
+            stacked(kind, e, hidden, inter, seed + 2, group_size, device))
+
+
+def routing(t, e, k, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    return torch.rand(t, k, generator=g).to(device), ids.to(torch.int32).to(device)
+
+
+def naive_moe(x, topk_weights, topk_ids, gate, up, down, kind, **kw):
+    """Token by token, slot by slot, on dequantized weights (independent of the reference's loop)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if not 0 <= e < next(iter(gate.values())).shape[0]:
+                continue
+            wg, wu, wd = (dequantize_expert(kind, w, e, **kw).double() for w in (gate, up, down))
+            h = F.silu(wg @ x[t].double()) * (wu @ x[t].double())
+            out[t] += float(topk_weights[t, j]) * (wd @ h)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4_group", "fp8_block"])
+def test_reference_equals_naive_per_token_loop(kind):
+    gate, up, down = experts(kind, 5, 128, 128)
+    x = torch.randn(7, 128)
+    w, ids = routing(7, 5, 3)
+    ids[0, 0] = -1  # a dropped slot
+    got = fused_moe_reference(x, w, ids, gate, up, down, kind=kind)
+    assert_rel_close(got, naive_moe(x, w, ids, gate, up, down, kind).float(), 1e-5, kind)
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+@pytest.mark.parametrize("kind,act_quant", VARIANTS)
+def test_kernel_matches_reference(triton_backend, kind, act_quant, block_m):
+    dev = triton_backend
+    gate, up, down = experts(kind, 6, 128, 128, device=dev)
+    x = torch.randn(5, 128, device=dev)
+    w, ids = routing(5, 6, 2, device=dev)
+    out = poisoned_empty((5, 128), torch.float32, dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant, block_m=block_m, out=out)
+    assert got is out
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), *({k: v.cpu() for k, v in d.items()}
+                                                           for d in (gate, up, down)), kind=kind, act_quant=act_quant)
+    assert_rel_close(got.cpu(), ref, 1e-5, f"{kind} act_quant={act_quant} block_m={block_m}")
+
+
+@pytest.mark.parametrize("case", ["one_token", "all_on_one_expert", "odd_63", "empty_experts", "dropped",
+                                  "no_tokens", "shared_out"])
+def test_edge_cases(triton_backend, case):
+    dev, e, k = triton_backend, 4, 2
+    t = {"one_token": 1, "odd_63": 63, "all_on_one_expert": 33, "no_tokens": 0}.get(case, 9)
+    gate, up, down = experts("int4_group", e, 64, 64, device=dev)
+    x = torch.randn(t, 64, device=dev)
+    w, ids = routing(t, e, k, device=dev)
+    if case == "all_on_one_expert":
+        ids = torch.full((t, 1), 2, dtype=torch.int32, device=dev)
+        w = w[:, :1]
+    if case == "empty_experts":
+        ids = ids % 2  # experts 2 and 3 get nothing
+        ids[:, 1] = 1 - ids[:, 0]
+    if case == "dropped":
+        ids[::2, 0] = -1
+        ids[1, 1] = e  # out of range: dropped too
+    shared = torch.randn(t, 64, device=dev) if case == "shared_out" else None
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared)
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              shared_out=None if shared is None else shared.cpu())
+    assert got.shape == (t, 64)
+    assert_rel_close(got.cpu(), ref, 1e-5, case)
+    if case == "dropped":  # a token whose slots are all dropped gets exactly zero
+        assert torch.equal(fused_moe(x[:1], w[:1], torch.full((1, k), -1, dtype=torch.int32, device=dev),
+                                     gate, up, down, kind="int4_group").cpu(), torch.zeros(1, 64))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4_group", "fp8_block"])
+def test_nan_weights_of_idle_experts_do_not_leak(triton_backend, kind):
+    dev = triton_backend
+    gate, up, down = experts(kind, 4, 128, 128, device=dev)
+    for d in (gate, up, down):  # poison expert 3 completely (weights and scales)
+        for key, v in d.items():
+            if v.dtype.is_floating_point:
+                v[3] = float("nan")
+            else:
+                v[3] = -1
+    x = torch.randn(6, 128, device=dev)
+    w, ids = routing(6, 3, 2, device=dev)  # experts 0..2 only
+    for block_m in (1, 16):
+        got = fused_moe(x, w, ids, gate, up, down, kind=kind, block_m=block_m)
+        assert not torch.isnan(got).any(), block_m
+
+
+def test_bf16_activations(triton_backend):
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 4, 128, 64, device=dev)
+    x = torch.randn(9, 128, device=dev).to(torch.bfloat16)
+    w, ids = routing(9, 4, 2, device=dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group")
+    assert got.dtype == torch.bfloat16
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group")
+    assert_rel_close(got.float().cpu(), ref.float(), 2e-2, "bf16")  # the interpreter truncates to bf16
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=st.integers(1, 20), e=st.integers(1, 9), k=st.integers(1, 4), group=st.sampled_from([32, 64]),
+       block_m=st.sampled_from([None, 1, 16, 32]), seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_int4(triton_backend, t, e, k, group, block_m, seed):
+    k = min(k, e)
+    gate, up, down = experts("int4_group", e, 64, 64, seed, group, device=triton_backend)
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(seed)).to(triton_backend)
+    w, ids = routing(t, e, k, seed, device=triton_backend)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m)
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group)
+    assert_rel_close(got.cpu(), ref, 1e-5, "int4")
+
+
+def test_block_m_heuristic():
+    assert choose_block_m(8, 384) == 1 and choose_block_m(128, 384) == 1  # decode: one row per active expert
+    assert choose_block_m(512, 384) == 16 and choose_block_m(8192, 384) == 32
+    assert choose_block_m(131072, 256) == 128
+
+
+def test_bad_input_names_the_argument():
+    gate, up, down = experts("int4_group", 2, 64, 64)
+    x = torch.randn(3, 64)
+    w, ids = routing(3, 2, 1)
+    with pytest.raises(ValueError, match="kind"):
+        fused_moe(x, w, ids, gate, up, down, kind="int3")
+    with pytest.raises(ValueError, match="gate"):
+        fused_moe(x, w, ids, {"weight": gate["weight_packed"]}, up, down, kind="int4_group")
+    with pytest.raises(ValueError, match="down"):
+        fused_moe(x, w, ids, gate, up, {k: v[:, :32] for k, v in down.items()}, kind="int4_group")
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, w, ids[:2], gate, up, down, kind="int4_group")
+    with pytest.raises(ValueError, match="group_size"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=48)
+    with pytest.raises(ValueError, match="scale"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=64)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=8)
+    with pytest.raises(TypeError, match="x"):
+        fused_moe(x.to(torch.int32), w, ids, gate, up, down, kind="int4_group")
+    with pytest.raises(ValueError, match="shared_out"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", shared_out=torch.zeros(2, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 16, 63, 256, 1000])
+@pytest.mark.parametrize("kind,act_quant", VARIANTS)
+def test_gpu_real_widths(kind, act_quant, t):
+    # Kimi's widths (hidden 7168, expert 2048), fewer experts to keep the reference loop short.
+    e, k = 24, 8
+    gate, up, down = experts(kind, e, 7168, 2048, device="cuda")
+    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(torch.bfloat16)
+    w, ids = routing(t, e, k, device="cuda")
+    out = poisoned_empty((t, 7168), torch.bfloat16, "cuda")
+    got = fused_moe(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant, out=out)
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant)
+    assert_rel_close(got.float(), ref.float(), 1e-2, f"{kind} T={t}")  # bf16 weights / h rounding
+    if t <= 16:  # both decode paths (GEMV and tensor-core tile) agree
+        other = fused_moe(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant, block_m=16)
+        assert_rel_close(other.float(), got.float(), 1e-2, "block_m=16")
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_is_the_exact_mode():
+    gate, up, down = experts("int4_group", 8, 1024, 512, device="cuda")
+    x = torch.randn(33, 1024, device="cuda")
+    w, ids = routing(33, 8, 4, device="cuda")
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group")
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
+    assert_rel_close(got, ref, 1e-5, "fp32 (IEEE dots)")
+    assert HAS_CUDA
