@@ -21,7 +21,7 @@ import torch
 from .batch import PagedBatch
 from .paged import PagedKVCache, check_page_size
 from .tables import block_table_to_csr
-from .tags import NoopTagTracker, PageTagTracker
+from .tags import STALE_TAG, NoopTagTracker, PageTagTracker
 
 
 class OutOfPages(RuntimeError):
@@ -152,12 +152,14 @@ class PageAllocator:
     def _grow(self, request: Hashable, req: _Request, n: int) -> torch.Tensor:
         """Extend by ``n`` tokens (pages already known to be available); returns their slots."""
         if n > 0 and self._needs_copy(req):
-            old = req.pages[-1]
+            entry, old = len(req.pages) - 1, req.pages[-1]
+            owned = self.tracker.owns(request, entry, old)   # a copy must not launder a lost page
             (new,) = self._take_free(1)
             self.pending_copies.append((old, new))
             self.refcount[old] -= 1   # still >= 1: the other owners keep it
             req.pages[-1] = new
-            self.tracker.replace(request, len(req.pages) - 1, self.tracker.assign([new])[0])
+            tag = self.tracker.assign([new])[0]
+            self.tracker.replace(request, entry, tag if owned else STALE_TAG)
         fresh = self._take_free(self._new_pages_for(req, n))
         req.pages.extend(fresh)
         self.tracker.record(request, self.tracker.assign(fresh))
@@ -254,12 +256,14 @@ class PageAllocator:
         for p in ref.pages:
             self.refcount[p] += 1
         self._prefixes[ref.id] = ref
+        self.tracker.record(ref, ref.tags)     # a holder of its pages, like a request
         return ref
 
     def release_prefix(self, prefix: PrefixRef) -> None:
         if self._prefixes.get(prefix.id) != prefix:
             raise ValueError(f"prefix: {prefix.id} is not retained (released twice?)")
         del self._prefixes[prefix.id]
+        self.tracker.forget(prefix)
         for p in prefix.pages:
             self._release_page(p)
 
@@ -355,5 +359,6 @@ class PageAllocator:
             raise AssertionError("free list differs from the unreferenced pages")
         if self.tracker.enabled:
             for p in range(self.num_pages):
-                if (self.tracker.current(p) == 0) != (counts[p] == 0):
-                    raise AssertionError(f"page {p}: tag {self.tracker.current(p)} with {counts[p]} references")
+                if (self.tracker.current(p) == 0) != (counts[p] == 0) or self.tracker.holders(p) != counts[p]:
+                    raise AssertionError(f"page {p}: tag {self.tracker.current(p)} held by "
+                                         f"{self.tracker.holders(p)} records, {counts[p]} references")

@@ -5,6 +5,9 @@ Every physical page carries a tag. The allocator gives a page a fresh tag each t
 prefix page, whose tag it inherits from the owner it forks. Before attention reads, :meth:`verify` checks in
 one kernel launch, for the whole batch, that every page each request's block table points at still carries
 the tag that request recorded. A page that was freed (tag 0) or handed to someone else (a newer tag) fails.
+The step's writes are checked too: each new token must go to the slot its table gives, in a page no other
+request or retained prefix holds (the tracker counts the holders of every page from the recorded tags, apart
+from the allocator's reference counts, so a copy-on-write skipped through a wrong count is caught).
 
 Tags are drawn from one int64 counter for the whole pool, so a tag is never reused: not by another page
 (a wrong page id in a table can never show the right tag) and not by the same page later (no wrap-around:
@@ -19,7 +22,8 @@ import torch
 
 from ..kernels.page_tag_verify import page_tag_verify
 
-FREE_TAG = 0
+FREE_TAG = 0     # the tag of a page on the free list
+STALE_TAG = -1   # recorded for a copy made from a page its request had already lost: never matches
 
 
 class PageTagMismatch(RuntimeError):
@@ -55,58 +59,91 @@ class PageTagTracker:
             raise ValueError(f"num_pages {num_pages} and page_size {page_size} must be positive")
         self.num_pages, self.page_size = num_pages, page_size
         self.device = torch.device(device)
-        self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)  # [num_pages]
+        self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)     # [num_pages]
+        self.page_holders = torch.zeros(num_pages, dtype=torch.int64, device=self.device)  # [num_pages]
         self._host_tags = [FREE_TAG] * num_pages
+        self._host_holders = [0] * num_pages
         self._next_tag = FREE_TAG + 1
-        self._dirty: dict[int, int] = {}            # page -> tag not yet copied to page_tags
-        self._records: dict[Hashable, list[int]] = {}
+        self._dirty: set[int] = set()                    # pages whose tag or holders changed since flush
+        self._records: dict[Hashable, list[int]] = {}    # request or prefix key -> recorded tag per entry
+        self._holders: dict[int, int] = {}               # tag -> records holding it
+        self._tag_page: dict[int, int] = {}              # current tag -> its page
 
     # -------------------------------------------------------------------------- allocator hooks (host)
+    def _set_page(self, page: int, tag: int) -> None:
+        self._tag_page.pop(self._host_tags[page], None)
+        self._host_tags[page] = tag
+        if tag != FREE_TAG:
+            self._tag_page[tag] = page
+        self._host_holders[page] = self._holders.get(tag, 0) if tag != FREE_TAG else 0
+        self._dirty.add(page)
+
+    def _count(self, tag: int, delta: int) -> None:
+        self._holders[tag] = self._holders.get(tag, 0) + delta
+        if self._holders[tag] == 0:
+            del self._holders[tag]
+        page = self._tag_page.get(tag)
+        if page is not None:
+            self._host_holders[page] = self._holders.get(tag, 0)
+            self._dirty.add(page)
+
     def assign(self, pages: Sequence[int]) -> list[int]:
         """Fresh tags for newly allocated pages; returns them."""
         tags = list(range(self._next_tag, self._next_tag + len(pages)))
         self._next_tag += len(pages)
         for p, t in zip(pages, tags):
-            self._host_tags[p] = t
-            self._dirty[p] = t
+            self._set_page(p, t)
         return tags
 
     def release(self, pages: Sequence[int]) -> None:
         """Pages returned to the free list: tag 0, so a reader still holding one fails even before reuse."""
         for p in pages:
-            self._host_tags[p] = FREE_TAG
-            self._dirty[p] = FREE_TAG
+            self._set_page(p, FREE_TAG)
 
-    def record(self, request: Hashable, tags: Sequence[int]) -> None:
-        """``request`` took pages (appended to its table) carrying these tags."""
-        self._records.setdefault(request, []).extend(int(t) for t in tags)
+    def record(self, holder: Hashable, tags: Sequence[int]) -> None:
+        """``holder`` (a request, or a retained prefix) took pages carrying these tags, appended to its table."""
+        rec = self._records.setdefault(holder, [])
+        for t in tags:
+            rec.append(int(t))
+            self._count(int(t), +1)
 
-    def replace(self, request: Hashable, entry: int, tag: int) -> None:
-        """Entry ``entry`` of ``request``'s table now holds a page with ``tag`` (copy-on-write)."""
-        self._records[request][entry] = int(tag)
+    def replace(self, holder: Hashable, entry: int, tag: int) -> None:
+        """Entry ``entry`` of ``holder``'s table now holds a page with ``tag`` (copy-on-write)."""
+        rec = self._records[holder]
+        self._count(rec[entry], -1)
+        rec[entry] = int(tag)
+        self._count(rec[entry], +1)
 
-    def forget(self, request: Hashable) -> None:
-        self._records.pop(request, None)
+    def forget(self, holder: Hashable) -> None:
+        for t in self._records.pop(holder, ()):
+            self._count(t, -1)
 
-    def recorded(self, request: Hashable) -> list[int]:
-        return list(self._records.get(request, ()))
+    def recorded(self, holder: Hashable) -> list[int]:
+        return list(self._records.get(holder, ()))
 
     def current(self, page: int) -> int:
         return self._host_tags[page]
 
-    def owns(self, request: Hashable, entry: int, page: int) -> bool:
-        """Whether ``page`` at ``entry`` still carries the tag ``request`` recorded (host-side)."""
-        rec = self._records.get(request, ())
+    def holders(self, page: int) -> int:
+        """Records (requests and retained prefixes) that hold ``page`` at its current tag."""
+        return self._host_holders[page]
+
+    def owns(self, holder: Hashable, entry: int, page: int) -> bool:
+        """Whether ``page`` at ``entry`` still carries the tag ``holder`` recorded (host-side)."""
+        rec = self._records.get(holder, ())
         return 0 <= page < self.num_pages and entry < len(rec) and self._host_tags[page] == rec[entry]
 
     # -------------------------------------------------------------------------- device side
     def flush(self) -> None:
-        """Copy tag changes made since the last flush to ``page_tags`` (one small H2D copy + scatter)."""
+        """Copy the tags and holder counts changed since the last flush to ``page_tags`` / ``page_holders``
+        (one small H2D copy and two scatters)."""
         if not self._dirty:
             return
-        update = torch.tensor([list(self._dirty.keys()), list(self._dirty.values())], dtype=torch.int64)
-        update = update.to(self.device)                                    # [2, n]: pages, tags
+        pages = sorted(self._dirty)
+        update = torch.tensor([pages, [self._host_tags[p] for p in pages], [self._host_holders[p] for p in pages]],
+                              dtype=torch.int64).to(self.device)            # [3, n]: pages, tags, holders
         self.page_tags.index_copy_(0, update[0], update[1])
+        self.page_holders.index_copy_(0, update[0], update[2])
         self._dirty.clear()
 
     def recorded_table(self, requests: Sequence[Hashable], max_pages: int,
@@ -127,13 +164,14 @@ class PageTagTracker:
         """Failing requests as a device bool mask ``[B]`` (one kernel launch, no host sync).
 
         ``recorded_tags`` ``[B, max_pages]`` (``PagedBatch.tags``) saves building it from the records.
-        ``cu_seqlens_q`` / ``slot_mapping`` (the step's writes) are checked against the table too.
+        ``cu_seqlens_q`` / ``slot_mapping`` (the step's writes) are checked against the table too, and must not
+        go into a page another request or prefix still holds (a copy-on-write that did not happen).
         """
         self.flush()
         if recorded_tags is None:
             recorded_tags = self.recorded_table(requests, block_table.shape[1], block_table.device)
         return page_tag_verify(block_table, seq_lens, recorded_tags, self.page_tags, self.page_size,
-                               cu_seqlens_q, slot_mapping)
+                               cu_seqlens_q, slot_mapping, self.page_holders if slot_mapping is not None else None)
 
     def verify_batch(self, batch) -> torch.Tensor:
         """:meth:`verify` for a ``PagedBatch`` built by ``PageAllocator.plan`` (its reads and its writes)."""
@@ -202,6 +240,9 @@ class NoopTagTracker:
 
     def current(self, page: int) -> int:
         return FREE_TAG
+
+    def holders(self, page: int) -> int:
+        return 0
 
     def owns(self, request: Hashable, entry: int, page: int) -> bool:
         return True

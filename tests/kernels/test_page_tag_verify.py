@@ -44,18 +44,19 @@ SETTINGS = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @SETTINGS
 @given(lengths=ragged_lengths(batch=st.integers(1, 9), min_len=0, max_len=300),
        page_size=st.sampled_from([1, 16, 64]), seed=st.integers(0, 2**31 - 1), share=st.booleans(),
-       corrupt=st.sampled_from(["none", "tag", "page", "out_of_range", "slot", "length"]), data=st.data())
+       corrupt=st.sampled_from(["none", "tag", "page", "out_of_range", "slot", "length", "shared"]), data=st.data())
 def test_kernel_matches_reference_and_flags_exactly_the_corrupted_request(
         triton_backend, lengths, page_size, seed, share, corrupt, data):
     table, seq_lens, rec, tags, cu, slots = consistent_batch(lengths, page_size, seed, share_prefix=share, data=data)
-    failed, first = run_both(triton_backend, table, seq_lens, rec, tags, page_size, cu, slots)
+    holders = torch.ones_like(tags)
+    failed, first = run_both(triton_backend, table, seq_lens, rec, tags, page_size, cu, slots, holders)
     assert not failed.any(), "a consistent batch must pass"
     assert torch.all(first == -1)
     b = data.draw(st.integers(0, len(lengths) - 1))
     n_pages = -(-int(seq_lens[b]) // page_size)
     if corrupt == "none" or (n_pages == 0 and corrupt in ("tag", "page", "out_of_range")):
         return
-    if corrupt == "slot" and int(cu[b + 1] - cu[b]) == 0:
+    if corrupt in ("slot", "shared") and int(cu[b + 1] - cu[b]) == 0:
         return
     table, rec, slots, seq_lens = table.clone(), rec.clone(), slots.clone(), seq_lens.clone()
     i = data.draw(st.integers(0, max(n_pages - 1, 0)))
@@ -77,11 +78,19 @@ def test_kernel_matches_reference_and_flags_exactly_the_corrupted_request(
         slots[t] += data.draw(st.sampled_from([1, -1, page_size]))
         expect = torch.zeros(len(lengths), dtype=torch.bool)
         expect[b] = True
+    elif corrupt == "shared":             # a write into a page someone else holds too (a missed copy-on-write)
+        t = data.draw(st.integers(int(cu[b]), int(cu[b + 1]) - 1))
+        page = int(slots[t]) // page_size
+        holders = holders.clone()
+        holders[page] = 2
+        owner = torch.searchsorted(cu[1:].long(), torch.arange(slots.shape[0]), right=True)
+        expect = torch.zeros(len(lengths), dtype=torch.bool)
+        expect[owner[slots // page_size == page]] = True
     else:                                 # a length past the request's table
         seq_lens[b] = table.shape[1] * page_size + 1
         expect = torch.zeros(len(lengths), dtype=torch.bool)
         expect[b] = True
-    failed, first = run_both(triton_backend, table, seq_lens, rec, tags, page_size, cu, slots)
+    failed, first = run_both(triton_backend, table, seq_lens, rec, tags, page_size, cu, slots, holders)
     assert torch.equal(failed, expect)
     if corrupt in ("tag", "page", "out_of_range") and expect[b]:
         assert int(first[b]) <= i
@@ -169,6 +178,11 @@ def test_bad_input_is_named():
         page_tag_verify(t, s, r, tags, 4, cu_seqlens_q=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         page_tag_verify(t, s, r, tags, 4, torch.zeros(2, dtype=torch.int32), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="page_holders"):
+        page_tag_verify(t, s, r, tags, 4, page_holders=tags)
+    with pytest.raises(ValueError, match="page_holders"):
+        page_tag_verify(t, s, r, tags, 4, torch.zeros(3, dtype=torch.int32), torch.zeros(0, dtype=torch.long),
+                        page_holders=tags[:2])
 
 
 @pytest.mark.gpu

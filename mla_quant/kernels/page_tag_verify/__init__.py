@@ -22,14 +22,15 @@ __all__ = ["page_tag_verify", "page_tag_verify_reference"]
 
 def page_tag_verify(block_table: torch.Tensor, seq_lens: torch.Tensor, recorded_tags: torch.Tensor,
                     page_tags: torch.Tensor, page_size: int, cu_seqlens_q: torch.Tensor | None = None,
-                    slot_mapping: torch.Tensor | None = None,
+                    slot_mapping: torch.Tensor | None = None, page_holders: torch.Tensor | None = None,
                     return_first_bad: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``block_table [B, P]`` int32, ``seq_lens [B]`` int32, ``recorded_tags [B, P]`` int64,
     ``page_tags [num_pages]`` int64 -> failed bool ``[B]`` (and ``first_bad`` int32 ``[B]``), on the device,
     without a host sync. Padding entries of the table (past a request's pages) are never read.
 
     Optional ``cu_seqlens_q [B + 1]`` int32 and ``slot_mapping [T]`` (the step's write slots) are checked
-    against the table too.
+    against the table too; with ``page_holders [num_pages]`` (int64: requests and prefixes holding each page)
+    a write into a page with more than one holder fails as well.
     """
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, contiguous=True)
@@ -53,9 +54,16 @@ def page_tag_verify(block_table: torch.Tensor, seq_lens: torch.Tensor, recorded_
         check_same_device(block_table=block_table, cu_seqlens_q=cu_seqlens_q, slot_mapping=slot_mapping)
         if cu_seqlens_q.shape[0] != b + 1:
             raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.shape[0]} entries, expected B + 1 = {b + 1}")
+    if page_holders is not None:
+        if cu_seqlens_q is None:
+            raise ValueError("page_holders: only checks writes, give cu_seqlens_q and slot_mapping too")
+        check_tensor("page_holders", page_holders, dtype=torch.int64, ndim=1, contiguous=True)
+        check_same_device(page_tags=page_tags, page_holders=page_holders)
+        if page_holders.shape != page_tags.shape:
+            raise ValueError(f"page_holders: shape {tuple(page_holders.shape)} != page_tags {tuple(page_tags.shape)}")
     if not use_triton(block_table, page_tags):
         failed, first_bad = page_tag_verify_reference(block_table, seq_lens, recorded_tags, page_tags, page_size,
-                                                      cu_seqlens_q, slot_mapping)
+                                                      cu_seqlens_q, slot_mapping, page_holders)
         return (failed, first_bad) if return_first_bad else failed
     from .kernel import _page_tag_verify_kernel
 
@@ -67,7 +75,9 @@ def page_tag_verify(block_table: torch.Tensor, seq_lens: torch.Tensor, recorded_
         _page_tag_verify_kernel[(b,)](
             block_table, seq_lens, recorded_tags, page_tags,
             cu_seqlens_q if check_slots else seq_lens, slot_mapping if check_slots else seq_lens,
+            page_holders if page_holders is not None else page_tags,
             failed, first_bad, page_tags.shape[0], p, block_table.stride(0), recorded_tags.stride(0),
-            PAGE_SIZE=page_size, CHECK_SLOTS=check_slots, BLOCK_P=block_p, BLOCK_Q=16,
+            PAGE_SIZE=page_size, CHECK_SLOTS=check_slots, CHECK_HOLDERS=page_holders is not None,
+            BLOCK_P=block_p, BLOCK_Q=16,
             num_warps=4 if block_p >= 512 else 1)
     return (failed, first_bad) if return_first_bad else failed

@@ -4,9 +4,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _page_tag_verify_kernel(bt_ptr, seq_ptr, rec_ptr, tags_ptr, cu_ptr, slot_ptr, failed_ptr, first_ptr,
+def _page_tag_verify_kernel(bt_ptr, seq_ptr, rec_ptr, tags_ptr, cu_ptr, slot_ptr, holders_ptr, failed_ptr, first_ptr,
                             num_pages, P, stride_bt, stride_rec,
-                            PAGE_SIZE: tl.constexpr, CHECK_SLOTS: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, CHECK_SLOTS: tl.constexpr, CHECK_HOLDERS: tl.constexpr,
                             BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
     b = tl.program_id(0)
     seq = tl.load(seq_ptr + b).to(tl.int64)
@@ -39,6 +39,9 @@ def _page_tag_verify_kernel(bt_ptr, seq_ptr, rec_ptr, tags_ptr, cu_ptr, slot_ptr
             expect = tl.where(in_table, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
             slot = tl.load(slot_ptr + q0 + j, mask=m, other=0).to(tl.int64)
             bad = m & (slot != expect) & ((pos < 0) | in_table)
+            if CHECK_HOLDERS:  # a write into a page that another request or prefix still holds
+                ok_page = m & in_table & (page >= 0) & (page < num_pages)
+                bad = bad | (ok_page & (tl.load(holders_ptr + page, mask=ok_page, other=0) > 1))
             tok_first = tl.where(bad, tl.minimum(page_idx, P), P)
             first = tl.minimum(first, tl.min(tok_first, axis=0))
     first_b = tl.min(first, axis=0)
