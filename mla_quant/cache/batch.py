@@ -43,6 +43,28 @@ class PagedBatch:
         """Every request adds exactly one token."""
         return self.max_query_len == 1
 
+    def select(self, rows) -> "PagedBatch":
+        """The sub-batch of some requests (row indices, or a bool mask ``[B]``), e.g. the ones that passed
+        their tag check: tables, lengths, new tokens and tags of those rows, in order."""
+        rows = torch.as_tensor(rows, device="cpu")
+        rows = rows.nonzero().flatten() if rows.dtype == torch.bool else rows.long().reshape(-1)
+        if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            raise ValueError("rows: must be increasing (tokens stay in request order)")
+        dev = self.block_table.device
+        idx = rows.to(dev)
+        q_lens = self.query_lens.long()
+        keep_tok = torch.zeros(self.batch_size, dtype=torch.bool, device=dev)
+        keep_tok[idx] = True
+        owner = torch.searchsorted(self.cu_seqlens_q[1:].long(),
+                                   torch.arange(self.num_tokens, device=dev), right=True)
+        tok = keep_tok[owner]
+        cu = torch.zeros(rows.numel() + 1, dtype=torch.int32, device=dev)
+        cu[1:] = q_lens[idx].cumsum(0).to(torch.int32)
+        max_q = int(q_lens[idx].max()) if rows.numel() else 0
+        return PagedBatch(self.block_table[idx], self.seq_lens[idx], cu, self.positions[tok], self.slot_mapping[tok],
+                          self.page_size, max_q, tuple(self.request_ids[i] for i in rows.tolist()) if self.request_ids
+                          else (), None if self.tags is None else self.tags[idx])
+
     def csr(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The table in flashinfer's CSR form: (kv_indptr [B + 1], kv_indices [nnz], kv_last_page_len [B]), int32."""
         from .tables import block_table_to_csr

@@ -137,6 +137,13 @@ def test_plan_builds_the_step_batch():
     indptr, indices, last = batch.csr()
     assert indptr.tolist() == [0, 1, 3] and indices.tolist() == [2, 0, 1] and last.tolist() == [3, 2]
     assert alloc.tracker.check(batch) == []
+    sub = batch.select([1])
+    assert sub.request_ids == ("a",) and sub.block_table.tolist() == [[0, 1]] and sub.seq_lens.tolist() == [6]
+    assert sub.cu_seqlens_q.tolist() == [0, 1] and sub.positions.tolist() == [5] and sub.slot_mapping.tolist() == [5]
+    assert sub.tags.tolist() == [[1, 2]] and sub.max_query_len == 1
+    assert batch.select(torch.tensor([True, False])).slot_mapping.tolist() == [8, 9, 10]
+    with pytest.raises(ValueError, match="increasing"):
+        batch.select([1, 0])
     padded = alloc.plan(["a"], 1, max_pages=8)
     assert padded.block_table.shape == (1, 8) and padded.tags.shape == (1, 8)
 
