@@ -1,4 +1,5 @@
 """Plain nn.Modules that only call kernels, formats and cache."""
+from .attention import MLAttention
 from .indexer import LightningIndexer
 from .linear import QuantLinear, quant_linear, quant_linear_reference
 from .mlp import MLP
@@ -9,3 +10,4 @@ from .rope import RotaryEmbedding, YarnScaling
 __all__ = ["QuantLinear", "quant_linear", "quant_linear_reference", "RMSNorm", "RotaryEmbedding", "YarnScaling"]
 __all__ += ["MLP", "MoE", "Router", "StackedExperts"]
 __all__ += ["LightningIndexer"]
+__all__ += ["MLAttention"]
