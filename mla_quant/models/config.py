@@ -405,11 +405,13 @@ class Glm52Config(_HFConfig):
     @classmethod
     def tiny(cls) -> "Glm52Config":
         """Same structure at CPU size: 1 dense + 3 MoE layers with indexer types full, full, shared, full,
-        ``index_topk`` 8 (tests use longer sequences), FP8-block and INT4-compatible dimensions."""
+        ``index_topk`` 8 (tests use longer sequences), FP8-block and INT4-compatible dimensions. 16 indexer
+        heads: with very few, a key's ReLU-summed score is often exactly 0 and top-k ties become common (any
+        pick among tied keys is a valid top-k, so paths that break ties differently would diverge)."""
         return cls(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                    num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
                    head_dim=32, n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=128, kv_lora_rank=128,
-                   qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_n_heads=4, index_head_dim=64,
+                   qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_n_heads=16, index_head_dim=64,
                    index_topk=8, index_topk_freq=2, index_skip_topk_offset=2, max_position_embeddings=4096,
                    eos_token_id=[1], pad_token_id=1)
 
