@@ -264,3 +264,38 @@ def test_single_file_checkpoint(tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" in f.keys()
     assert_same_state(model, from_pretrained(tmp_path, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------- plans
+def test_plan_converts_on_load(glm_ckpt):
+    from mla_quant.formats.plan import QuantPlan
+
+    model, path = glm_ckpt
+    plan = QuantPlan({r"re:.*mlp\.experts": Int4Group(32), r"re:.*self_attn\.o_proj": BF16()})
+    loaded = from_pretrained(path, dtype=torch.bfloat16, plan=plan)
+    fmts = loaded.linear_formats()
+    assert fmts["model.layers.2.mlp.experts.9.down_proj"] == Int4Group(32)
+    assert fmts["model.layers.2.self_attn.o_proj"] == BF16()
+    assert fmts["model.layers.2.self_attn.kv_b_proj"] == FP8Block(act_quant=False)   # untouched: checkpoint's
+    # the converted experts hold the FP8 weights re-quantized: close to, not equal to, the originals
+    w0 = model.model.layers[2].mlp.experts.expert_weight(9, "down_proj")
+    w1 = loaded.model.layers[2].mlp.experts.expert_weight(9, "down_proj")
+    assert 0 < ((w1 - w0).norm() / w0.norm()) < 0.15
+    same = from_pretrained(path, dtype=torch.bfloat16, plan=QuantPlan({"_default": None}))
+    assert_same_state(model, same)
+
+
+def test_loads_a_checkpoint_converted_by_mla_quant_convert(glm_ckpt, tmp_path):
+    """GLM FP8 -> routed experts INT4 with ``mla_quant.convert`` (Cloudflare's recipe): the result loads in
+    mixed formats (INT4 experts from the compressed-tensors config, FP8 layers by their weight_scale_inv)."""
+    from mla_quant.convert import convert_checkpoint
+
+    model, path = glm_ckpt
+    convert_checkpoint(path, tmp_path / "int4", compare=False, progress=False)
+    loaded = from_pretrained(tmp_path / "int4", dtype=torch.bfloat16)
+    fmts = loaded.linear_formats()
+    assert fmts["model.layers.1.mlp.experts.0.gate_proj"] == Int4Group(32)
+    assert fmts["model.layers.1.mlp.shared_experts.gate_proj"] == FP8Block(act_quant=False)
+    assert fmts["model.layers.1.self_attn.q_b_proj"] == FP8Block(act_quant=False) and fmts["lm_head"] == BF16()
+    for key in ("model.layers.1.self_attn.q_b_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(_bits(loaded.state_dict()[key]), _bits(model.state_dict()[key])), key
