@@ -33,6 +33,7 @@ from .linear import QuantLinear
 from .rope import RotaryEmbedding, apply_rotary
 
 INDEXER_FORMATS = ("bf16", "fp8")
+HF_MASK = torch.finfo(torch.float32).min  # the reference's additive mask value above the diagonal
 SCORE_BYTES_BUDGET = 1 << 30  # fp32 scores held at once in the paged path (queries are chunked to fit)
 
 
@@ -138,12 +139,20 @@ class LightningIndexer(nn.Module):
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Index scores of a plain causal forward: x [B, S, hidden], q_latent [B, S, q_lora_rank]
         -> fp32 [B, S, S] with -inf above the diagonal (query t sees keys 0 .. t)."""
+        index = self._masked_scores(x, q_latent, positions)
+        return index.masked_fill(index <= HF_MASK / 2, float("-inf"))
+
+    def _masked_scores(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Scores [B, S, S] plus the reference's additive causal mask (0, or fp32's lowest value above the
+        diagonal). The full-precision format repeats the Hugging Face computation op for op — the rope
+        halves in its half-split order, ReLU(q·k · D^-0.5), the weighted head sum, the mask added — so that
+        the top-k breaks exact ties (ReLU zeros) as it does."""
         b, s = x.shape[:2]
         if positions is None:
             positions = torch.arange(s, device=x.device).expand(b, s)
         q, k, w = self.project(x, q_latent, positions)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        if self.fmt == "bf16":  # the reference order (HF): ReLU(q·k · D^-0.5), then the weighted head sum
+        if self.fmt == "bf16":
+            q, k = self._half_split_order(q), self._half_split_order(k)
             logits = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
             index = torch.matmul(w.unsqueeze(-2), logits).squeeze(-2)             # [B, S, S]
         else:
@@ -151,7 +160,16 @@ class LightningIndexer(nn.Module):
             logits = torch.relu(torch.matmul(q8.float(), k8.float().transpose(-1, -2).unsqueeze(1)))
             wq = w * qs * self.softmax_scale                                      # [B, S, H]
             index = torch.matmul(wq.unsqueeze(-2), logits).squeeze(-2) * ks.unsqueeze(-2)
-        return index.masked_fill(~causal, float("-inf"))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        return index + torch.where(causal, 0.0, HF_MASK)
+
+    def _half_split_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Interleaved rope pairs (x0, x1), (x2, x3) .. reordered to (x0, x2, .., x1, x3, ..) — HF's layout
+        after its interleaved rotation; q·k is unchanged, only the summation order follows HF."""
+        if not self.rope_interleave:
+            return x
+        r = x[..., :self.rope_dim]
+        return torch.cat((r[..., 0::2], r[..., 1::2], x[..., self.rope_dim:]), dim=-1)
 
     def quantize_qk(self, q: torch.Tensor, k: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,9 +183,12 @@ class LightningIndexer(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Top-k of a plain causal forward: int32 [B, S, min(topk, S)] key positions per query, -1 where a
-        query has fewer than topk visible keys (unordered; compare as sets). No gradients (as the reference);
+        query has fewer than topk visible keys (compare as sets). Selected as the reference does (a sorted
+        ``topk`` over the masked scores), so exact ties resolve alike. No gradients (as the reference);
         :meth:`scores` is differentiable."""
-        return topk_indices(self.scores(x, q_latent, positions).flatten(0, 1), self.topk).unflatten(0, x.shape[:2])
+        index = self._masked_scores(x, q_latent, positions)
+        values, idx = index.topk(min(self.topk, index.shape[-1]), dim=-1)
+        return torch.where(values <= HF_MASK / 2, -1, idx).to(torch.int32)
 
     # ------------------------------------------------------------------------------------ paged cache
     @torch.no_grad()
