@@ -1,5 +1,6 @@
 """Plain nn.Modules that only call kernels, formats and cache."""
 from .attention import MLAttention
+from .dsa import DSAttention
 from .indexer import LightningIndexer
 from .linear import QuantLinear, quant_linear, quant_linear_reference
 from .mlp import MLP
@@ -11,3 +12,4 @@ __all__ = ["QuantLinear", "quant_linear", "quant_linear_reference", "RMSNorm", "
 __all__ += ["MLP", "MoE", "Router", "StackedExperts"]
 __all__ += ["LightningIndexer"]
 __all__ += ["MLAttention"]
+__all__ += ["DSAttention"]
