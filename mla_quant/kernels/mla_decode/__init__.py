@@ -18,7 +18,8 @@ from .._outputs import output_buffer
 from ..kv_layout import DS_MLA_TILE, KV_KINDS, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
-__all__ = ["mla_decode", "mla_decode_reference", "check_paged_kv", "choose_num_splits", "gather_kv_rows"]
+__all__ = ["mla_decode", "mla_decode_reference", "check_paged_kv", "choose_num_splits", "plan_num_splits",
+           "gather_kv_rows"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -83,6 +84,23 @@ def choose_num_splits(work_items: int, max_len: int, min_tokens: int, slots: int
     eff = [(n := work_items * s / slots) / math.ceil(n) for s in range(1, cap + 1)]
     best = max(eff)
     return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def _block_m(m_rows: int) -> int:
+    """Query rows (S·H) per program: the M of the tensor-core dots (16 minimum)."""
+    return 16 if m_rows <= 16 else 32 if m_rows <= 32 else 64
+
+
+def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d_latent: int, d_rope: int,
+                    num_sms: int) -> int:
+    """The launcher's KV-split count for a shape: fill ~2 programs per SM (1 for 64-row head blocks, which
+    use most of the registers); a split reads at least 128 tokens and at least the bytes its fp32 partial
+    output costs (written, then read by the combine — mostly from L2)."""
+    block_m = _block_m(s_q * heads)
+    row_bytes = kv_row_width(kind, d_latent, d_rope) * kv_data_dtype(kind).itemsize + (4 if kind == "fp8_e4m3" else 0)
+    min_tokens = max(128, block_m * d_latent * 8 // row_bytes)
+    slots = num_sms * (2 if block_m <= 32 else 1)
+    return choose_num_splits(batch * triton.cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
 
 
 def _scale_mode(kind: str, kv_scales: torch.Tensor | None) -> int:
@@ -165,16 +183,12 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if bsz == 0 or m_rows == 0:
         return out, lse
     interpreted = triton_interpreted()
-    block_m = 16 if m_rows <= 16 else 32 if m_rows <= 32 else 64
+    block_m = _block_m(m_rows)
     m_blocks = triton.cdiv(m_rows, block_m)
     if num_splits is None:
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        row_bytes = kv_data.shape[2] * kv_data.element_size() + (4 if kind == "fp8_e4m3" else 0)
-        # a split must read ≥ 4× the bytes its partial output costs (fp32 written + read)
-        min_tokens = max(128, 4 * block_m * d_latent * 8 // row_bytes)
         sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
-        slots = sms * (2 if block_m <= 32 else 1)
-        num_splits = choose_num_splits(bsz * m_blocks, max_len, min_tokens, slots)
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
 
