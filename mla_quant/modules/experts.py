@@ -99,6 +99,24 @@ class StackedExperts(nn.Module):
         """The stacked tensors of one projection, keyed by checkpoint suffix ([E, ...] each)."""
         return {s: getattr(self, self._param_name(proj, s)) for s in self._specs(proj)}
 
+    def assign_stacked_(self, proj: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold ``tensors`` as ``proj`` without copying: the format's stacked tensors ([E, ...], keyed by
+        checkpoint suffix, last dimension contiguous), e.g. views of a fused [E, 2I, H] gate-up tensor, or
+        weights that already sit on the GPU."""
+        specs = self._specs(proj)
+        if set(tensors) != set(specs):
+            raise ValueError(f"assign_stacked_: {proj} needs {sorted(specs)}, got {sorted(tensors)}")
+        for suffix, (shape, dt) in specs.items():
+            t, key = tensors[suffix], f"{proj}.{suffix}"
+            if tuple(t.shape) != (self.num_experts, *shape):
+                raise ValueError(f"assign_stacked_: {key} shape {tuple(t.shape)}, expected {(self.num_experts, *shape)}")
+            if t.dtype != dt and not (t.dtype.is_floating_point and dt.is_floating_point and t.dtype.itemsize > 1
+                                      and dt.itemsize > 1):
+                raise TypeError(f"assign_stacked_: {key} dtype {t.dtype}, expected {dt}")
+            name = self._param_name(proj, suffix)
+            trainable = getattr(self, name).requires_grad and t.dtype.is_floating_point
+            setattr(self, name, nn.Parameter(t, requires_grad=trainable))
+
     @property
     def device(self) -> torch.device:
         return self.tensors("gate_proj")[next(iter(self._specs("gate_proj")))].device

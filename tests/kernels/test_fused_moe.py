@@ -149,6 +149,17 @@ def test_hypothesis_int4(triton_backend, t, e, k, group, block_m, seed):
     assert_rel_close(got.cpu(), ref, 1e-5, "int4")
 
 
+def test_strided_experts_in_the_kernel(triton_backend):
+    w13 = torch.randn(3, 128, 64, device=triton_backend) / 8
+    down = {"weight": torch.randn(3, 64, 64, device=triton_backend) / 8}
+    x = torch.randn(4, 64, device=triton_backend)
+    w = torch.rand(4, 2, device=triton_backend)
+    ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0]], dtype=torch.int32, device=triton_backend)
+    got = fused_moe(x, w, ids, {"weight": w13[:, :64]}, {"weight": w13[:, 64:]}, down)
+    want = fused_moe(x, w, ids, {"weight": w13[:, :64].contiguous()}, {"weight": w13[:, 64:].contiguous()}, down)
+    assert_rel_close(got, want, 1e-6, "strided")
+
+
 def test_block_m_heuristic():
     assert choose_block_m(8, 384) == 1 and choose_block_m(128, 384) == 1  # decode: one row per active expert
     assert choose_block_m(512, 384) == 16 and choose_block_m(8192, 384) == 32

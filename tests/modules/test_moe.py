@@ -256,3 +256,21 @@ def test_gpu_layer_matches_cpu_fp32(fmt, t):
         got = gpu(x.cuda().to(torch.bfloat16))
     assert_rel_close(got.float().cpu(), want, 3e-2, repr(fmt))
     assert HAS_CUDA
+
+
+def test_assign_stacked_holds_views_of_a_fused_gate_up():
+    m = make_moe(BF16(), e=4, shared=0)
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        want = m(x)
+    w13 = torch.cat([m.experts.gate_proj_weight.detach(), m.experts.up_proj_weight.detach()], dim=1)  # [E, 2I, H]
+    m.experts.assign_stacked_("gate_proj", {"weight": w13[:, :128]})
+    m.experts.assign_stacked_("up_proj", {"weight": w13[:, 128:]})
+    assert m.experts.gate_proj_weight.data_ptr() == w13.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    with pytest.raises(ValueError, match="gate_proj.weight shape"):
+        m.experts.assign_stacked_("gate_proj", {"weight": w13})
+    with pytest.raises(ValueError, match="needs"):
+        m.experts.assign_stacked_("gate_proj", {"weight_packed": w13})
+

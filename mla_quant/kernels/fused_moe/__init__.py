@@ -47,27 +47,29 @@ def _check_weights(name: str, w: dict, kind: str, e: int | None, n: int | None, 
     main = WEIGHT_KEYS[kind][0]
     t = w[main]
     if kind == "bf16":
-        check_tensor(f"{name}['weight']", t, dtype=FLOATS, ndim=3, contiguous=True)
+        check_tensor(f"{name}['weight']", t, dtype=FLOATS, ndim=3)
     elif kind == "fp8_block":
-        check_tensor(f"{name}['weight']", t, dtype=FP8, ndim=3, contiguous=True)
+        check_tensor(f"{name}['weight']", t, dtype=FP8, ndim=3)
     else:
-        check_tensor(f"{name}['weight_packed']", t, dtype=torch.int32, ndim=3, contiguous=True)
+        check_tensor(f"{name}['weight_packed']", t, dtype=torch.int32, ndim=3)
     e = t.shape[0] if e is None else e
     n = t.shape[1] if n is None else n
     k_stored = k // 8 if kind == "int4_group" else k
     if tuple(t.shape) != (e, n, k_stored):
         raise ValueError(f"{name}['{main}']: shape {tuple(t.shape)}, expected {(e, n, k_stored)}")
     if kind == "fp8_block":
-        s = check_tensor(f"{name}['weight_scale_inv']", w["weight_scale_inv"], dtype=torch.float32, ndim=3,
-                         contiguous=True)
+        s = check_tensor(f"{name}['weight_scale_inv']", w["weight_scale_inv"], dtype=torch.float32, ndim=3)
         want = (e, -(-n // block[0]), -(-k // block[1]))
     elif kind == "int4_group":
-        s = check_tensor(f"{name}['weight_scale']", w["weight_scale"], dtype=FLOATS, ndim=3, contiguous=True)
+        s = check_tensor(f"{name}['weight_scale']", w["weight_scale"], dtype=FLOATS, ndim=3)
         want = (e, n, k // group_size)
     else:
-        return e, n
-    if tuple(s.shape) != want:
+        s = None
+    if s is not None and tuple(s.shape) != want:
         raise ValueError(f"{name}: scale shape {tuple(s.shape)}, expected {want}")
+    for key, x in w.items():  # experts and rows may be strided (e.g. gate and up as views of one [E, 2I, H])
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            raise ValueError(f"{name}['{key}']: the last dimension must be contiguous")
     return e, n
 
 
@@ -94,6 +96,9 @@ def _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, b
             raise ValueError(f"x.shape[1]: hidden {hidden} is not divisible by act_group {act_group}")
     e, inter = _check_weights("gate", gate, kind, None, None, hidden, group_size, block)
     _check_weights("up", up, kind, e, inter, hidden, group_size, block)
+    for key in WEIGHT_KEYS[kind]:  # one kernel argument carries the strides of both
+        if gate[key].stride() != up[key].stride():
+            raise ValueError(f"up['{key}']: strides {up[key].stride()} differ from gate's {gate[key].stride()}")
     if kind == "int4_group" and inter % group_size:
         raise ValueError(f"gate: intermediate size {inter} is not divisible by group_size {group_size}")
     if kind == "fp8_block" and act_quant and inter % act_group:
