@@ -40,7 +40,7 @@ def setup(request):
 def run_cached(model, seqs, kv_format) -> torch.Tensor:
     """Logits [2, TOTAL, vocab] of the cached path (schedule in the module docstring)."""
     cache = model.allocate_cache(num_pages=16, page_size=PAGE, kv_format=kv_format).poison_()
-    alloc = PageAllocator(cache=cache.kv, tracker=NoopTagTracker())
+    alloc = PageAllocator(cache=cache, tracker=NoopTagTracker())
     for r in range(2):
         alloc.add_request(r)
     rows: list[list[torch.Tensor]] = [[], []]
@@ -91,7 +91,7 @@ def test_fp8_pages_within_stated_kl(setup, kv_format):
 def test_logits_index_and_errors(setup):
     model, seqs, full = setup
     cache = model.allocate_cache(num_pages=8, page_size=PAGE)
-    alloc = PageAllocator(cache=cache.kv, tracker=NoopTagTracker())
+    alloc = PageAllocator(cache=cache, tracker=NoopTagTracker())
     alloc.add_request("a")
     alloc.add_request("b")
     batch = alloc.plan(["a", "b"], new_tokens=[3, 2])
@@ -112,3 +112,31 @@ def test_logits_index_and_errors(setup):
     assert out.shape == (2, model.config.vocab_size)
     ref = torch.stack([full[0, 2], full[1, 1]])
     assert ((out - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_prefix_sharing_copies_latent_and_indexer_pages(setup):
+    """Request B forks request A's 10-token prefix (its last page is partial and shared); then each decodes
+    its own continuation. Copy-on-write must copy the latent pages and, for GLM, the indexer key pages:
+    ``PageAllocator(cache=ModelCache)`` does both through ``ModelCache.copy_pages``."""
+    model, seqs, _ = setup
+    prefix = 10
+    seq_b = torch.cat([seqs[0, :prefix], seqs[1, prefix:]])
+    both = torch.stack([seqs[0], seq_b])
+    with torch.no_grad():
+        full = model(both)
+    cache = model.allocate_cache(num_pages=16, page_size=PAGE).poison_()
+    alloc = PageAllocator(cache=cache, tracker=NoopTagTracker())
+    alloc.add_request("A")
+    with torch.no_grad():
+        batch = alloc.plan(["A"], new_tokens=prefix)
+        first = model(both[0, :prefix], batch=batch, cache=cache)
+        alloc.fork("A", "B")
+        rows = []
+        for t in range(prefix, TOTAL):
+            batch = alloc.plan(["A", "B"], new_tokens=1)
+            rows.append(model(both[:, t], batch=batch, cache=cache))
+    assert alloc.pages("A")[-1] != alloc.pages("B")[-1] and alloc.pages("A")[0] == alloc.pages("B")[0]
+    cached = torch.stack(rows, dim=1)                                         # [2, TOTAL - prefix, vocab]
+    assert ((first - full[0, :prefix]).norm() / full[0, :prefix].norm()) < 1e-2
+    assert ((cached - full[:, prefix:]).norm() / full[:, prefix:].norm()) < 1e-2
+    assert torch.equal(cached.argmax(-1), full[:, prefix:].argmax(-1))
