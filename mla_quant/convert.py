@@ -49,7 +49,7 @@ from .formats import BF16, FP8Block, Int4Group, WeightFormat
 from .formats.plan import QuantPlan
 from .kernels import fp8_quant
 from .kernels.fp8_quant.reference import div_ieee
-from .kernels.int4_quant.reference import HALF_RANGE, int4_codes, int4_pack_reference
+from .kernels.int4_quant.reference import HALF_RANGE, QMAX, QMIN, int4_codes, int4_pack_reference
 
 INDEX_FILE = "model.safetensors.index.json"
 REPORT_FILE = "conversion_report.json"
@@ -72,12 +72,13 @@ def int4_quantize_mse(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.
     is exactly the round-to-nearest quantizer (``int4_quantize_reference``)."""
     n, k = w.shape
     wf = w.float()
-    absmax = wf.reshape(n, k // group_size, group_size).abs().amax(dim=-1)
+    wg = wf.reshape(n, k // group_size, group_size)
+    absmax = wg.abs().amax(dim=-1)
     best_scale = best_err = None
     for c in grid:
         scale = div_ieee(absmax * c, HALF_RANGE).to(scale_dtype)
-        deq = int4_codes(wf, scale, group_size).float() * scale.float().repeat_interleave(group_size, dim=1)
-        err = (deq - wf).pow(2).reshape(n, k // group_size, group_size).sum(-1)
+        s = scale.float().masked_fill(scale == 0, 1.0)[..., None]  # an all-zero group: codes 0, error 0
+        err = torch.div(wg, s).round_().clamp_(QMIN, QMAX).mul_(s).sub_(wg).square_().sum(-1)
         if best_scale is None:
             best_scale, best_err = scale, err
         else:
