@@ -12,7 +12,7 @@ def _page_tag_verify_kernel(bt_ptr, seq_ptr, rec_ptr, tags_ptr, cu_ptr, slot_ptr
     seq = tl.load(seq_ptr + b).to(tl.int64)
     n_pages = (seq + PAGE_SIZE - 1) // PAGE_SIZE
     length_bad = (seq < 0) | (n_pages > P)
-    n_used = tl.minimum(tl.maximum(n_pages, 0), P)
+    n_used = tl.minimum(tl.maximum(n_pages, 0), P).to(tl.int32)
     first = tl.zeros([BLOCK_P], dtype=tl.int64) + P                    # per-lane running minimum
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     rec_row = rec_ptr + b.to(tl.int64) * stride_rec
@@ -29,7 +29,7 @@ def _page_tag_verify_kernel(bt_ptr, seq_ptr, rec_ptr, tags_ptr, cu_ptr, slot_ptr
         q0 = tl.load(cu_ptr + b).to(tl.int64)
         q1 = tl.load(cu_ptr + b + 1).to(tl.int64)
         base = seq - (q1 - q0)                                          # position of the first new token
-        for start in range(0, q1 - q0, BLOCK_Q):
+        for start in range(0, (q1 - q0).to(tl.int32), BLOCK_Q):
             j = start + tl.arange(0, BLOCK_Q)
             m = j < q1 - q0
             pos = base + j
