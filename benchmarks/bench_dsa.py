@@ -1,0 +1,207 @@
+"""benches ``dsa_decode`` and ``dsa_prefill``: DeepSeek Sparse Attention for GLM 5.2 against dense MLA.
+
+GLM 5.2 per-GPU shapes: MLA rows of 512 latent + 64 rope (page size 64), ``heads`` 8 (TP8 of 64) or 64 (one
+GPU), indexer 32 heads × 128 (replicated under TP) over FP8 key pages with per-token scales, ``topk`` 2048.
+Every request's pages are scattered over one pool; inputs rotate over several block tables (distinct pages)
+until one pass reads more than 3× the L2 cache.
+
+``dsa_decode`` (one query token per request): the whole attention step after the projections — indexer
+scores over the ``ctx`` cached keys (``indexer_scores``), top-k (``topk_indices``), sparse absorbed attention
+over the gathered rows (``sparse_mla_decode``) — timed as one CUDA-graph replay, against the dense
+``mla_decode`` (peer) at the same ``kv``, heads, batch and context. Extra fields: ``indexer_us``, ``topk_us``,
+``sparse_us`` (each part alone), ``indexer_share`` ((indexer + top-k) / step), ``ratio_vs_dense``
+(step / dense; the goal at 64k is ≤ 0.35). ``bytes``: indexer keys + scales of the context, the top-k
+gathered rows, q and out (the least the step reads; the fp32 scores round trip is not counted);
+``flops``: 2·ctx·32·128 (indexer) + 2·H·topk·(576 + 512) (attention) per request.
+
+``dsa_prefill`` (one chunk of ``tokens`` new tokens closing a ``ctx``-token request, BF16 KV as the prefill
+recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
+attention (the same kernel, one program per token and head block), against H2's dense ``mla_prefill`` over the
+expanded keys and values of the whole context (its up-projection not timed — which favours the peer).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from mla_quant.formats import KVFormat
+from mla_quant.kernels.indexer_scores import indexer_scores
+from mla_quant.kernels.kv_layout import kv_data_dtype, kv_row_width
+from mla_quant.kernels.mla_decode import mla_decode
+from mla_quant.kernels.mla_prefill import mla_prefill
+from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
+from mla_quant.kernels.topk import topk_indices
+
+from .common import L2_BYTES, Context, case, median_us
+
+PAGE = 64
+D_LATENT, D_ROPE = 512, 64
+IDX_HEADS, IDX_DIM, TOPK = 32, 128, 2048
+NOPE, V = 192, 256                    # GLM 5.2 qk_nope_head_dim / v_head_dim (the prefill peer's expanded form)
+SCALE = 256 ** -0.5                   # GLM 5.2 softmax scale (no YaRN)
+INDEX_KEY_BYTES = IDX_DIM + 4         # e4m3 key + fp32 scale
+
+
+def _fill_pools(kind: str, num_pages: int, dev: str):
+    """MLA pages in ``kind`` and FP8 indexer key pages with realistic values (no NaN bit patterns)."""
+    width = kv_row_width(kind, D_LATENT, D_ROPE)
+    data = torch.empty(num_pages, PAGE, width, dtype=kv_data_dtype(kind), device=dev)
+    scales = torch.rand(num_pages, PAGE, device=dev) * 0.02 + 0.01 if kind == "fp8_e4m3" else None
+    keys = torch.empty(num_pages, PAGE, IDX_DIM, dtype=torch.float8_e4m3fn, device=dev)
+    key_scales = torch.rand(num_pages, PAGE, device=dev) * 0.02 + 0.01
+    for lo in range(0, num_pages, 4096):
+        hi = min(num_pages, lo + 4096)
+        rows = torch.randn(hi - lo, PAGE, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
+        keys[lo:hi] = torch.randn(hi - lo, PAGE, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
+        if kind == "bf16":
+            data[lo:hi] = rows
+        elif kind == "fp8_e4m3":
+            data[lo:hi] = rows.to(torch.float8_e4m3fn)
+        else:  # fp8_ds_mla: e4m3 latent | fp32 power-of-two tile scales | bf16 rope
+            n_tiles = D_LATENT // 128
+            chunk = data[lo:hi]
+            chunk.view(torch.float8_e4m3fn)[..., :D_LATENT] = rows[..., :D_LATENT].to(torch.float8_e4m3fn)
+            exps = torch.randint(-8, -4, (hi - lo, PAGE, n_tiles), device=dev).float()
+            chunk.view(torch.float32)[..., D_LATENT // 4: D_LATENT // 4 + n_tiles] = torch.exp2(exps)
+            chunk.view(torch.bfloat16)[..., (D_LATENT + 4 * n_tiles) // 2:] = rows[..., D_LATENT:]
+    return data, scales, keys, key_scales
+
+
+def _tables(batch: int, ctx: int, bytes_per_set: int, num_pages: int, dev: str) -> list[torch.Tensor]:
+    """Block tables over distinct pages of the pool, enough that one pass reads more than 3× L2."""
+    pages = ctx // PAGE
+    n_sets = max(1, min(16, math.ceil(3 * L2_BYTES / bytes_per_set), num_pages // (batch * pages)))
+    perm = torch.randperm(num_pages, device=dev).to(torch.int32)
+    return [perm[i * batch * pages:(i + 1) * batch * pages].reshape(batch, pages).contiguous()
+            for i in range(n_sets)]
+
+
+def _graph_us(fn, reps: int) -> float:
+    """Median µs of one of ``reps`` calls replayed from a CUDA graph (eager if capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        t = median_us(graph.replay) / reps
+        del graph
+        return t
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return median_us(fn) / reps
+
+
+def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[dict]:
+    dev = ctx.device
+    num_pages = max(batches) * max(contexts) // PAGE
+    cases = []
+    for kind in kinds:
+        pool, scales, keys, key_scales = _fill_pools(kind, num_pages, dev)
+        row_bytes = KVFormat(kind).bytes_per_token(D_LATENT, D_ROPE)
+        for heads, batch, n in itertools.product(heads_list, batches, contexts):
+            tables = _tables(batch, n, batch * n * (row_bytes + INDEX_KEY_BYTES), num_pages, dev)
+            seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
+            req_ids = torch.arange(batch, dtype=torch.int32, device=dev)
+            positions = torch.full((batch,), n - 1, dtype=torch.int64, device=dev)
+            q_idx = torch.randn(batch, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
+            w_idx = torch.rand(batch, IDX_HEADS, device=dev)
+            q = torch.randn(batch, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
+            q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
+            top = [topk_indices(indexer_scores(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, n), TOPK)
+                   for tb in tables]
+            scores = indexer_scores(q_idx, w_idx, keys, key_scales, tables[0], req_ids, positions, n)
+
+            def index(tb):
+                return indexer_scores(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, n)
+
+            def attend(tb, idx):
+                return sparse_mla_decode(q_nope, q_pe, pool, scales, kind, tb, seq_lens, req_ids, idx, SCALE)
+
+            def step(tb):
+                return attend(tb, topk_indices(index(tb), TOPK))
+
+            def dense(tb):
+                return mla_decode(q[:, None], pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
+                                  validate=False)
+
+            reps = len(tables)
+            t_step = _graph_us(lambda: [step(tb) for tb in tables], reps)
+            t_index = _graph_us(lambda: [index(tb) for tb in tables], reps)
+            t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
+            t_sparse = _graph_us(lambda: [attend(tb, idx) for tb, idx in zip(tables, top)], reps)
+            t_dense = _graph_us(lambda: [dense(tb) for tb in tables], reps)
+            moved = batch * (n * INDEX_KEY_BYTES + min(TOPK, n) * row_bytes
+                             + IDX_HEADS * IDX_DIM + heads * (2 * (D_LATENT + D_ROPE) + 2 * D_LATENT))
+            flops = 2 * batch * (n * IDX_HEADS * IDX_DIM + heads * min(TOPK, n) * (D_LATENT + D_ROPE + D_LATENT))
+            cases.append(case(
+                "dsa_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "topk": TOPK}, t_step,
+                bytes=moved, flops=flops, peer=f"mla_decode_{kind}", peer_median_us=t_dense,
+                indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), sparse_us=round(t_sparse, 3),
+                indexer_share=round((t_index + t_topk) / t_step, 3), ratio_vs_dense=round(t_step / t_dense, 3),
+                input_sets=reps))
+            del tables, top, scores
+        del pool, scales, keys, key_scales
+        torch.cuda.empty_cache()
+    return cases
+
+
+def _prefill_cases(ctx: Context, heads_list, contexts, tokens: int) -> list[dict]:
+    dev = ctx.device
+    kind = "bf16"
+    num_pages = max(contexts) // PAGE
+    pool, scales, keys, key_scales = _fill_pools(kind, num_pages, dev)
+    cases = []
+    for heads, n in itertools.product(heads_list, contexts):
+        table = torch.randperm(num_pages, device=dev)[: n // PAGE].to(torch.int32)[None].contiguous()
+        seq_lens = torch.full((1,), n, dtype=torch.int32, device=dev)
+        req_ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+        positions = torch.arange(n - tokens, n, device=dev)
+        q_idx = torch.randn(tokens, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
+        w_idx = torch.rand(tokens, IDX_HEADS, device=dev)
+        q = torch.randn(tokens, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
+        q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
+
+        def index():
+            return indexer_scores(q_idx, w_idx, keys, key_scales, table, req_ids, positions, n)
+
+        scores = index()
+        top = topk_indices(scores, TOPK)
+
+        def attend(idx):
+            return sparse_mla_decode(q_nope, q_pe, pool, scales, kind, table, seq_lens, req_ids, idx, SCALE)
+
+        t_step = median_us(lambda: attend(topk_indices(index(), TOPK)))
+        t_index = median_us(index)
+        t_topk = median_us(lambda: topk_indices(scores, TOPK))
+        t_sparse = median_us(lambda: attend(top))
+        del scores
+        qd = torch.randn(tokens, heads, NOPE + D_ROPE, device=dev, dtype=torch.bfloat16)
+        kd = torch.randn(n, heads, NOPE + D_ROPE, device=dev, dtype=torch.bfloat16)
+        vd = torch.randn(n, heads, V, device=dev, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        t_dense = median_us(lambda: mla_prefill(qd, kd, vd, cu_q, cu_k, tokens, SCALE, causal=True,
+                                                validate=False))
+        del qd, kd, vd
+        visible = tokens * n - tokens * (tokens - 1) // 2
+        moved = n * INDEX_KEY_BYTES + tokens * min(TOPK, n) * 2 * (D_LATENT + D_ROPE)
+        flops = 2 * (visible * IDX_HEADS * IDX_DIM + tokens * heads * min(TOPK, n) * (2 * D_LATENT + D_ROPE))
+        cases.append(case(
+            "dsa_prefill", {"kv": kind, "heads": heads, "batch": 1, "ctx": n, "topk": TOPK, "tokens": tokens},
+            t_step, bytes=moved, flops=flops, peer="mla_prefill_bf16", peer_median_us=t_dense,
+            indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), sparse_us=round(t_sparse, 3),
+            indexer_share=round((t_index + t_topk) / t_step, 3), ratio_vs_dense=round(t_step / t_dense, 3)))
+    del pool, scales, keys, key_scales
+    torch.cuda.empty_cache()
+    return cases
+
+
+def run(ctx: Context) -> list[dict]:
+    if ctx.quick:
+        return (_decode_cases(ctx, ("fp8_ds_mla",), (8, 64), (1, 64), (8192, 65536))
+                + _prefill_cases(ctx, (64,), (65536,), 2048))
+    return (_decode_cases(ctx, ("bf16", "fp8_ds_mla"), (8, 64), (1, 16, 64), (8192, 32768, 65536, 131072))
+            + _prefill_cases(ctx, (8, 64), (8192, 32768, 65536, 131072), 2048))
