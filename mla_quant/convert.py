@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from .formats import BF16, FP8Block, Int4Group, WeightFormat
 from .formats.plan import QuantPlan
 from .kernels import fp8_quant
-from .kernels.fp8_quant.reference import div_ieee
+from .kernels.fp8_quant.reference import div_ieee, reciprocal
 from .kernels.int4_quant.reference import HALF_RANGE, QMAX, QMIN, int4_codes, int4_pack_reference
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -78,7 +78,8 @@ def int4_quantize_mse(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.
     for c in grid:
         scale = div_ieee(absmax * c, HALF_RANGE).to(scale_dtype)
         s = scale.float().masked_fill(scale == 0, 1.0)[..., None]  # an all-zero group: codes 0, error 0
-        err = torch.div(wg, s).round_().clamp_(QMIN, QMAX).mul_(s).sub_(wg).square_().sum(-1)
+        # the codes int4_codes gives (w times the once-rounded reciprocal), then their squared error
+        err = (wg * reciprocal(s)).round_().clamp_(QMIN, QMAX).mul_(s).sub_(wg).square_().sum(-1)
         if best_scale is None:
             best_scale, best_err = scale, err
         else:
