@@ -1,6 +1,8 @@
-"""``python -m mla_quant``: the main job (see README)."""
-import runpy
-from pathlib import Path
+"""``python -m mla_quant``: the main job — serve requests through the asymmetric recipe and print what was
+measured (``python -m mla_quant --help``; docs/engine.md)."""
+import sys
+
+from mla_quant.engine.demo import main
 
 if __name__ == "__main__":
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "01_formats.py"), run_name="__main__")
+    sys.exit(main())
