@@ -249,14 +249,20 @@ class MLACausalLM(nn.Module):
         return num_parameters(self.config)
 
     # ---- cache -------------------------------------------------------------------------------------
+    def kv_formats(self) -> list[KVFormat]:
+        """Each layer's KV format: its attention module's ``kv_format`` (set by a plan's KV rules) or bf16."""
+        return [KVFormat.parse(getattr(layer.self_attn, "kv_format", None) or "bf16") for layer in self.model.layers]
+
     def allocate_cache(self, num_pages: int, page_size: int = 64,
-                       kv_format: str | KVFormat | Sequence[str | KVFormat] = "bf16",
+                       kv_format: str | KVFormat | Sequence[str | KVFormat] | None = None,
                        device: torch.device | str | None = None, indexer_kind: str | None = None,
                        tensor_scales: float | Sequence[float] | None = None) -> ModelCache:
-        """Pages for this model: MLA latents in ``kv_format`` (one, or one per layer) and, for a DSA model, the
-        indexer keys of its "full" layers (``indexer_kind``: ``"fp8_e4m3"``, ``"bf16"`` or ``"fp32"``; default:
-        fp32 pages for an fp32 model — the exact reference mode — else ``"fp8_e4m3"`` as DeepSeek ships)."""
+        """Pages for this model: MLA latents in ``kv_format`` (one, or one per layer; None: :meth:`kv_formats`)
+        and, for a DSA model, the indexer keys of its "full" layers (``indexer_kind``: ``"fp8_e4m3"``,
+        ``"bf16"`` or ``"fp32"``; default: fp32 pages for an fp32 model — the exact reference mode — else
+        ``"fp8_e4m3"`` as DeepSeek ships)."""
         c = self.config
+        kv_format = self.kv_formats() if kv_format is None else kv_format
         device = torch.device(device) if device is not None else self.device
         kv = PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.kv_lora_rank, c.qk_rope_head_dim,
                           kv_format, device, tensor_scales)
