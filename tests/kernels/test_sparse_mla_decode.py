@@ -117,6 +117,19 @@ def test_kernel_matches_reference(triton_backend, kind, scale_mode, num_splits):
     assert rel_err(out, ro) < 1e-5 and rel_err(lse, rl) < 1e-6
 
 
+def test_kernel_ds_mla_with_several_scale_tiles(triton_backend):
+    dev = triton_backend
+    lengths, ps, dl, dr = [45, 20], 16, 256, 32
+    data, scales, table, seq_lens = make_pages("fp8_ds_mla", "token", lengths, ps, dl, dr, device=dev)
+    req_ids = torch.tensor([1, 0, 0], dtype=torch.int32, device=dev)
+    idx = random_indices(lengths, req_ids.cpu(), 24, seed=4).to(dev)
+    q_nope, q_pe = torch.randn(3, 3, dl, device=dev), torch.randn(3, 3, dr, device=dev)
+    out, lse = sparse_mla_decode(q_nope, q_pe, data, scales, "fp8_ds_mla", table, seq_lens, req_ids, idx, 0.05)
+    ro, rl = sparse_mla_decode_reference(q_nope, q_pe, data, scales, "fp8_ds_mla", table, seq_lens, req_ids, idx,
+                                         0.05)
+    assert rel_err(out, ro) < 1e-5 and rel_err(lse, rl) < 1e-6
+
+
 def test_empty_selection_gives_zero_and_minus_inf(triton_backend):
     dev = triton_backend
     data, scales, table, seq_lens = make_pages("bf16", "token", [20], 16, 64, 32, device=dev)

@@ -60,9 +60,11 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
         row = page * PAGE_SIZE + idx % PAGE_SIZE
         lat = tl.load(kv_ptr + row[:, None] * row_stride + offs_l[None, :], mask=valid[:, None], other=0.0)
         if KIND == 3:  # e4m3 latent × one fp32 scale per 128-wide tile; bf16 rope after the scales
-            tiles = tl.load(sc_ptr + row[:, None] * sc_row_stride + DL // 4 + offs_l[None, :] // 128,
-                            mask=valid[:, None], other=0.0)
-            lat = lat.to(tl.float32) * tiles
+            offs_t = tl.arange(0, DL // 128)
+            tiles = tl.load(sc_ptr + row[:, None] * sc_row_stride + DL // 4 + offs_t[None, :],
+                            mask=valid[:, None], other=0.0)                        # [BLOCK_N, DL / 128]
+            lat = tl.reshape(tl.reshape(lat.to(tl.float32), (BLOCK_N, DL // 128, 128)) * tiles[:, :, None],
+                             (BLOCK_N, DL))
             rope = tl.load(rope_ptr + row[:, None] * rope_row_stride + (DL + DL // 32) // 2 + offs_r[None, :],
                            mask=valid[:, None], other=0.0).to(tl.float32)
         else:
