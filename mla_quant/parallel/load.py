@@ -82,7 +82,7 @@ def _read(f, ckey: str, shard: Shard | None) -> torch.Tensor:
     sl = f.get_slice(ckey)
     index = [slice(None)] * len(sl.get_shape())
     index[shard.dim] = slice(shard.start, shard.stop)
-    return sl[tuple(index)]
+    return sl[tuple(index)].contiguous()
 
 
 def load_sharded(path: str | os.PathLike, *, tp: bool = True, ep: bool = False,
