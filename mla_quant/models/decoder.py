@@ -191,6 +191,7 @@ class MLACausalLM(nn.Module):
         elif not callable(formats):
             raise TypeError(f"formats: expected None, 'checkpoint' or a function name -> WeightFormat, got {formats!r}")
         self.config, self.dtype = config, dtype
+        self.validate_inputs = True  # check token ids against the vocabulary (one host sync per call)
         with torch.device(device) if device is not None else nullcontext():
             rope = self._rotary(config)
             layers = [DecoderLayer(config, i, self._attention(config, i, rope, formats, dtype), formats, dtype)
@@ -299,7 +300,7 @@ class MLACausalLM(nn.Module):
             got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
                    else type(input_ids).__name__)
             raise ValueError(f"input_ids: expected an integer tensor {shape}, got {got}")
-        if input_ids.numel():
+        if input_ids.numel() and self.validate_inputs:
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"input_ids: token id {lo if lo < 0 else hi} outside [0, {self.config.vocab_size})")
