@@ -6,7 +6,9 @@ themselves (no download) and ``from_pretrained`` reads them like the published o
   INT4 layers, ``fp8`` blocks for FP8 layers, none when everything is unquantized);
 * ``model.safetensors.index.json`` + ``model-0000i-of-0000n.safetensors`` shards;
 * keys through the inverse of the key-mapping table (``language_model.`` prefix for Kimi K2.6), per-expert
-  INT4 tensors ``weight_packed`` / ``weight_scale`` / ``weight_shape``, FP8 ``weight`` + ``weight_scale_inv``.
+  INT4 tensors ``weight_packed`` / ``weight_scale`` / ``weight_shape``, FP8 ``weight`` + ``weight_scale_inv``;
+* tensors in the model's dtype, except fp32 ones by spec (``e_score_correction_bias``, ``weight_scale_inv``)
+  and fp32 compute copies (router, indexer ``weights_proj``) whose values the model dtype cannot hold.
 """
 from __future__ import annotations
 
@@ -24,6 +26,19 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+FP32_BY_SPEC = ("e_score_correction_bias", "weight_scale_inv")  # stored fp32 in the releases
+
+
+def _as_stored(key: str, t: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 tensors the model keeps in fp32 for compute (router ``gate.weight``, indexer ``weights_proj``)
+    are stored in the checkpoint dtype when that is lossless — as the releases store them; the loader casts
+    them back up exactly."""
+    if t.dtype != torch.float32 or compute_dtype not in (torch.bfloat16, torch.float16) or key.endswith(FP32_BY_SPEC):
+        return t
+    low = t.to(compute_dtype)
+    return low if torch.equal(low.float(), t) else t
 
 
 def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, max_shard_bytes: int = 4 * 2**30,
@@ -51,7 +66,7 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, max_shard_b
     for key, t in model.state_dict().items():
         if t.device.type == "meta":
             raise ValueError(f"save_pretrained: {key!r} is still on the meta device (not loaded)")
-        tensors[keymap.to_checkpoint(key)] = t
+        tensors[keymap.to_checkpoint(key)] = _as_stored(key, t, compute_dtype)
     for key, t in (extra_tensors or {}).items():
         if key in tensors:
             raise ValueError(f"save_pretrained: extra tensor {key!r} collides with a model key")

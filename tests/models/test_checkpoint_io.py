@@ -50,6 +50,10 @@ def kimi_ckpt(tmp_path_factory):
 def glm_ckpt(tmp_path_factory):
     model = Glm52ForCausalLM(Glm52Config.tiny(), dtype=torch.bfloat16, formats="checkpoint")
     init_random_weights_(model, seed=4)
+    with torch.no_grad():  # as if loaded from a bf16 release: the fp32 router / weights_proj hold bf16 values
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name.endswith(("mlp.gate.weight", "weights_proj.weight")):
+                t.copy_(t.to(torch.bfloat16).float())
     path = save_pretrained(model, tmp_path_factory.mktemp("glm"), max_shard_bytes=SMALL_SHARDS)
     return model, path
 
@@ -97,7 +101,9 @@ def test_glm_fp8_layout_on_disk(glm_ckpt):
     full = [i for i, t in enumerate(c.indexer_types) if t == "full"]
     shared = [i for i, t in enumerate(c.indexer_types) if t == "shared"]
     assert tensors[f"model.layers.{full[1]}.self_attn.indexer.wk.weight"].dtype == torch.float8_e4m3fn
-    assert tensors[f"model.layers.{full[1]}.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    assert tensors[f"model.layers.{full[1]}.self_attn.indexer.weights_proj.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16       # as the release stores them
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert f"model.layers.{full[1]}.self_attn.indexer.k_norm.bias" in tensors
     assert not any(k.startswith(f"model.layers.{shared[0]}.self_attn.indexer") for k in tensors)
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
