@@ -66,6 +66,9 @@ def test_kimi_layout_on_disk(kimi_ckpt):
     assert cfg["text_config"]["quantization_config"] == KimiK26Config.full().quantization_config
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and index["metadata"]["total_size"] > 0
+    # one layer's experts span two shards (as in the real checkpoints): loading stacks them across shards
+    files = {f for k, f in index["weight_map"].items() if k.startswith("language_model.model.layers.2.mlp.experts.")}
+    assert len(files) == 2
     tensors = _read_all(path)
     assert all(k.startswith("language_model.") for k in tensors)
     assert "language_model.lm_head.weight" in tensors and "language_model.model.embed_tokens.weight" in tensors
