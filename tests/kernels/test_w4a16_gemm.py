@@ -76,7 +76,7 @@ def test_split_k_counters_are_reset_for_the_next_launch(triton_backend):
     ref = w4a16_gemm_reference(x, packed, scale, 32)
     for _ in range(2):
         y = poisoned_empty((m, n), torch.float32, dev)
-        _w4a16_gemm_kernel[(2, split)](x, packed, scale, y, part, count, m, n, k, k, n, 2, 4, GROUP=32, BM=16,
+        _w4a16_gemm_kernel[(2, split)](x, packed, scale, y, part, count, m, n, k, k, n, m * n, 2, 4, GROUP=32, BM=16,
                                        BN=16, BK=64, SPLIT_K=split, GROUP_M=1, EVEN_K=True,
                                        INTERPRET=not HAS_CUDA, DOT_PRECISION="ieee")
         assert_rel_close(y, ref, 1e-5, "reused workspace")

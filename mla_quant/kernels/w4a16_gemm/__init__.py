@@ -95,7 +95,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
     common = dict(GROUP=group_size, INTERPRET=interpreted,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m_bucket(m), sms)
+    args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
+            m_bucket(m), sms)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])

@@ -35,7 +35,7 @@ def _dequant_tile(words, scales, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.c
 @triton.jit
 def _w4a16_gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, stride_xm, stride_ym,
+    M, N, K, stride_xm, stride_ym, stride_part,
     M_BUCKET, NUM_SMS,  # autotuning key / split-K heuristic input only
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -93,15 +93,16 @@ def _w4a16_gemm_kernel(
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
-        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-        mn = M.to(tl.int64) * N
-        tl.store(part_ptr + pid_k * mn + offs, acc, mask=out_mask)
+        # part [SPLIT_K, M, N]: pointers advance by stride_part (= M·N) so no index product overflows int32
+        part_ptrs = part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :])
+        tl.store(part_ptrs + pid_k.to(tl.int64) * stride_part, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:  # the last program of this tile: sum the partials in split order
             total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                total += tl.load(part_ptr + s * mn + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for _ in range(0, SPLIT_K):
+                total += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_part
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
 
