@@ -64,7 +64,7 @@ def read_weight_map(path: str | os.PathLike) -> dict[str, str]:
     raise FileNotFoundError(f"from_pretrained: neither {INDEX_FILE} nor model.safetensors in {str(folder)!r}")
 
 
-def _stored_dtype(folder: Path, file: str, key: str) -> torch.dtype:
+def stored_dtype(folder: Path, file: str, key: str) -> torch.dtype:
     with safe_open(str(folder / file), "pt") as f:
         name = f.get_slice(key).get_dtype()
     if name not in _ST_DTYPES:
@@ -72,15 +72,15 @@ def _stored_dtype(folder: Path, file: str, key: str) -> torch.dtype:
     return _ST_DTYPES[name]
 
 
-def _int4_scale_dtype(folder: Path, weight_map: dict[str, str]) -> torch.dtype | None:
+def int4_scale_dtype(folder: Path, weight_map: dict[str, str]) -> torch.dtype | None:
     """The dtype the checkpoint stores INT4 group scales in (bf16 for Kimi K2.6), read from a header."""
     for key, file in weight_map.items():
         if key.endswith(".weight_scale") and key[: -len("scale")] + "packed" in weight_map:
-            return _stored_dtype(folder, file, key)
+            return stored_dtype(folder, file, key)
     return None
 
 
-def _check_and_convert(key: str, t: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+def check_and_convert(key: str, t: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """A stored tensor made to fit the model's (meta) tensor ``want``, or an error naming ``key``."""
     if tuple(t.shape) != tuple(want.shape):
         raise CheckpointError(f"{key!r}: checkpoint shape {tuple(t.shape)} does not match the model's "
@@ -94,7 +94,7 @@ def _check_and_convert(key: str, t: torch.Tensor, want: torch.Tensor) -> torch.T
     return t
 
 
-def _check_weight_shape(key: str, t: torch.Tensor, packed: torch.Tensor | None) -> None:
+def check_weight_shape(key: str, t: torch.Tensor, packed: torch.Tensor | None) -> None:
     """``weight_shape`` [N, K] must agree with ``weight_packed`` [N, K/8] (compressed-tensors)."""
     if packed is None:
         return
@@ -103,7 +103,7 @@ def _check_weight_shape(key: str, t: torch.Tensor, packed: torch.Tensor | None) 
         raise CheckpointError(f"{key!r}: weight_shape {[n, k]} does not match weight_packed {tuple(packed.shape)}")
 
 
-def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
+def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Non-persistent buffers (RoPE tables) were built on meta: rebuild them on ``device``."""
     from ..modules.rope import RotaryEmbedding, rope_inv_freq
 
@@ -149,7 +149,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
         else:
             to_model[ckey] = mkey
 
-    fmt_for = checkpoint_formats(config, weight_map.keys(), _int4_scale_dtype(folder, weight_map))
+    fmt_for = checkpoint_formats(config, weight_map.keys(), int4_scale_dtype(folder, weight_map))
     with torch.device("meta"):
         model = model_class(config)(config, dtype=dtype, formats=fmt_for)
     expected = model.state_dict()
@@ -180,17 +180,17 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
                 mkey = to_model.get(ckey)
                 if mkey is None:
                     continue
-                part[mkey] = _check_and_convert(ckey, f.get_tensor(ckey), expected[mkey]).to(device)
+                part[mkey] = check_and_convert(ckey, f.get_tensor(ckey), expected[mkey]).to(device)
         for mkey, t in part.items():
             if mkey.endswith(".weight_shape"):
-                _check_weight_shape(keymap.to_checkpoint(mkey), t, part.get(mkey[: -len("shape")] + "packed"))
+                check_weight_shape(keymap.to_checkpoint(mkey), t, part.get(mkey[: -len("shape")] + "packed"))
         model.load_state_dict(part, strict=False, assign=True)
         if show:
             gb = (folder / file).stat().st_size / 1e9
             print(f"[from_pretrained] shard {i + 1}/{len(files)} {file}: {len(part)} tensors, {gb:.2f} GB, "
                   f"{time.perf_counter() - t0:.1f} s (total {time.perf_counter() - start:.1f} s)", file=sys.stderr)
         del part
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     leftover = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
     if leftover:  # cannot happen after the key checks; a guard against shards that lie about their keys
         raise CheckpointError(f"missing key {keymap.to_checkpoint(leftover[0])!r}: not found in its shard")
@@ -202,4 +202,8 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     return model
 
 
-__all__ = ["from_pretrained", "read_weight_map", "CheckpointError", "model_class", "Glm52Config"]
+# the building blocks, shared with ``mla_quant.parallel.load`` (which imported them under these names)
+_check_and_convert, _int4_scale_dtype, _materialize_buffers = check_and_convert, int4_scale_dtype, materialize_buffers
+
+__all__ = ["from_pretrained", "read_weight_map", "CheckpointError", "model_class", "check_and_convert",
+           "check_weight_shape", "int4_scale_dtype", "materialize_buffers", "stored_dtype"]
