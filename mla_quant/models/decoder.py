@@ -33,7 +33,9 @@ from ..cache.indexer_cache import IndexerKCache
 from ..formats import KVFormat, WeightFormat
 from ..modules import MLP, MoE, QuantLinear, RMSNorm, RotaryEmbedding
 from ..modules.attention import MLAttention
+from ..modules.dsa import DSAttention
 from ..modules.experts import PROJECTIONS as EXPERT_PROJECTIONS
+from ..modules.experts import StackedExperts
 from .config import ModelConfig
 from .layout import FormatFn, bf16_formats
 
@@ -117,7 +119,7 @@ class DecoderLayer(nn.Module):
     @property
     def shares_topk(self) -> bool:
         """A GLM "shared" layer: it takes the previous full layer's top-k indices."""
-        return getattr(self.self_attn, "indexer_type", None) == "shared"
+        return isinstance(self.self_attn, DSAttention) and self.self_attn.indexer_type == "shared"
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 topk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -132,7 +134,7 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] (the step's tokens) -> (x, top-k indices or None)."""
         kv = cache.kv.layer(self.layer_idx)
         h = self.input_layernorm(x)
-        if getattr(self.self_attn, "indexer_type", None) is None:
+        if not isinstance(self.self_attn, DSAttention):
             out = self.self_attn.forward_paged(h, batch, kv)
         else:
             keys = None
@@ -233,7 +235,7 @@ class MLACausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, QuantLinear):
                 out[name] = module.fmt
-            elif hasattr(module, "num_experts") and hasattr(module, "proj_shape"):  # StackedExperts
+            elif isinstance(module, StackedExperts):
                 for e in range(module.num_experts):
                     for p in EXPERT_PROJECTIONS:
                         out[f"{name}.{e}.{p}"] = module.fmt
