@@ -151,3 +151,28 @@ def test_bad_inputs_name_the_argument():
     bad[0, 0] = -1
     with pytest.raises(IndexError, match="block_table"):
         indexer_scores(q, w, k_cache, k_scale, bad, req, pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [FP8, torch.bfloat16])
+def test_gpu_glm_shapes_scores_and_selection(q_dtype):
+    """32 heads × 128, page 64, FP8 keys: tensor-core dots against the fp32 reference; the top-2048 selection
+    keeps the same scores (ties aside)."""
+    from mla_quant.kernels.topk import topk_indices
+
+    lengths = [5000, 2100, 64, 3000]
+    k_cache, k_scale, table = make_keys(FP8, lengths, 64, 128, device="cuda")
+    req, pos = step_tokens(lengths, [1, 1, 1, 1])
+    req, pos = req.cuda(), pos.cuda()
+    q = (torch.randn(4, 32, 128, device="cuda") * 20).clamp(-448, 448).to(q_dtype)
+    w = torch.rand(4, 32, device="cuda")
+    got = indexer_scores(q, w, k_cache, k_scale, table, req, pos)
+    want = indexer_scores_reference(q, w, k_cache, k_scale, table, req, pos)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and rel_err(got[fin], want[fin]) < 1e-5
+    sel = topk_indices(got, 2048)
+    ref = topk_indices(want, 2048)
+    for row in range(4):
+        a, b = sel[row][sel[row] >= 0].long(), ref[row][ref[row] >= 0].long()
+        assert a.numel() == b.numel()
+        assert torch.allclose(want[row, a].sort().values, want[row, b].sort().values, rtol=1e-4, atol=1e-4)

@@ -25,7 +25,7 @@ def x_of(b, t, seed=1):
 def dense_masked_reference(m, x, topk_indices):
     """Naive MLA with a -inf mask outside each query's selection (and the future), written out per head."""
     b, t, _ = x.shape
-    pos = torch.arange(t).expand(b, t)
+    pos = torch.arange(t, device=x.device).expand(b, t)
     q_nope, q_pe = m.project_q(x, pos)
     latent, k_pe = m.project_kv(x, pos)
     k_nope, v = m.expand_kv(latent)
@@ -37,7 +37,7 @@ def dense_masked_reference(m, x, topk_indices):
             for s in topk_indices[bb, q].tolist():
                 if 0 <= s <= q:
                     allowed[bb, q, s] = True
-    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    logits = logits.masked_fill(~allowed[:, None].to(x.device), float("-inf"))
     o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(logits, -1), v)
     return m.output(o)
 
@@ -156,6 +156,35 @@ def test_paged_prefill_and_decode_equal_the_plain_forward(kv_format, tol):
             z0 = dense_masked_reference(full, x[None], idx[None])[0]
             z1 = dense_masked_reference(shared, x[None], idx[None])[0]
         assert rel_err(y0, z0) < tol and rel_err(y1, z1) < tol
+
+
+@pytest.mark.parametrize("kv_format,key_kind,tol", [("fp8_ds_mla", "fp32", 0.12), ("bf16", "fp8_e4m3", 0.01)])
+def test_paged_path_through_the_triton_kernels(triton_backend, kv_format, key_kind, tol):
+    """The cached steps through the Triton kernels (interpreted on the CPU): outputs equal the masked
+    computation with the selection made, and (fp32 keys) the selection is the plain forward's up to ties.
+    fp8_ds_mla's tolerance covers e4m3 with power-of-two tile scales plus the interpreter's fp8 misrounding."""
+    dev = triton_backend
+    full, shared = dsa("full", topk=8, seed=2).to(dev), dsa("shared", topk=8, seed=3).to(dev)
+    lengths = [21, 12]
+    xs = [x_of(1, n, seed=40 + i)[0].to(dev) for i, n in enumerate(lengths)]
+    cache, keys, alloc = make_pools(2, 16, 4, KVLORA, ROPE, kv_format, head_dim=IDX_DIM, key_kind=key_kind,
+                                    device=dev)
+
+    def step(batch, x):
+        y0, i0 = full.forward_paged(x, batch, cache.layer(0), keys.layer(0))
+        return y0, shared.forward_paged(x, batch, cache.layer(1), topk_indices=i0)[0], i0
+
+    got = run_paged(alloc, xs, schedule(lengths, 9, 1), step)
+    for x, (y0, y1, idx) in zip(xs, got):
+        assert not torch.isnan(y0).any() and not torch.isnan(y1).any()
+        with torch.no_grad():
+            z0 = dense_masked_reference(full, x[None], idx[None].cpu())[0]
+            z1 = dense_masked_reference(shared, x[None], idx[None].cpu())[0]
+            plain = full(x[None])[1][0]
+            scores = full.indexer.scores(x[None], full.q_latent(x[None]))[0]
+        assert rel_err(y0, z0) < tol and rel_err(y1, z1) < tol
+        if key_kind == "fp32":
+            assert_same_selection(idx.cpu(), plain.cpu(), scores.cpu())
 
 
 def test_paged_short_contexts_run_dense_mla():
