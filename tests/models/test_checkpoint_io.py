@@ -308,3 +308,21 @@ def test_loads_a_checkpoint_converted_by_mla_quant_convert(glm_ckpt, tmp_path):
     assert fmts["model.layers.1.self_attn.q_b_proj"] == FP8Block(act_quant=False) and fmts["lm_head"] == BF16()
     for key in ("model.layers.1.self_attn.q_b_proj.weight", "model.embed_tokens.weight"):
         assert torch.equal(_bits(loaded.state_dict()[key]), _bits(model.state_dict()[key])), key
+
+
+def test_text_only_kimi_k2_fp8_layout(tmp_path):
+    """K2-Instruct style: no wrapper, no ``language_model.`` prefix, FP8 blocks (``weight_scale_inv``)."""
+    from mla_quant.models.config import GLM_FP8_QUANTIZATION_CONFIG
+
+    cfg = KimiK26Config.tiny().replace(num_hidden_layers=2, vision_config=None,
+                                       quantization_config=dict(GLM_FP8_QUANTIZATION_CONFIG))
+    model = KimiK26ForCausalLM(cfg, dtype=torch.bfloat16, formats="checkpoint")
+    init_random_weights_(model)
+    save_pretrained(model, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["model_type"] == "kimi_k2" and "text_config" not in raw and raw["quantization_config"]["quant_method"] == "fp8"
+    tensors = _read_all(tmp_path)
+    assert "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv" in tensors and "lm_head.weight" in tensors
+    loaded = from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert_same_state(model, loaded)
+    assert loaded.linear_formats()["model.layers.0.self_attn.o_proj"] == FP8Block(act_quant=False)

@@ -39,10 +39,19 @@ def _glm_other() -> Glm52Config:
                                       rope_theta=1e6, first_k_dense_replace=2)
 
 
+def _kimi_k2_fp8() -> KimiK26Config:
+    """A text-only Kimi K2 (K2-Instruct style: ``model_type: kimi_k2`` at the top, no ``language_model.``
+    prefix, DeepSeek FP8 blocks with ``weight_scale_inv``)."""
+    from mla_quant.models.config import GLM_FP8_QUANTIZATION_CONFIG
+
+    return KimiK26Config.tiny().replace(vision_config=None, quantization_config=dict(GLM_FP8_QUANTIZATION_CONFIG))
+
+
 CASES = {
     # name: (model class, config, formats, sequence length)
     "kimi_int4": (KimiK26ForCausalLM, KimiK26Config.tiny(), "checkpoint", 12),
     "kimi_other_bf16": (KimiK26ForCausalLM, _kimi_other(), None, 10),
+    "kimi_k2_fp8_text_only": (KimiK26ForCausalLM, _kimi_k2_fp8(), "checkpoint", 9),
     "glm_fp8": (Glm52ForCausalLM, Glm52Config.tiny(), "checkpoint", 20),
     "glm_other_bf16": (Glm52ForCausalLM, _glm_other(), None, 17),
 }
