@@ -43,8 +43,6 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
         qp = qp.to(tl.float32)
     req = tl.load(req_ptr + tok).to(tl.int64)
     seq_len = tl.load(sl_ptr + req)
-    if KIND == 2:
-        tensor_scale = tl.load(sc_ptr)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -76,6 +74,7 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
                 lat = lat * s[:, None]
                 rope = rope * s[:, None]
             if KIND == 2:
+                tensor_scale = tl.load(sc_ptr)
                 lat = lat * tensor_scale
                 rope = rope * tensor_scale
         if DOT_BF16:
