@@ -31,11 +31,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k_for(tiles: int, k_iters: int, sms: int, max_split: int = 16) -> int:
-    """Split the K loop until the grid has about two programs per SM (a GEMV with N/BN tiles fills few
-    SMs otherwise), never giving a split fewer than two K iterations. A power of two."""
+def split_k_for(tiles: int, k_iters: int, target_programs: int, max_split: int = 16) -> int:
+    """Split the K loop (a power of two) while the grid stays within ``target_programs`` (a GEMV with
+    N/BN tiles fills few SMs otherwise), never giving a split fewer than two K iterations."""
     split = 1
-    while split < max_split and tiles * split * 2 <= 2 * sms and k_iters // (split * 2) >= 2:
+    while split < max_split and tiles * split * 2 <= target_programs and k_iters // (split * 2) >= 2:
         split *= 2
     return split
 

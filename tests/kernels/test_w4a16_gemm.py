@@ -83,7 +83,8 @@ def test_split_k_counters_are_reset_for_the_next_launch(triton_backend):
         assert count.tolist() == [0, 0]
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture],  # the fixture only sets the backend
+          max_examples=20)
 @given(m=odd_sizes(1, 40), n=odd_sizes(1, 70), kg=st.integers(1, 6), group=st.sampled_from([32, 64, 128]),
        seed=st.integers(0, 2**31 - 1))
 def test_autoselected_config_matches_reference_over_shapes(triton_backend, m, n, kg, group, seed):
@@ -95,7 +96,7 @@ def test_autoselected_config_matches_reference_over_shapes(triton_backend, m, n,
     assert_rel_close(y, w4a16_gemm_reference(x, packed, scale, group), 1e-5)
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=8)
 @given(x=tensors(st.tuples(st.integers(1, 3), st.integers(1, 5), st.just(128)), dtype=torch.float32))
 def test_leading_dimensions_and_outlier_activations(triton_backend, x):
     packed, scale = _weights(24, 128, 32, triton_backend)

@@ -7,7 +7,7 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
-from .._gemm_utils import m_bucket, num_sms, split_k_for
+from .._gemm_utils import m_bucket, num_sms
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
@@ -64,7 +64,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
-    from .kernel import _w4a16_gemm_kernel, regime_bm, w4a16_gemm_autotuned
+    from .kernel import _w4a16_gemm_kernel, split_k, w4a16_gemm_autotuned, workspace_bounds
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -82,14 +82,11 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
             raise ValueError(f"config: BK={bk} must be a multiple of group_size {group_size}")
         if bm == 1 and m != 1:
             raise ValueError(f"config: BM=1 is the one-token path, got {m} tokens")
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split = cfg.pop("SPLIT_K", None) or split_k_for(tiles, triton.cdiv(k, bk), sms)
-        max_split, max_tiles = split, tiles
+        split = cfg.pop("SPLIT_K", None) or split_k(m, n, k, bm, bn, bk, sms)
+        max_split, max_tiles = split, triton.cdiv(m, bm) * triton.cdiv(n, bn)
     else:
         cfg = None
-        bms = regime_bm(m_bucket(m))
-        max_tiles = triton.cdiv(m, min(bms)) * triton.cdiv(n, 16)
-        max_split = split_k_for(triton.cdiv(m, max(bms)) * triton.cdiv(n, 256), triton.cdiv(k, 128), sms)
+        max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms)
     # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
     count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)

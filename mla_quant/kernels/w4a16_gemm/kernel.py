@@ -19,7 +19,7 @@ in a fixed order — deterministic — writes the output and resets the counter 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import autotune_bench, grouped_tile
+from .._gemm_utils import autotune_bench, grouped_tile, m_bucket, split_k_for
 
 
 @triton.jit
@@ -30,6 +30,21 @@ def _dequant_tile(words, scales, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.c
     codes = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # (2^23 + n) - (2^23 + 8) = n - 8
     w = tl.reshape(codes, (BN, BK // GROUP, GROUP)) * scales[:, :, None]
     return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    """A load masked only when the K loop has a ragged last block (masked elements read as 0)."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -62,29 +77,36 @@ def _w4a16_gemm_kernel(
     it_hi = tl.minimum(it_lo + per_split, k_iters)
 
     if BM == 1:
-        acc_e = tl.zeros((BN, BK), dtype=tl.float32)
+        acc_e = tl.zeros((BN, BK // 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for it in range(it_lo, it_hi):
         k0 = it * BK
-        if EVEN_K:
-            words = tl.load(w_rows + (k0 // 8 + rw)[None, :])
-            scales = tl.load(s_rows + (k0 // GROUP + rg)[None, :]).to(tl.float32)
-            x = tl.load(x_rows + (k0 + rk)[None, :])
-        else:  # masked words give code -8 but their scale is 0, and x is 0 there
-            words = tl.load(w_rows + (k0 // 8 + rw)[None, :], mask=(k0 // 8 + rw < K // 8)[None, :], other=0)
-            scales = tl.load(s_rows + (k0 // GROUP + rg)[None, :], mask=(k0 // GROUP + rg < K // GROUP)[None, :],
-                             other=0.0).to(tl.float32)
-            x = tl.load(x_rows + (k0 + rk)[None, :], mask=(k0 + rk < K)[None, :], other=0.0)
-        w = _dequant_tile(words, scales, BN, BK, GROUP)  # fp32 [BN, BK]
-        if BM == 1:
-            acc_e += w * x.to(tl.float32)
+        kmask = (k0 // 8 + rw < K // 8)[None, :]  # per word; K % 8 == 0, so also per element of a word
+        words = _load(w_rows + (k0 // 8 + rw)[None, :], kmask, EVEN_K)             # int32 [BN, BK/8]
+        if BM <= 16:
+            # Nibble planes: plane i holds the elements k0 + 8·w + i. A dot product does not care about the
+            # order of K, so x is read in the same permuted order instead of interleaving the nibbles back
+            # into K order (no reshape, no layout shuffle); the group scale is the same for a whole word.
+            sw = _load(s_rows + ((k0 + 8 * rw) // GROUP)[None, :], kmask, EVEN_K).to(tl.float32)
+            if BM == 1:
+                inner = tl.zeros((BN, BK // 8), dtype=tl.float32)
+            for i in tl.static_range(8):
+                codes = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                xi = _load(x_rows + (k0 + 8 * rw + i)[None, :], kmask, EVEN_K)     # [BM, BK/8]
+                if BM == 1:
+                    inner += codes * xi.to(tl.float32)
+                else:  # scaled and rounded like int4_dequantize's output, then mma
+                    wt = tl.trans((codes * sw).to(x_ptr.dtype.element_ty))
+                    acc = _dot(xi, wt, acc, INTERPRET, DOT_PRECISION)
+            if BM == 1:
+                acc_e += inner * sw
         else:
-            wt = tl.trans(w.to(x_ptr.dtype.element_ty))  # rounded like int4_dequantize's output
-            if INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
-                acc = tl.dot(x.to(tl.float32), wt.to(tl.float32), acc)
-            else:
-                acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
+            scales = _load(s_rows + (k0 // GROUP + rg)[None, :], (k0 // GROUP + rg < K // GROUP)[None, :],
+                           EVEN_K).to(tl.float32)
+            x = _load(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
+            w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
+            acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
     if BM == 1:
         acc = tl.reshape(tl.sum(acc_e, axis=1), (1, BN))
 
@@ -110,11 +132,15 @@ def _w4a16_gemm_kernel(
 def _configs() -> list[triton.Config]:
     """A few sensible configs per regime; the launcher keeps those whose BM suits the token count."""
     c = triton.Config
-    gemv = [c({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
-            for bm in (1, 16) for bn, bk, w, s in ((16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4), (32, 512, 8, 2))]
+    gemv = [c({"BM": 1, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in ((16, 512, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2), (64, 256, 4, 3),
+                                 (32, 1024, 8, 2))]
+    small = [c({"BM": 16, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
+             for bn, bk, w, s in ((16, 256, 4, 2), (32, 256, 4, 2), (64, 256, 4, 3), (32, 512, 8, 2))]
     tiled = [c({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
-             for bm, bn, w, s in ((32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))]
-    return gemv + tiled
+             for bm, bn, w, s in ((32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3),
+                                  (128, 256, 8, 3))]
+    return gemv + small + tiled
 
 
 def regime_bm(m_bucket: int) -> tuple[int, ...]:
@@ -134,14 +160,25 @@ def _prune(configs, named_args, **kwargs):
     return [cfg for cfg in configs if cfg.kwargs["BM"] in bms and cfg.kwargs["BK"] % group == 0]
 
 
-def _split_k(args) -> int:
-    from .._gemm_utils import split_k_for
+def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
+    """Split the K loop until there are ~4 programs per SM for a GEMV / small batch (memory-bound: more
+    loads in flight) and ~2 for the tiled path."""
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return split_k_for(tiles, triton.cdiv(k, bk), (4 if bm <= 16 else 2) * sms)
 
-    tiles = triton.cdiv(args["M"], args["BM"]) * triton.cdiv(args["N"], args["BN"])
-    return split_k_for(tiles, triton.cdiv(args["K"], args["BK"]), args["NUM_SMS"])
+
+def workspace_bounds(m: int, n: int, k: int, group: int, sms: int) -> tuple[int, int]:
+    """(largest SPLIT_K, most output tiles) over the configs the autotuner may pick for this shape."""
+    cfgs = _prune(_configs(), {"M_BUCKET": m_bucket(m), "GROUP": group})
+    splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
+    tiles = [triton.cdiv(m, c.kwargs["BM"]) * triton.cdiv(n, c.kwargs["BN"]) for c in cfgs]
+    return max(splits), max(tiles)
 
 
 w4a16_gemm_autotuned = triton.autotune(
     configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
     do_bench=autotune_bench,
-)(triton.heuristics({"SPLIT_K": _split_k, "EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_w4a16_gemm_kernel))
+)(triton.heuristics({
+    "SPLIT_K": lambda a: split_k(a["M"], a["N"], a["K"], a["BM"], a["BN"], a["BK"], a["NUM_SMS"]),
+    "EVEN_K": lambda a: a["K"] % a["BK"] == 0,
+})(_w4a16_gemm_kernel))
