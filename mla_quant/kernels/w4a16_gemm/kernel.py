@@ -1,16 +1,20 @@
 """Triton W4A16 GEMM: y = x @ W.T with W held as INT4 nibbles (compressed-tensors ``pack-quantized``).
 
 The weight never exists in bf16 outside registers. A tile of int32 words ``[BN, BK/8]`` is loaded with wide
-vector loads, its nibbles are unpacked with shifts and turned into floats by the exponent trick
-``float(0x4B000000 | n) = 2^23 + n`` (one OR and one subtract instead of an int→float conversion, which runs
-at a quarter of the FP32 rate), and scaled by the group's scale.
+vector loads; nibbles become floats by the exponent trick ``float(0x4B000000 | n) - (2^23 + 8) = n - 8``
+(one OR and one subtract: no int->float conversion, which runs at a quarter of the FP32 rate) and are scaled
+by their group's scale.
 
 One kernel, three shapes of work picked by constexprs:
 
-* ``BM == 1`` (one token, decode GEMV): products accumulate elementwise in fp32 registers ``[BN, BK]`` and
-  are reduced once at the end — no tensor cores, no shared memory round trip of the dequantized tile.
-* ``BM == 16`` (2–16 tokens): ``tl.dot`` on the dequantized bf16 tile (``mma`` m16n8k16).
-* ``BM >= 32`` (prefill): a tiled GEMM, grouped tile order for L2 reuse.
+* ``BM == 1`` (one token, decode GEMV) and ``BM == 16`` (2-16 tokens) work on *nibble planes*: plane
+  ``i`` of a word tile holds the elements ``k0 + 8·w + i``. A dot product does not care about the order of
+  K, so x is read in the same permuted order (a strided load of a tiny operand) instead of interleaving the
+  nibbles back into K order: no reshape, no layout shuffle. The one-token path accumulates
+  ``codes · x`` in fp32 registers and applies the scale once per word (no tensor cores, no shared memory);
+  the small-batch path scales, rounds to the activation dtype (as ``int4_dequantize`` stores the weight)
+  and runs ``mma`` on each plane.
+* ``BM >= 32`` (prefill): a tiled GEMM on the dequantized ``[BN, BK]`` tile, grouped tile order for L2 reuse.
 
 Split-K (``SPLIT_K > 1``) fills the SMs when there are few output tiles: each program writes its fp32 partial
 ``[BM, BN]`` to a workspace, and the last program to arrive at a tile (an atomic counter) sums the partials
