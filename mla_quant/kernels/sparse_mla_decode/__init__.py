@@ -93,10 +93,10 @@ def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens,
 
 
 def _num_splits(t: int, head_blocks: int, k: int, block_n: int, device: torch.device) -> int:
-    """Enough splits of the top-k list for about two waves of programs, each split ≥ 2 blocks of rows."""
+    """Enough splits of the top-k list for about two waves of programs (each split ≥ one block of rows)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = triton.cdiv(2 * sms, max(t * head_blocks, 1))
-    return max(1, min(want, triton.cdiv(k, 2 * block_n)))
+    return max(1, min(want, triton.cdiv(k, block_n)))
 
 
 def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.Tensor,
