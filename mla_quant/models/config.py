@@ -17,7 +17,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 KIMI_VISION_CONFIG = {"model_type": "kimi_k25_vision", "patch_size": 14, "num_hidden_layers": 27,
                       "hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304}

@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..formats import BF16, FP8Block, Int4Group, WeightFormat
-from .config import Glm52Config, KimiK26Config, ModelConfig
+from .config import KimiK26Config, ModelConfig
 
 FormatFn = Callable[[str], WeightFormat]
 
@@ -231,4 +231,4 @@ def quantization_config_for(config: ModelConfig, formats: dict[str, WeightFormat
 
 
 __all__ = ["KeyRule", "KeyMap", "key_rules", "checkpoint_formats", "bf16_formats", "ct_ignored",
-           "quantization_config_for", "FormatFn", "Glm52Config", "KimiK26Config"]
+           "quantization_config_for", "FormatFn"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import Glm52Config, KimiK26Config, ModelConfig, config_from_hf
+from .config import KimiK26Config, ModelConfig, config_from_hf
 from .layout import KeyMap, checkpoint_formats
 from .saving import INDEX_FILE
 
