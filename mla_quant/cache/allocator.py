@@ -18,6 +18,7 @@ from itertools import count
 
 import torch
 
+from ._rows import IntRow
 from .batch import PagedBatch
 from .paged import PagedKVCache, check_page_size
 from .tables import block_table_to_csr
@@ -51,7 +52,7 @@ class PrefixRef:
 
 @dataclass
 class _Request:
-    pages: list[int] = field(default_factory=list)
+    pages: IntRow = field(default_factory=IntRow)   # physical page ids, in order
     num_tokens: int = 0
 
 
@@ -113,7 +114,7 @@ class PageAllocator:
         return self._get(request).num_tokens
 
     def pages(self, request: Hashable) -> list[int]:
-        return list(self._get(request).pages)
+        return self._get(request).pages.tolist()
 
     def slots(self, request: Hashable, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Physical slots ``int64 [stop - start]`` of tokens ``start..stop`` of a request."""
@@ -121,9 +122,8 @@ class PageAllocator:
         stop = req.num_tokens if stop is None else stop
         if not 0 <= start <= stop <= req.num_tokens:
             raise ValueError(f"start/stop: [{start}, {stop}) outside the request's {req.num_tokens} tokens")
-        pos = torch.arange(start, stop)
-        pages = torch.tensor(req.pages, dtype=torch.long)
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size if stop > start else pos
+        ps, pages = self.page_size, req.pages
+        return torch.tensor([pages[j // ps] * ps + j % ps for j in range(start, stop)], dtype=torch.long)
 
     # ------------------------------------------------------------------------------------- page moves
     def _take_free(self, n: int) -> list[int]:
@@ -233,14 +233,14 @@ class PageAllocator:
             pages, tags, total = list(src.pages), list(src.tags), src.num_tokens
         else:
             req = self._get(src)
-            pages, tags, total = req.pages, self.tracker.recorded(src), req.num_tokens
+            pages, tags, total = req.pages.tolist(), self.tracker.recorded(src), req.num_tokens
         n = total if num_tokens is None else num_tokens
         if not 0 <= n <= total:
             raise ValueError(f"num_tokens: {n} outside the source's {total} tokens")
         k = -(-n // self.page_size)
         for p in pages[:k]:
             self.refcount[p] += 1
-        self._requests[dst] = _Request(list(pages[:k]), n)
+        self._requests[dst] = _Request(IntRow(pages[:k]), n)
         self.tracker.record(dst, tags[:k])
 
     def retain_prefix(self, request: Hashable, num_tokens: int | None = None) -> PrefixRef:
@@ -295,8 +295,9 @@ class PageAllocator:
         width = max([len(q.pages) for q in reqs] + [1]) if max_pages is None else max_pages
         if any(len(q.pages) > width for q in reqs):
             raise ValueError(f"max_pages: {width} is smaller than a request's {max(len(q.pages) for q in reqs)} pages")
-        rows = [q.pages + [-1] * (width - len(q.pages)) for q in reqs]
-        table = torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width)
+        table = torch.full((len(reqs), width), -1, dtype=torch.int32)
+        for i, q in enumerate(reqs):
+            table[i, :len(q.pages)] = q.pages.view()
         seq_lens = torch.tensor([q.num_tokens for q in reqs], dtype=torch.int32)
         return table.to(device), seq_lens.to(device)
 

@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..kernels.page_tag_verify import page_tag_verify
+from ._rows import IntRow
 
 FREE_TAG = 0     # the tag of a page on the free list
 STALE_TAG = -1   # recorded for a copy made from a page its request had already lost: never matches
@@ -65,7 +66,7 @@ class PageTagTracker:
         self._host_holders = [0] * num_pages
         self._next_tag = FREE_TAG + 1
         self._dirty: set[int] = set()                    # pages whose tag or holders changed since flush
-        self._records: dict[Hashable, list[int]] = {}    # request or prefix key -> recorded tag per entry
+        self._records: dict[Hashable, IntRow] = {}       # request or prefix key -> recorded tag per entry
         self._holders: dict[int, int] = {}               # tag -> records holding it
         self._tag_page: dict[int, int] = {}              # current tag -> its page
 
@@ -102,10 +103,12 @@ class PageTagTracker:
 
     def record(self, holder: Hashable, tags: Sequence[int]) -> None:
         """``holder`` (a request, or a retained prefix) took pages carrying these tags, appended to its table."""
-        rec = self._records.setdefault(holder, [])
+        tags = [int(t) for t in tags]
+        if holder not in self._records:
+            self._records[holder] = IntRow(dtype=torch.int64)
+        self._records[holder].extend(tags)
         for t in tags:
-            rec.append(int(t))
-            self._count(int(t), +1)
+            self._count(t, +1)
 
     def replace(self, holder: Hashable, entry: int, tag: int) -> None:
         """Entry ``entry`` of ``holder``'s table now holds a page with ``tag`` (copy-on-write)."""
@@ -119,7 +122,8 @@ class PageTagTracker:
             self._count(t, -1)
 
     def recorded(self, holder: Hashable) -> list[int]:
-        return list(self._records.get(holder, ()))
+        rec = self._records.get(holder)
+        return rec.tolist() if rec is not None else []
 
     def current(self, page: int) -> int:
         return self._host_tags[page]
@@ -149,13 +153,12 @@ class PageTagTracker:
     def recorded_table(self, requests: Sequence[Hashable], max_pages: int,
                        device: torch.device | str | None = None) -> torch.Tensor:
         """Recorded tags ``[B, max_pages]`` int64 aligned with the requests' block-table rows (0 past the end)."""
-        rows = []
-        for r in requests:
+        table = torch.zeros(len(requests), max_pages, dtype=torch.int64)
+        for i, r in enumerate(requests):
             if r not in self._records:
                 raise KeyError(f"request {r!r} has no recorded page tags (unknown to the tracker)")
-            rec = self._records[r][:max_pages]
-            rows.append(rec + [FREE_TAG] * (max_pages - len(rec)))
-        table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), max_pages)
+            rec = self._records[r].view()[:max_pages]
+            table[i, :rec.numel()] = rec
         return table.to(self.device if device is None else device)
 
     def verify(self, requests: Sequence[Hashable], block_table: torch.Tensor, seq_lens: torch.Tensor,
