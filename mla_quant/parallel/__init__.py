@@ -10,8 +10,8 @@ or load each rank's share straight from a checkpoint with :func:`load_sharded`.
 from .comm import GroupInfo, group_info
 from .ep import ExpertParallelExperts, apply_ep
 from .load import load_sharded
-from .shard import Shard, shards_of, sharded_bytes
+from .shard import Shard, Split, shards_of, sharded_bytes
 from .tp import VocabParallelEmbedding, apply_tp
 
-__all__ = ["apply_tp", "apply_ep", "load_sharded", "sharded_bytes", "shards_of", "Shard", "ExpertParallelExperts",
+__all__ = ["apply_tp", "apply_ep", "load_sharded", "sharded_bytes", "shards_of", "Shard", "Split", "ExpertParallelExperts",
            "VocabParallelEmbedding", "GroupInfo", "group_info"]

@@ -24,7 +24,7 @@ from torch import nn
 from ..modules.experts import StackedExperts
 from ..modules.moe import MoE
 from .comm import GroupInfo, ProcessGroup, all_gather_rows, all_to_all_rows, exchange_counts, group_info
-from .shard import TP_ATTR, Shard, narrow_copy, record_shard, shards_of, split_range
+from .shard import EXPERTS, TP_ATTR, Split, narrow_copy, record_split, shards_of, split_range
 
 TOKEN_MODES = ("replicated", "local")
 
@@ -50,7 +50,7 @@ class ExpertParallelExperts(StackedExperts):
                 attr = self._param_name(proj, suffix)
                 full = getattr(experts, attr)
                 setattr(self, attr, nn.Parameter(narrow_copy(full, 0, start, stop), requires_grad=full.requires_grad))
-                record_shard(self, attr, Shard(0, start, stop, total))
+        record_split(self, Split(EXPERTS, start, stop, total))
         self.first_expert, self.num_global_experts = start, total
         self.ep, self.tokens = info, tokens
 

@@ -13,9 +13,11 @@ Int4Group  ``weight_packed`` [N, K/8] + ``weight_scale`` any row               a
            [N, K/g] (+ ``weight_shape`` rewritten)                             (groups stay whole)
 =========  ==========================================  =====================  ======================
 
-Every shard is cloned out of the full tensor, so a rank keeps only its own bytes. Each sliced tensor is
-recorded on its module as a :class:`Shard` (``module._mq_shards[name]``) in the full tensor's
-coordinates: the loader reads exactly that slice from the checkpoint, and :func:`sharded_bytes` counts it.
+Every shard is cloned out of the full tensor, so a rank keeps only its own bytes. Each sliced module records
+its :class:`Split` (``module._mq_split``: which dimension, which range); :func:`shards_of` derives from it
+the :class:`Shard` of every tensor the module holds now, in the full tensor's coordinates (so the record
+stays right after ``quantize_`` converts the module to another format): the loader reads exactly those
+slices from the checkpoint, and :func:`sharded_bytes` counts them.
 """
 from __future__ import annotations
 
@@ -31,9 +33,9 @@ from ..modules.experts import StackedExperts
 from ..modules.linear import QuantLinear
 from .comm import GroupInfo
 
-SHARDS_ATTR = "_mq_shards"
+SPLIT_ATTR = "_mq_split"
 TP_ATTR = "_mq_tp"  # set by apply_tp on every module it sharded (guards against applying it twice)
-ROWS, COLS = "rows", "cols"
+ROWS, COLS, INTERMEDIATE, EXPERTS = "rows", "cols", "intermediate", "experts"
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,53 @@ class Shard:
     full: int
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a module was split: indices ``[start, stop)`` of ``full`` along ``axis`` — a weight's ``"rows"``
+    (output features) or ``"cols"`` (input features), the experts' ``"intermediate"`` features, or the
+    ``"experts"`` themselves."""
+
+    axis: str
+    start: int
+    stop: int
+    full: int
+
+
+def record_split(module: nn.Module, split: Split) -> None:
+    module.__dict__[SPLIT_ATTR] = split
+
+
+def _weight_shards(fmt: WeightFormat, axis: str, start: int, stop: int, full: int, lead: int = 0) -> dict[str, Shard]:
+    """Format suffix -> the shard of that stored tensor, for a weight [N, K] split along ``axis``."""
+    dim = lead + (0 if axis == ROWS else 1)
+    out = {}
+    for suffix, (row_div, col_div) in _divisors(fmt).items():
+        div = row_div if axis == ROWS else col_div
+        out[suffix] = Shard(dim, start // div, -(-stop // div), -(-full // div))
+    return out
+
+
 def shards_of(module: nn.Module) -> dict[str, Shard]:
-    """The tensors of ``module`` (its own, not its children's) that a transform sliced."""
-    return getattr(module, SHARDS_ATTR, {})
-
-
-def record_shard(module: nn.Module, name: str, shard: Shard) -> None:
-    if SHARDS_ATTR not in module.__dict__:
-        module.__dict__[SHARDS_ATTR] = {}
-    module.__dict__[SHARDS_ATTR][name] = shard
+    """The tensors of ``module`` (its own, not its children's) that a transform sliced: name -> Shard."""
+    split: Split | None = getattr(module, SPLIT_ATTR, None)
+    if split is None:
+        return {}
+    own = dict(module.named_parameters(recurse=False))
+    if split.axis == EXPERTS:
+        return {n: Shard(0, split.start, split.stop, split.full) for n in own}
+    out = {}
+    if isinstance(module, StackedExperts):
+        for proj in EXPERT_PROJECTIONS:
+            axis = COLS if proj == "down_proj" else ROWS
+            for suffix, shard in _weight_shards(module.fmt, axis, split.start, split.stop, split.full, 1).items():
+                out[module._param_name(proj, suffix)] = shard
+    elif isinstance(module, QuantLinear):
+        out = _weight_shards(module.fmt, split.axis, split.start, split.stop, split.full)
+        if split.axis == ROWS and module.bias is not None:
+            out["bias"] = Shard(0, split.start, split.stop, split.full)
+    else:  # a table split by rows (the vocabulary-parallel embedding)
+        out = {n: Shard(0, split.start, split.stop, split.full) for n in own}
+    return {n: sh for n, sh in out.items() if n in own}
 
 
 def _fmt_label(fmt: WeightFormat) -> str:
@@ -123,13 +163,8 @@ def narrow_weight_(module: nn.Module, names: dict[str, str], fmt: WeightFormat, 
     ``names``: format suffix -> attribute name on the module (``{"weight": "weight"}`` for a QuantLinear,
     ``{"weight": "gate_proj_weight"}`` for stacked experts); ``lead``: leading dims before [N, K] (1 for
     an expert stack [E, N, K])."""
-    dim = lead + (0 if axis == ROWS else 1)
-    for suffix, (row_div, col_div) in _divisors(fmt).items():
-        div = row_div if axis == ROWS else col_div
-        attr = names[suffix]
-        a, b, n = start // div, -(-stop // div), -(-full // div)
-        _replace(module, attr, narrow_copy(getattr(module, attr), dim, a, b))
-        record_shard(module, attr, Shard(dim, a, b, n))
+    for suffix, sh in _weight_shards(fmt, axis, start, stop, full, lead).items():
+        _replace(module, names[suffix], narrow_copy(getattr(module, names[suffix]), sh.dim, sh.start, sh.stop))
 
 
 def shard_linear_(linear: QuantLinear, axis: str, info: GroupInfo, what: str, dry: bool = False) -> None:
@@ -152,7 +187,6 @@ def shard_linear_(linear: QuantLinear, axis: str, info: GroupInfo, what: str, dr
         linear.out_features = stop - start
         if linear.bias is not None:
             _replace(linear, "bias", narrow_copy(linear.bias, 0, start, stop))
-            record_shard(linear, "bias", Shard(0, start, stop, full))
     else:
         linear.in_features = stop - start
         if linear.bias is not None and info.rank != 0:
@@ -161,6 +195,7 @@ def shard_linear_(linear: QuantLinear, axis: str, info: GroupInfo, what: str, dr
         shape = torch.tensor([linear.out_features, linear.in_features], dtype=torch.int64)
         linear.weight_shape = (shape.to(linear.weight_shape.device) if linear.weight_shape.device.type != "meta"
                                else torch.empty(2, dtype=torch.int64, device="meta"))
+    record_split(linear, Split(axis, start, stop, full))
 
 
 def shard_experts_intermediate_(experts: StackedExperts, info: GroupInfo, what: str, dry: bool = False) -> None:
@@ -186,6 +221,7 @@ def shard_experts_intermediate_(experts: StackedExperts, info: GroupInfo, what: 
         names = {s: experts._param_name(proj, s) for s in _divisors(fmt)}
         narrow_weight_(experts, names, fmt, axis, start, stop, inter, lead=1)
     experts.intermediate_size = stop - start
+    record_split(experts, Split(INTERMEDIATE, start, stop, inter))
 
 
 def _iter_tensors(module: nn.Module):
@@ -213,5 +249,6 @@ def sharded_bytes(model: nn.Module) -> dict[str, int]:
     return {"sharded": sharded, "replicated": replicated, "storage": sum(storages.values())}
 
 
-__all__ = ["Shard", "shards_of", "record_shard", "narrow_copy", "split_alignment", "split_range", "narrow_weight_",
-           "shard_linear_", "shard_experts_intermediate_", "sharded_bytes", "ROWS", "COLS", "SHARDS_ATTR", "TP_ATTR"]
+__all__ = ["Shard", "Split", "shards_of", "record_split", "narrow_copy", "split_alignment", "split_range",
+           "narrow_weight_", "shard_linear_", "shard_experts_intermediate_", "sharded_bytes", "ROWS", "COLS",
+           "INTERMEDIATE", "EXPERTS", "SPLIT_ATTR", "TP_ATTR"]

@@ -34,8 +34,8 @@ from ..modules.mlp import MLP
 from ..modules.moe import MoE
 from .comm import GroupInfo, ProcessGroup, all_gather_last_dim, all_reduce_, group_info
 from .ep import ExpertParallelExperts
-from .shard import (COLS, ROWS, TP_ATTR, Shard, narrow_copy, record_shard, shard_experts_intermediate_, shard_linear_,
-                    split_range)
+from .shard import (COLS, ROWS, TP_ATTR, Split, narrow_copy, record_split, shard_experts_intermediate_,
+                    shard_linear_, split_range)
 
 
 def _mark(module: nn.Module, what: str, info: GroupInfo, dry: bool) -> None:
@@ -129,7 +129,7 @@ def _shard_embedding(model: nn.Module, name: str, emb: nn.Embedding, info: Group
         return
     weight = narrow_copy(emb.weight, 0, start, stop)
     new = VocabParallelEmbedding(nn.Parameter(weight, requires_grad=emb.weight.requires_grad), start, vocab, info)
-    record_shard(new, "weight", Shard(0, start, stop, vocab))
+    record_split(new, Split(ROWS, start, stop, vocab))
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent), attr, new)
 

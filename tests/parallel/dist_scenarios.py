@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from mla_quant import parallel
 from mla_quant.cache import NoopTagTracker, PageAllocator
-from mla_quant.formats import FP8Block, Int4Group
+from mla_quant.formats import BF16, FP8Block, Int4Group
+from mla_quant.formats.plan import QuantPlan, quantize_
 from mla_quant.models import Glm52Config, KimiK26Config
 from mla_quant.models.glm import Glm52ForCausalLM
 from mla_quant.models.kimi import KimiK26ForCausalLM
@@ -207,6 +208,23 @@ def scenario_load(kind: str, ckpt: str, mode: str, device, built: dict) -> dict:
             "bytes_read": stats["bytes_read"], "state_bytes": held, "plain": rel_err(y, ref)}
 
 
+def scenario_quantize(kind: str, device) -> dict:
+    """``quantize_`` commutes with the transforms when the splits respect the target formats' blocks and
+    groups: quantize-then-shard and shard-then-quantize hold the same bits."""
+    base = build(kind, formats=lambda name: BF16()).to(device)
+    plan = QuantPlan({r"re:.*mlp\.experts.*": Int4Group(32), "_default": FP8Block(act_quant=False)})
+    out = {}
+    for mode in ("tp", "tp_ep"):
+        now = _shard(quantize_(copy.deepcopy(base), plan), mode)
+        then = quantize_(_shard(copy.deepcopy(base), mode), plan)
+        first, second = now.state_dict(), then.state_dict()
+        out[mode] = {"keys_differ": sorted(k for k in first if k not in second or first[k].dtype != second[k].dtype
+                                           or not torch.equal(first[k], second[k]))[:5],
+                     "same_keys": set(first) == set(second),
+                     "sharded_bytes": [parallel.sharded_bytes(m)["sharded"] for m in (now, then)]}
+    return out
+
+
 def _error_of(fn) -> dict:
     try:
         fn()
@@ -256,6 +274,8 @@ def run_scenario(name: str, world: int, rank: int, device, ckpts: dict[str, str]
         return scenario_tp_dp_ep(kind, world, rank, device, built)
     if rest.startswith("load_"):
         return scenario_load(kind, ckpts[kind], rest[len("load_"):], device, built)
+    if rest == "quantize":
+        return scenario_quantize(kind, device)
     if name == "errors":
         return scenario_errors()
     raise ValueError(f"unknown scenario {name!r}")

@@ -17,7 +17,7 @@ from mla_quant.models.saving import save_pretrained
 from tests.parallel import dist_scenarios as S
 
 TOL = 1e-4
-WORLD2 = ([f"{k}:modes" for k in S.KINDS] + ["kimi:ep_local", "kimi:load_tp_ep", "glm:load_tp",
+WORLD2 = ([f"{k}:modes" for k in S.KINDS] + ["kimi:ep_local", "kimi:load_tp_ep", "glm:load_tp", "kimi:quantize",
                                               "errors"])
 WORLD4 = [f"{k}:modes" for k in S.KINDS] + ["glm:tp_dp_ep"]
 
@@ -103,6 +103,15 @@ def test_load_sharded(world2, scenario):
         assert res["bytes_read"] == res["state_bytes"], f"rank {r}: read {res['bytes_read']} bytes, keeps " \
                                                         f"{res['state_bytes']}"
         assert res["plain"] < TOL
+
+
+@pytest.mark.parametrize("mode", ["tp", "tp_ep"])
+def test_quantize_commutes_with_sharding(world2, mode):
+    for r, res in enumerate(_results(world2, "kimi:quantize")):
+        got = res[mode]
+        assert got["same_keys"] and not got["keys_differ"], f"rank {r}: {got}"
+        # the split records follow the modules into their new formats
+        assert got["sharded_bytes"][0] == got["sharded_bytes"][1] > 0, f"rank {r}: {got}"
 
 
 @pytest.mark.parametrize("case, exc, words", [
