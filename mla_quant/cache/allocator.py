@@ -61,8 +61,9 @@ class PageAllocator:
 
     Args:
         num_pages, page_size: the pool (``cache.num_pages`` / ``cache.page_size`` when a cache is given).
-        cache: the ``PagedKVCache`` whose pages copy-on-write copies; None keeps the copies in
-            :attr:`pending_copies` for the caller (bookkeeping only).
+        cache: the ``PagedKVCache`` whose pages copy-on-write copies (or any object with ``num_pages``,
+            ``page_size``, ``device`` and ``copy_pages(src, dst)``, e.g. a model's latent + indexer cache);
+            None keeps the copies in :attr:`pending_copies` for the caller (bookkeeping only).
         tracker: a ``PageTagTracker`` (default: one on the cache's device — tags on) or ``NoopTagTracker()``.
     Request ids are any hashable values.
     """
