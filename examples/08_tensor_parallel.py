@@ -74,7 +74,9 @@ def main() -> None:
         print(f"1 process: {ref_tokens}")
         print(f"same tokens: {tokens == ref_tokens}, logits rel err {err:.2e}")
         shutil.rmtree(folder[0], ignore_errors=True)
-    ok = tokens == ref_tokens and err < 1e-4
+    # The sums over heads / features run in another order (fp32 differences ~1e-7) and the cache rounds the
+    # replicated latent to bf16: a few roundings flip, ~1e-4 on these random weights (docs/parallel.md).
+    ok = tokens == ref_tokens and err < 1e-3
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
 
