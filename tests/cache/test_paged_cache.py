@@ -43,14 +43,16 @@ def test_append_then_read_equals_the_layout_reference(kv):
     slots = torch.tensor([p * 4 + o for p in pages for o in range(4)][:9])
     cache.append(0, rows, slots)
     fmt = KVFormat.parse(kv)
-    q, s = quantize_kv_rows(rows, fmt.kind, 512, cache.layer(0).scales if fmt.scale == "tensor" and fmt.kind == "fp8_e4m3" else None)
+    per_tensor = fmt.kind == "fp8_e4m3" and fmt.scale == "tensor"
+    q, s = quantize_kv_rows(rows, fmt.kind, 512, cache.layer(0).scales if per_tensor else None)
     want = dequantize_kv_rows(q, s, fmt.kind, 512, 64)
     assert torch.equal(cache.read(0, pages, 9), want)
 
 
 @given(lengths=ragged_lengths(batch=st.integers(1, 6), min_len=1, max_len=150),
        page_size=st.sampled_from([1, 16, 64]), fmt=kv_formats(), share=st.booleans(), data=st.data())
-def test_gather_reads_requests_through_shuffled_shared_tables_never_an_unused_slot(lengths, page_size, fmt, share, data):
+def test_gather_reads_requests_through_shuffled_shared_tables_never_an_unused_slot(lengths, page_size, fmt, share,
+                                                                                   data):
     table, seq_lens, pool = data.draw(page_tables(lengths, page_size, share_prefix=share))
     check_page_table(table, seq_lens, page_size, pool)
     cache = PagedKVCache(1, max(pool, 1), page_size, 128, 16, fmt, tensor_scales=0.05).poison_()

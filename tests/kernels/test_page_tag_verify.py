@@ -18,7 +18,8 @@ def consistent_batch(lengths, page_size, seed, q_max=3, share_prefix=False, data
     # padding entries hold garbage that must never be read (out of range and random)
     pad = table < 0
     table = torch.where(pad, torch.randint(-5, pool + 1000, table.shape, generator=g, dtype=torch.int32), table)
-    recorded = torch.where(pad, torch.randint(0, 99, table.shape, generator=g), page_tags[table.long().clamp(0, pool - 1)])
+    recorded = torch.where(pad, torch.randint(0, 99, table.shape, generator=g),
+                           page_tags[table.long().clamp(0, pool - 1)])
     q = torch.minimum(torch.randint(0, q_max + 1, (len(lengths),), generator=g), seq_lens.long())
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = q.cumsum(0).to(torch.int32)
@@ -63,7 +64,8 @@ def test_kernel_matches_reference_and_flags_exactly_the_corrupted_request(
     if corrupt == "tag":                  # the page was handed out again since b took it
         tags = tags.clone()
         tags[table[b, i]] += 1
-        victims = (table.long() == int(table[b, i])) & (torch.arange(table.shape[1]) < -(-seq_lens.long()[:, None] // page_size))
+        used = torch.arange(table.shape[1]) < -(-seq_lens.long()[:, None] // page_size)
+        victims = (table.long() == int(table[b, i])) & used
         expect = victims.any(dim=1)       # every request reading that page fails
     elif corrupt == "page":               # a table entry that points at another (valid) page
         table[b, i] = (int(table[b, i]) + 1) % tags.shape[0]
