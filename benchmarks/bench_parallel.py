@@ -61,7 +61,8 @@ def per_gpu_config(config: KimiK26Config, mode: str, world: int) -> KimiK26Confi
     c = config
     changes = {}
     if "tp" in mode:
-        changes.update(num_attention_heads=c.num_attention_heads // world, num_key_value_heads=c.num_attention_heads // world,
+        heads = c.num_attention_heads // world
+        changes.update(num_attention_heads=heads, num_key_value_heads=heads,
                        intermediate_size=c.intermediate_size // world, vocab_size=c.vocab_size // world)
         if "ep" not in mode:
             changes["moe_intermediate_size"] = c.moe_intermediate_size // world

@@ -13,5 +13,5 @@ from .load import load_sharded
 from .shard import Shard, Split, shards_of, sharded_bytes
 from .tp import VocabParallelEmbedding, apply_tp
 
-__all__ = ["apply_tp", "apply_ep", "load_sharded", "sharded_bytes", "shards_of", "Shard", "Split", "ExpertParallelExperts",
-           "VocabParallelEmbedding", "GroupInfo", "group_info"]
+__all__ = ["apply_tp", "apply_ep", "load_sharded", "sharded_bytes", "shards_of", "Shard", "Split",
+           "ExpertParallelExperts", "VocabParallelEmbedding", "GroupInfo", "group_info"]
