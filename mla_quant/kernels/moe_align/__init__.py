@@ -45,11 +45,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    block_a = triton.next_power_of_2(num_assignments)
-    block_e = triton.next_power_of_2(num_experts + 1)
+    # at least 16 lanes everywhere: no degenerate one-element sorts or histograms
+    block_a = max(16, triton.next_power_of_2(num_assignments))
+    block_e = max(16, triton.next_power_of_2(num_experts + 1))
     _moe_align_kernel[(1,)](
         topk_ids.contiguous(), sorted_ids, expert_ids, num_padded, num_assignments, num_experts, cap,
-        BLOCK_M=block_m, BLOCK_A=block_a, BLOCK_E=block_e, BLOCK_FILL=min(1024, triton.next_power_of_2(cap)),
+        BLOCK_M=block_m, BLOCK_A=block_a, BLOCK_E=block_e, BLOCK_FILL=min(1024, max(16, triton.next_power_of_2(cap))),
         BLOCK_B=max(16, 8192 // block_e), num_warps=max(4, min(16, block_a // 256)))
     return sorted_ids, expert_ids, num_padded
 
