@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11 on one multi-GPU host (nvidia-h200-x2: 2 GPUs, NCCL), in ONE call: ~4 minutes, at most 7 (stage timeouts below):
+# Issue 11 on one multi-GPU host (nvidia-h200-x2: 2 GPUs, NCCL) in ONE call: ~4 min, at most 7 (stage timeouts):
 #   1. the parallel test suite on NCCL (TP, EP, TP+EP logits = one GPU's; 4-rank cases skip on 2 GPUs);
 #   2. the parallel_decode bench (real-width Kimi K2.6 slice, TP / EP / TP+EP against one GPU)
 #      -> $OUT/h200x2.json (copy it to benchmarks/results/h200x2.json);
