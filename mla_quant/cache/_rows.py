@@ -55,3 +55,12 @@ class IntRow:
 
     def __repr__(self) -> str:
         return f"IntRow({self.values})"
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor -> ``device`` without a host sync: through pinned memory and an asynchronous copy on CUDA
+    (the caching host allocator keeps the pinned buffer until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -18,7 +18,7 @@ from itertools import count
 
 import torch
 
-from ._rows import IntRow
+from ._rows import IntRow, to_device
 from .batch import PagedBatch
 from .paged import PagedKVCache, check_page_size
 from .tables import block_table_to_csr
@@ -300,7 +300,7 @@ class PageAllocator:
         for i, q in enumerate(reqs):
             table[i, :len(q.pages)] = q.pages.view()
         seq_lens = torch.tensor([q.num_tokens for q in reqs], dtype=torch.int32)
-        return table.to(device), seq_lens.to(device)
+        return to_device(table, device), to_device(seq_lens, device)
 
     def csr(self, requests: Sequence[Hashable], device: torch.device | str = "cpu"):
         """(kv_indptr, kv_indices, kv_last_page_len), int32, as flashinfer takes them."""
@@ -336,8 +336,9 @@ class PageAllocator:
         tags = (self.tracker.recorded_table(requests, table.shape[1], device) if self.tracker.enabled else None)
         empty = torch.zeros(0, dtype=torch.long)
         return PagedBatch(
-            block_table=table, seq_lens=seq_lens, cu_seqlens_q=cu.to(device),
-            positions=torch.cat(positions or [empty]).to(device), slot_mapping=torch.cat(slots or [empty]).to(device),
+            block_table=table, seq_lens=seq_lens, cu_seqlens_q=to_device(cu, device),
+            positions=to_device(torch.cat(positions or [empty]), device),
+            slot_mapping=to_device(torch.cat(slots or [empty]), device),
             page_size=self.page_size, max_query_len=max(counts, default=0), request_ids=tuple(requests), tags=tags)
 
     # ------------------------------------------------------------------------------------- invariants

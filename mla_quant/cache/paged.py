@@ -24,6 +24,7 @@ import torch
 from ..formats import KVFormat
 from ..kernels.kv_append import kv_append
 from ..kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width
+from ._rows import to_device
 
 MAX_PAGE_SIZE = 256
 
@@ -141,6 +142,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.formats = _parse_formats(kv_format, num_layers)
         scales = _parse_tensor_scales(tensor_scales, num_layers)
+        self.tensor_scales = tuple(scales)   # host copies of the per-tensor scales (fixed for the cache's life)
         layers = []
         for fmt, tensor_scale in zip(self.formats, scales):
             width = kv_row_width(fmt.kind, kv_lora_rank, rope_dim)
@@ -211,17 +213,17 @@ class PagedKVCache:
         pages = self._pages("pages", pages)
         if not 0 <= num_tokens <= pages.numel() * self.page_size:
             raise ValueError(f"num_tokens: {num_tokens} does not fit in {pages.numel()} pages of {self.page_size}")
-        pos = torch.arange(num_tokens, device=self.device)
+        pos = torch.arange(num_tokens)
         slots = pages[pos // self.page_size] * self.page_size + pos % self.page_size
         return self.layer(layer).dequantize(slots)
 
     # ------------------------------------------------------------------------------------------ copies
-    def _pages(self, name: str, pages, num_pages: int | None = None) -> torch.Tensor:
-        num_pages = self.num_pages if num_pages is None else num_pages
-        t = torch.as_tensor(pages, dtype=torch.long).reshape(-1).to(self.device)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_pages):
-            bad = t[(t < 0) | (t >= num_pages)][0].item()
-            raise IndexError(f"{name}: page id {bad} out of range [0, {num_pages})")
+    def _pages(self, name: str, pages) -> torch.Tensor:
+        """Page ids as a host int64 tensor, range-checked (on the host: page lists come from the allocator)."""
+        t = torch.as_tensor(pages, dtype=torch.long).reshape(-1).cpu()
+        bad = t[(t < 0) | (t >= self.num_pages)]
+        if bad.numel():
+            raise IndexError(f"{name}: page id {int(bad[0])} out of range [0, {self.num_pages})")
         return t
 
     def compatible(self, other: "PagedKVCache") -> bool:
@@ -249,10 +251,12 @@ class PagedKVCache:
             raise ValueError("dst_pages: overlaps src_pages within one cache")
         if src.numel() == 0:
             return
-        dst_slots = (dst[:, None] * self.page_size + torch.arange(self.page_size, device=dst.device)).reshape(-1)
-        for a, b in zip(self.layers, other.layers):
+        dst_slots = (dst[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        src, dst, dst_slots = to_device(src, self.device), to_device(dst, other.device), \
+            to_device(dst_slots, other.device)
+        for i, (a, b) in enumerate(zip(self.layers, other.layers)):
             same = (a.kind, a.scale_mode) == (b.kind, b.scale_mode) and (
-                a.scale_mode != "tensor" or torch.equal(a.scales.cpu(), b.scales.cpu()))
+                a.scale_mode != "tensor" or self.tensor_scales[i] == other.tensor_scales[i])
             if same:
                 b.data[dst] = a.data[src].to(b.data.device)
                 if a.scale_mode == "token":

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..kernels.page_tag_verify import page_tag_verify
-from ._rows import IntRow
+from ._rows import IntRow, to_device
 
 FREE_TAG = 0     # the tag of a page on the free list
 STALE_TAG = -1   # recorded for a copy made from a page its request had already lost: never matches
@@ -145,7 +145,8 @@ class PageTagTracker:
             return
         pages = sorted(self._dirty)
         update = torch.tensor([pages, [self._host_tags[p] for p in pages], [self._host_holders[p] for p in pages]],
-                              dtype=torch.int64).to(self.device)            # [3, n]: pages, tags, holders
+                              dtype=torch.int64)                             # [3, n]: pages, tags, holders
+        update = to_device(update, self.device)
         self.page_tags.index_copy_(0, update[0], update[1])
         self.page_holders.index_copy_(0, update[0], update[2])
         self._dirty.clear()
@@ -159,7 +160,7 @@ class PageTagTracker:
                 raise KeyError(f"request {r!r} has no recorded page tags (unknown to the tracker)")
             rec = self._records[r].view()[:max_pages]
             table[i, :rec.numel()] = rec
-        return table.to(self.device if device is None else device)
+        return to_device(table, self.device if device is None else device)
 
     def verify(self, requests: Sequence[Hashable], block_table: torch.Tensor, seq_lens: torch.Tensor,
                recorded_tags: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
