@@ -170,7 +170,8 @@ class DSAttention(MLAttention):
                 topk_indices = causal_indices(batch.positions, max_ctx)
             else:
                 req_ids = req_ids_from_cu_seqlens(batch.cu_seqlens_q, t)
-                topk_indices = self.indexer.forward_paged(x, q_latent, batch, keys, req_ids)
+                topk_indices = self.indexer.forward_paged(x, q_latent, batch, keys, req_ids,
+                                                          validate=self.validate_tables)
         else:
             self._check_given_indices(topk_indices, (t,))
         if dense:
@@ -182,7 +183,8 @@ class DSAttention(MLAttention):
         if req_ids is None:
             req_ids = req_ids_from_cu_seqlens(batch.cu_seqlens_q, t)
         o_lat, _ = sparse_mla_decode(self.absorb_q(q_nope), q_pe.to(self.dtype), kv.data, kv.scales, kv.kind,
-                                     batch.block_table, batch.seq_lens, req_ids, topk_indices, self.softmax_scale)
+                                     batch.block_table, batch.seq_lens, req_ids, topk_indices, self.softmax_scale,
+                                     validate=self.validate_tables)
         return self.output(self.latent_to_v(o_lat)), topk_indices
 
     def _check_given_indices(self, topk_indices: torch.Tensor | None, lead: tuple[int, ...]) -> None:

@@ -48,7 +48,7 @@ class LightningIndexer(nn.Module):
             ``rope_theta`` / ``rope_scaling``. ``rope_interleave`` is the indexer's own convention
             (``indexer_rope_interleave``: True for GLM 5.x, False for DeepSeek V3.2).
         fmt: ``"bf16"`` (full precision) or ``"fp8"`` (Hadamard + e4m3 q and k); ``ue8m0``: power-of-two
-            FP8 scales for q.
+            FP8 scales for q (and k in the plain forward; paged keys follow their cache's own flag).
         linear_formats: weight formats of the projections by child name (``wq_b``, ``wk``, ``weights_proj``);
             default BF16. ``weights_proj`` is held in fp32 (HF ``_keep_in_fp32_modules``).
     """
@@ -205,11 +205,11 @@ class LightningIndexer(nn.Module):
 
     @torch.no_grad()
     def forward_paged(self, x: torch.Tensor, q_latent: torch.Tensor, batch: PagedBatch, keys: IndexerKeys,
-                      req_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      req_ids: torch.Tensor | None = None, validate: bool = False) -> torch.Tensor:
         """One step over a paged cache: write this step's keys, score every query token against its visible
         cached keys, select. x [T, hidden], q_latent [T, q_lora_rank] (tokens flattened over requests, as in
         ``batch``) -> int32 [T, min(topk, max_ctx)] logical key positions (-1 unused), with
-        ``max_ctx = block_table.shape[1] · page_size``."""
+        ``max_ctx = block_table.shape[1] · page_size``. ``validate``: check the tables on CUDA too (a sync)."""
         if x.dim() != 2:
             raise ValueError(f"x: expected [T, hidden] (tokens flattened over the batch), got {tuple(x.shape)}")
         self._check_keys(keys, batch)
@@ -230,7 +230,7 @@ class LightningIndexer(nn.Module):
         for s in range(0, t, chunk):
             part = slice(s, min(t, s + chunk))
             scores = indexer_scores(q[part], w[part], keys.k, keys.scale, batch.block_table, req_ids[part],
-                                    batch.positions[part], max_ctx)
+                                    batch.positions[part], max_ctx, validate=validate)
             out.append(topk_indices(scores, self.topk))
         if not out:
             return torch.empty((0, min(self.topk, max_ctx)), dtype=torch.int32, device=x.device)

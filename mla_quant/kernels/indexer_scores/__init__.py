@@ -32,7 +32,7 @@ def req_ids_from_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torc
     return (torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)).to(torch.int32)
 
 
-def _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx) -> int:
+def _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate) -> int:
     check_tensor("q", q, dtype=(FP8, *FLOATS), ndim=3)
     check_tensor("weights", weights, dtype=torch.float32, ndim=2)
     check_key_pages(k_cache, k_scale)
@@ -55,14 +55,15 @@ def _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions,
     n = block_table.shape[1] * page_size if max_ctx is None else int(max_ctx)
     if n < 1:
         raise ValueError(f"max_ctx: {n} must be positive")
-    if not q.is_cuda and t:  # range checks need the values: done where they cost no device sync
+    if (validate or not q.is_cuda) and t:  # value checks: free on the CPU, one sync on the GPU
         if int(req_ids.min()) < 0 or int(req_ids.max()) >= block_table.shape[0]:
             raise IndexError(f"req_ids: values must lie in [0, {block_table.shape[0]})")
         top = int(positions.max())
         if int(positions.min()) < 0 or top >= min(n, block_table.shape[1] * page_size):
             raise IndexError(f"positions: {top} past max_ctx {n} or the block table "
                              f"({block_table.shape[1]} pages of {page_size})")
-        need = torch.arange(block_table.shape[1])[None, :] <= (positions.long() // page_size)[:, None]
+        need = (torch.arange(block_table.shape[1], device=q.device)[None, :]
+                <= (positions.long() // page_size)[:, None])
         pages = block_table.long()[req_ids.long()]
         bad = need & ((pages < 0) | (pages >= k_cache.shape[0]))
         if bad.any():
@@ -74,9 +75,10 @@ def _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions,
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
                    block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
-                   max_ctx: int | None = None) -> torch.Tensor:
-    """Scores fp32 [T, max_ctx]; see the module docstring."""
-    n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx)
+                   max_ctx: int | None = None, validate: bool = False) -> torch.Tensor:
+    """Scores fp32 [T, max_ctx]; see the module docstring. ``validate`` checks request ids, positions and
+    the pages they reach on CUDA too (one device sync; always done for CPU tensors)."""
+    n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate)
     if not use_triton(q, k_cache):
         return indexer_scores_reference(q, weights, k_cache, k_scale, block_table, req_ids, positions, n)
     from .kernel import _indexer_scores_kernel

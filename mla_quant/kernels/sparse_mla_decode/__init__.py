@@ -52,7 +52,8 @@ def check_kv_pages(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: 
         raise ValueError(f"kv_scales: {kind} pages take no separate scales")
 
 
-def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens, req_ids, indices) -> None:
+def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens, req_ids, indices,
+                  validate: bool) -> None:
     check_tensor("q_nope", q_nope, dtype=FLOATS, ndim=3)
     check_tensor("q_pe", q_pe, dtype=FLOATS, ndim=3)
     t, h, d_latent = q_nope.shape
@@ -75,7 +76,7 @@ def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens,
         raise ValueError(f"req_ids / indices: {req_ids.shape[0]} / {indices.shape[0]} rows for {t} tokens")
     if indices.shape[1] < 1:
         raise ValueError("indices: needs at least one column")
-    if not q_nope.is_cuda and t:  # value checks where they cost no device sync
+    if (validate or not q_nope.is_cuda) and t:  # value checks: free on the CPU, one sync on the GPU
         if int(req_ids.min()) < 0 or int(req_ids.max()) >= block_table.shape[0]:
             raise IndexError(f"req_ids: values must lie in [0, {block_table.shape[0]})")
         page_size = kv_data.shape[1]
@@ -102,9 +103,12 @@ def _num_splits(t: int, head_blocks: int, k: int, block_n: int, device: torch.de
 def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.Tensor,
                       kv_scales: torch.Tensor | None, kind: str, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, req_ids: torch.Tensor, indices: torch.Tensor,
-                      softmax_scale: float, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse absorbed MLA; see the module docstring. ``num_splits`` overrides the split heuristic."""
-    _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens, req_ids, indices)
+                      softmax_scale: float, num_splits: int | None = None,
+                      validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse absorbed MLA; see the module docstring. ``num_splits`` overrides the split heuristic;
+    ``validate`` checks request ids, lengths and the pages the indices reach on CUDA too (one device sync;
+    always done for CPU tensors)."""
+    _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens, req_ids, indices, validate)
     if not use_triton(q_nope, kv_data):
         return sparse_mla_decode_reference(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens,
                                            req_ids, indices, softmax_scale)
