@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from mla_quant.kernels.kv_layout import quantize_kv_rows
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 from mla_quant.testing import assert_all_written, page_tables, rel_err
-from tests.conftest import HAS_CUDA
 
 KINDS = [("bf16", "token"), ("fp8_e4m3", "token"), ("fp8_e4m3", "tensor"), ("fp8_ds_mla", "token")]
 
