@@ -187,9 +187,13 @@ def test_bf16_plan_is_bit_exact(model):
     assert_bitwise_equal(model(x), expected, "BF16 plan")
 
 
-def test_quantized_model_equals_its_dequantized_reference(triton_backend, monkeypatch, model):
+def test_quantized_model_equals_its_dequantized_reference(triton_backend, monkeypatch):
     if not HAS_CUDA:  # the interpreter's fp32 -> e4m3 cast rounds wrongly: quantize activations in torch
         monkeypatch.setattr(fp8_quant, "act_quant_fp8", fp8_quant.act_quant_fp8_reference)
+    model = ToyModel(layers=2)  # layer 1 gets every quantized format of PLAN
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.set_weight(torch.randn(mod.out_features, mod.in_features) * 0.05)
     quantize_(model, PLAN)
     reference = copy.deepcopy(model)
     for mod in reference.modules():  # same stored bits, reference math
