@@ -239,7 +239,8 @@ class Engine:
         return done
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, on_step: Callable[["Engine"], None] | None = None) -> list[RequestResult]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_step: Callable[["Engine"], None] | None = None) -> list[RequestResult]:
         """Run ``prompts`` to completion; results in prompt order. ``on_step(engine)`` after each step."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):

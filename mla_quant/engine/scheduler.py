@@ -10,8 +10,9 @@ the engine runs the models. Per step:
 * **prefill**: chunks of at most ``max_num_batched_tokens`` tokens in all. Requests already prefilling
   continue first (as far as free pages allow); then waiting requests are admitted in arrival order while the
   budget, ``max_num_seqs`` and the pages for their *whole* remaining prefill last (no admission that would
-  stall half-way). A waiting request whose prompt shares full pages with one being prefilled waits for
-  those pages instead of computing them again.
+  stall half-way), keeping one free page in reserve per request admitted to the same pool (one pool only). A waiting
+  request whose prompt shares full pages with one being prefilled waits for those pages instead of
+  computing them again.
 * **hand-off** (two pools): prefilled requests move to the decode pool, oldest first, while it keeps one
   free page per decoding request in reserve.
 
@@ -257,7 +258,11 @@ class Scheduler:
             alloc.add_request(req.id, 0)
         else:
             alloc.fork(ref, req.id, cached)
-        while pool.pages_for(req.prefill_target) - len(alloc.pages(req.id)) > alloc.num_free_pages - outstanding:
+        # one page in reserve per request that will decode in this pool: admitting into the last free pages
+        # would only preempt someone at the next decode step
+        reserve = 0 if self.two_pools else sum(r.pool is pool for r in self.running)
+        need = pool.pages_for(req.prefill_target) - len(alloc.pages(req.id))
+        while need > alloc.num_free_pages - outstanding - reserve:
             if pool.prefix is None or not pool.prefix.evict():
                 alloc.free(req.id)
                 return False

@@ -84,7 +84,7 @@ def test_batch_invariance(dense_model, workload):
     assert_no_leaks(engine)
 
 
-def shared_workload(n: int = 6, new: int = 6):
+def shared_workload(n: int = 6, new: int = 12):
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, VOCAB, (3 * PAGE,), generator=g).tolist()
     return [(i // 2, (prefix if i % 2 == 0 else []) + torch.randint(3, VOCAB, (5 + i,), generator=g).tolist(),
@@ -96,7 +96,7 @@ def test_preemption_and_sharing_match_alone(moe_model, two_pools):
     """A pool too small for the batch: requests are preempted and recomputed, shared prefix pages are
     forked, and every output still equals the request's output alone (the MoE model)."""
     work = shared_workload()
-    kwargs = dict(decode_model=moe_model, decode_num_pages=8) if two_pools else {}
+    kwargs = dict(decode_model=moe_model, decode_num_pages=10) if two_pools else {}
     engine, results = run_busy(moe_model, work, num_pages=12, max_num_batched_tokens=16, **kwargs)
     assert engine.stats.preemptions > 0
     assert engine.stats.shared_pages > 0 and engine.stats.cached_tokens == engine.stats.shared_pages * PAGE
@@ -105,6 +105,26 @@ def test_preemption_and_sharing_match_alone(moe_model, two_pools):
         assert results[i].output_ids == run_alone(moe_model, prompt, params), f"request {i}"
     if two_pools:
         assert engine.stats.handoffs >= len(work)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("two_pools", [False, True])
+def test_dsa_model(two_pools):
+    """GLM 5.2's structure (DSA: indexer key pages beside the latents, sparse past index_topk = 8 tokens):
+    busy equals alone; the hand-off copies the indexer keys too."""
+    from mla_quant.models import Glm52Config, Glm52ForCausalLM, init_random_weights_
+    from tests.conftest import DEVICE
+
+    model = init_random_weights_(Glm52ForCausalLM(Glm52Config.tiny(), dtype=torch.float32, device=DEVICE), 0)
+    g = torch.Generator().manual_seed(8)
+    prefix = torch.randint(0, VOCAB, (2 * PAGE,), generator=g).tolist()
+    work = [(i, prefix + torch.randint(0, VOCAB, (3 + 4 * i,), generator=g).tolist(), SamplingParams(max_new_tokens=6))
+            for i in range(3)]
+    kwargs = dict(decode_model=model, decode_num_pages=10) if two_pools else {}
+    engine, results = run_busy(model, work, num_pages=10, max_num_batched_tokens=8, **kwargs)
+    for i, (_, prompt, params) in enumerate(work):
+        assert results[i].output_ids == run_alone(model, prompt, params), f"request {i}"
+    assert engine.stats.shared_pages > 0
     assert_no_leaks(engine)
 
 
