@@ -202,8 +202,6 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     return model
 
 
-# the building blocks, shared with ``mla_quant.parallel.load`` (which imported them under these names)
-_check_and_convert, _int4_scale_dtype, _materialize_buffers = check_and_convert, int4_scale_dtype, materialize_buffers
 
 __all__ = ["from_pretrained", "read_weight_map", "CheckpointError", "model_class", "check_and_convert",
            "check_weight_shape", "int4_scale_dtype", "materialize_buffers", "stored_dtype"]

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..models.config import config_from_hf
 from ..models.layout import KeyMap, checkpoint_formats
-from ..models.loading import (CheckpointError, _check_and_convert, _int4_scale_dtype, _materialize_buffers,
+from ..models.loading import (CheckpointError, check_and_convert, int4_scale_dtype, materialize_buffers,
                               model_class, read_weight_map)
 from ..modules.experts import PROJECTIONS as EXPERT_PROJECTIONS
 from ..modules.experts import StackedExperts
@@ -103,7 +103,7 @@ def load_sharded(path: str | os.PathLike, *, tp: bool = True, ep: bool = False,
     config = config_from_hf(folder)
     weight_map = read_weight_map(folder)
     keymap = KeyMap(config)
-    fmt_for = checkpoint_formats(config, weight_map.keys(), _int4_scale_dtype(folder, weight_map))
+    fmt_for = checkpoint_formats(config, weight_map.keys(), int4_scale_dtype(folder, weight_map))
     with torch.device("meta"):
         model = model_class(config)(config, dtype=dtype, formats=fmt_for)
 
@@ -147,10 +147,10 @@ def load_sharded(path: str | os.PathLike, *, tp: bool = True, ep: bool = False,
                         raise CheckpointError(f"{ckey!r}: weight_shape {t.tolist()} does not match the layer's "
                                               f"{list(full_int4[owner])}")
                     t = torch.tensor(local_int4[owner], dtype=torch.int64)
-                part[mkey] = _check_and_convert(ckey, t, expected[mkey]).to(device)
+                part[mkey] = check_and_convert(ckey, t, expected[mkey]).to(device)
         model.load_state_dict(part, strict=False, assign=True)
         del part
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     leftover = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
     if leftover:
         raise CheckpointError(f"missing key {keymap.to_checkpoint(leftover[0])!r}: not found in its shard")
