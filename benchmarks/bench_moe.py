@@ -19,7 +19,6 @@ rows also carry ``alt_block_m`` / ``alt_us``: the other decode path (GEMV vs 16-
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -120,7 +119,8 @@ def _grouped_bf16(x, w, ids, w13_t, w2_t):
     tokens, k = ids.shape
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat)
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
     tok = order // k
     gu = torch._grouped_mm(x[tok], w13_t, offs=offs)
@@ -146,7 +146,8 @@ def _peer_fn(fused: dict, ctx: Context):
     w, ids = _routings(4, w13.device)[0]
     try:
         _grouped_bf16(x, w, ids, w13.transpose(1, 2), w2.transpose(1, 2))
-        return "torch_grouped_mm_bf16", lambda x, w, ids: _grouped_bf16(x, w, ids, w13.transpose(1, 2), w2.transpose(1, 2))
+        return "torch_grouped_mm_bf16", lambda x, w, ids: _grouped_bf16(x, w, ids, w13.transpose(1, 2),
+                                                                        w2.transpose(1, 2))
     except (AttributeError, RuntimeError) as e:
         ctx.notes.append(f"moe: torch._grouped_mm unavailable ({type(e).__name__}: {str(e)[:120]}); "
                          "peer = per-expert cuBLAS loop")

@@ -109,7 +109,8 @@ class StackedExperts(nn.Module):
         for suffix, (shape, dt) in specs.items():
             t, key = tensors[suffix], f"{proj}.{suffix}"
             if tuple(t.shape) != (self.num_experts, *shape):
-                raise ValueError(f"assign_stacked_: {key} shape {tuple(t.shape)}, expected {(self.num_experts, *shape)}")
+                raise ValueError(f"assign_stacked_: {key} shape {tuple(t.shape)}, "
+                                 f"expected {(self.num_experts, *shape)}")
             if t.dtype != dt and not (t.dtype.is_floating_point and dt.is_floating_point and t.dtype.itemsize > 1
                                       and dt.itemsize > 1):
                 raise TypeError(f"assign_stacked_: {key} dtype {t.dtype}, expected {dt}")

@@ -8,7 +8,6 @@ from mla_quant.kernels.fp8_quant import block_quant_fp8_reference
 from mla_quant.kernels.int4_quant import int4_quantize_reference
 from mla_quant.kernels.fused_moe import WEIGHT_KEYS, choose_block_m, dequantize_expert, fused_moe, fused_moe_reference
 from mla_quant.testing import assert_rel_close, poisoned_empty
-from tests.conftest import HAS_CUDA
 
 # (kind, act_quant): the three weight formats, FP8 both weight-only and W8A8
 VARIANTS = [("bf16", False), ("int4_group", False), ("fp8_block", False), ("fp8_block", True)]
@@ -216,4 +215,3 @@ def test_gpu_fp32_is_the_exact_mode():
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group")
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
     assert_rel_close(got, ref, 1e-5, "fp32 (IEEE dots)")
-    assert HAS_CUDA

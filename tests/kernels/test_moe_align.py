@@ -4,7 +4,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels import moe_align as M
-from tests.conftest import HAS_CUDA
 
 
 def test_layout_by_hand():

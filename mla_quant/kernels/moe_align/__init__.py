@@ -27,7 +27,7 @@ def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
         raise ValueError(f"block_m: {block_m} must be a positive power of two")
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """topk_ids: [T, k] -> (sorted_ids [cap] int32, expert_ids [cap / block_m] int32, num_padded [1] int32).
 
     cap = :func:`align_capacity` (T·k, num_experts, block_m). Ids outside [0, num_experts) are dropped.
@@ -55,7 +55,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, expert_ids, num_padded
 
 
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """The same result as :func:`moe_align` from device-side torch ops only (stable sort + scatter)."""
     _check(topk_ids, num_experts, block_m)
     dev = topk_ids.device
