@@ -168,7 +168,7 @@ def fused_moe(
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
-                  IEEE=x.dtype == torch.float32, INTERPRET=interpret, BLOCK_M=bm)
+                  IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm)
 
     def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k):
         keys = WEIGHT_KEYS[kind]
