@@ -64,12 +64,11 @@ def layer_errors(reference: nn.Module, model: nn.Module, input_ids: torch.Tensor
 
 
 @torch.no_grad()
-def paged_logits(model: nn.Module, input_ids: torch.Tensor, kv_format="bf16", page_size: int = 16,
-                 chunk: int | None = None, decode_from: int | None = None) -> torch.Tensor:
-    """Logits of ``input_ids`` [B, T] run through the paged cache in ``kv_format`` (one, or one per layer), so
-    KV quantization acts as when serving: positions ``[0, decode_from)`` as a prefill in chunks of ``chunk``
-    tokens (default: one chunk), the rest one token per step through the decode path (teacher forcing).
-    Returns [B, T, vocab] fp32."""
+def run_paged(model: nn.Module, input_ids: torch.Tensor, kv_format="bf16", page_size: int = 16,
+              chunk: int | None = None, decode_from: int | None = None, keep_from: int = 0,
+              tensor_scales: float | Sequence[float] | None = None):
+    """:func:`paged_logits` that also returns the filled ``ModelCache`` and the ``PageAllocator`` (requests
+    ``0 .. B-1``), e.g. to read the cached rows back."""
     from ..cache import NoopTagTracker, PageAllocator
 
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
@@ -78,23 +77,52 @@ def paged_logits(model: nn.Module, input_ids: torch.Tensor, kv_format="bf16", pa
     decode_from = t if decode_from is None else decode_from
     if not 1 <= decode_from <= t:
         raise ValueError(f"decode_from: {decode_from} outside [1, {t}]")
+    if not 0 <= keep_from < t:
+        raise ValueError(f"keep_from: {keep_from} outside [0, {t})")
     chunk = decode_from if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk: {chunk} must be >= 1")
-    cache = model.allocate_cache(b * -(-t // page_size), page_size, kv_format)
+    cache = model.allocate_cache(b * -(-t // page_size), page_size, kv_format, tensor_scales=tensor_scales)
     alloc = PageAllocator(cache=cache, tracker=NoopTagTracker())
     for r in range(b):
         alloc.add_request(r)
     ids = input_ids.to(cache.device)
-    out = torch.empty(b, t, model.config.vocab_size, dtype=torch.float32, device=cache.device)
+    out = torch.empty(b, t - keep_from, model.config.vocab_size, dtype=torch.float32, device=cache.device)
     pos = 0
     while pos < t:
         n = min(chunk, decode_from - pos) if pos < decode_from else 1
         batch = alloc.plan(list(range(b)), n)
-        logits = model(ids[:, pos:pos + n].reshape(-1), batch=batch, cache=cache)
-        out[:, pos:pos + n] = logits.float().view(b, n, -1)
+        lo = max(pos, keep_from)
+        if lo < pos + n:    # only the rows kept: the LM head runs on those alone
+            rows = torch.arange(b, device=cache.device)[:, None] * n + torch.arange(lo - pos, n, device=cache.device)
+            logits = model(ids[:, pos:pos + n].reshape(-1), batch=batch, cache=cache, logits_index=rows.reshape(-1))
+            out[:, lo - keep_from:pos + n - keep_from] = logits.float().view(b, pos + n - lo, -1)
+        else:
+            model(ids[:, pos:pos + n].reshape(-1), batch=batch, cache=cache, logits_index=batch.cu_seqlens_q[1:] - 1)
         pos += n
-    return out
+    return out, cache, alloc
 
 
-__all__ = ["capture", "layer_errors", "paged_logits"]
+def paged_logits(model: nn.Module, input_ids: torch.Tensor, kv_format="bf16", page_size: int = 16,
+                 chunk: int | None = None, decode_from: int | None = None, keep_from: int = 0,
+                 tensor_scales: float | Sequence[float] | None = None) -> torch.Tensor:
+    """Logits of ``input_ids`` [B, T] run through the paged cache in ``kv_format`` (one, or one per layer;
+    ``tensor_scales`` for per-tensor FP8), so KV quantization acts as when serving: positions
+    ``[0, decode_from)`` as a prefill in chunks of ``chunk`` tokens (default: one chunk), the rest one token
+    per step through the decode path (teacher forcing). Returns [B, T - keep_from, vocab] fp32: the positions
+    from ``keep_from`` on (the LM head runs on those only — long contexts)."""
+    return run_paged(model, input_ids, kv_format, page_size, chunk, decode_from, keep_from, tensor_scales)[0]
+
+
+@torch.no_grad()
+def calibrate_kv_scales(model: nn.Module, input_ids: torch.Tensor, page_size: int = 16,
+                        margin: float = 1.0) -> list[float]:
+    """Per-layer scales for per-tensor FP8 KV (``KVFormat("fp8_e4m3", "tensor")``): ``margin · amax / 448``
+    of each layer's cached rows over ``input_ids`` [B, T] (run with BF16 pages)."""
+    _, cache, alloc = run_paged(model, input_ids, "bf16", page_size, keep_from=input_ids.shape[1] - 1)
+    table, seq_lens = alloc.block_table(list(range(input_ids.shape[0])), cache.device)
+    return [margin * float(cache.kv.layer(i).gather(table, seq_lens).abs().amax()) / 448.0
+            for i in range(len(cache.kv))]
+
+
+__all__ = ["capture", "layer_errors", "paged_logits", "run_paged", "calibrate_kv_scales"]

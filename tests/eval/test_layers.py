@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mla_quant.eval import capture, compare, kl_divergence, layer_errors, paged_logits
-from mla_quant.formats import Int4Group
+from mla_quant.eval import calibrate_kv_scales, capture, compare, kl_divergence, layer_errors, paged_logits
+from mla_quant.formats import Int4Group, KVFormat
 from mla_quant.formats.plan import QuantPlan, quantize_
 from mla_quant.models import KimiK26Config, KimiK26ForCausalLM, init_random_weights_
 from tests.conftest import DEVICE
@@ -86,3 +86,20 @@ def test_compare_report(model, ids, tmp_path):
     assert (tmp_path / "r.png").exists() is False
     report.plot(str(tmp_path / "r.png"))
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_keep_from_and_per_tensor_scales(dense, ids):
+    """Only the kept rows come back (the same values); per-tensor FP8 with calibrated scales is about as close
+    as per-token FP8, and scales 100x too small (saturating at ±448·scale) are far worse."""
+    with torch.no_grad():
+        plain = dense(ids).float()
+    full = paged_logits(dense, ids, "fp8_e4m3", page_size=4, decode_from=12)
+    tail = paged_logits(dense, ids, "fp8_e4m3", page_size=4, decode_from=12, keep_from=10)
+    assert tail.shape == (2, 9, 512) and torch.allclose(tail, full[:, 10:], atol=1e-5)
+    scales = calibrate_kv_scales(dense, ids, page_size=4)
+    assert len(scales) == 2 and all(0 < s < 1 for s in scales)
+    tensor = KVFormat("fp8_e4m3", "tensor")
+    good = paged_logits(dense, ids, tensor, page_size=4, decode_from=12, tensor_scales=scales)
+    bad = paged_logits(dense, ids, tensor, page_size=4, decode_from=12, tensor_scales=[s / 100 for s in scales])
+    kl_token, kl_good, kl_bad = (float(kl_divergence(plain, x)) for x in (full, good, bad))
+    assert kl_good < 3 * kl_token and kl_bad > 10 * kl_good

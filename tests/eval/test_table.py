@@ -1,0 +1,26 @@
+"""The fidelity-table script runs end to end on the tiny random model (a smoke run of docs/fidelity.md's
+command) and orders the formats as expected."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from mla_quant.eval.table import main
+
+
+def test_table_smoke(tmp_path, capsys):
+    torch.save(torch.randint(0, 512, (400,)), tmp_path / "tokens.pt")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        main(["--contexts", "40", "--eval-tokens", "8", "--page-size", "8", "--batch", "2", "--device", "cpu",
+              "--tokens", str(tmp_path / "tokens.pt"), "--json", str(tmp_path / "t.json"),
+              "--variants", "kv bf16", "kv fp8_e4m3 per-token", "kv fp8_e4m3 per-tensor", "experts int4 rtn"])
+    finally:
+        torch.set_num_threads(before)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert all(r["context"] == 40 and r["positions"] == 16 for r in rows.values())
+    assert rows["kv bf16"]["kl"] < 1e-3 < rows["kv fp8_e4m3 per-token"]["kl"] < 0.2
+    assert 0 < rows["kv fp8_e4m3 per-tensor"]["kl"] < 0.2 and 0 < rows["experts int4 rtn"]["kl"] < 0.2
+    assert "| kv bf16 | 40 |" in capsys.readouterr().out
