@@ -141,9 +141,10 @@ def _configs() -> list[triton.Config]:
                                  (32, 1024, 8, 2))]
     small = [c({"BM": 16, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
              for bn, bk, w, s in ((16, 256, 4, 2), (32, 256, 4, 2), (64, 256, 4, 3), (32, 512, 8, 2))]
-    tiled = [c({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
-             for bm, bn, w, s in ((32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3),
-                                  (128, 256, 8, 3))]
+    # tiled: the accumulator and the dequantized fp32 tile each stay within ~64 registers per thread
+    tiled = [c({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+             for bm, bn, bk, w, s in ((32, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 4),
+                                      (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3))]
     return gemv + small + tiled
 
 
