@@ -14,6 +14,8 @@ from mla_quant.testing import assert_all_written, page_tables, poisoned_empty, r
 from tests.conftest import HAS_CUDA
 
 KINDS = [("bf16", None), ("fp8_e4m3", None), ("fp8_e4m3", 0.05), ("fp8_ds_mla", None)]
+# None: the launcher's choice; the others force the kernel's variants (head block, tile, transposed QK load)
+CONFIGS = [None, dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=True), dict(BLOCK_M=32, BLOCK_N=32, QK_SPLIT_LOAD=False)]
 
 
 def build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope, seed, device="cpu"):
@@ -65,8 +67,9 @@ def _tables(lengths, page_size, data):
 # ------------------------------------------------------------------------ paged == contiguous (Hypothesis)
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the backend fixture is constant
 @given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16, 64]),
-       s_q=st.sampled_from([1, 1, 2, 3]), heads=st.integers(1, 5), num_splits=st.sampled_from([None, 1, 2, 5]))
-def test_kernel_matches_contiguous_attention(triton_backend, data, kind, page_size, s_q, heads, num_splits):
+       s_q=st.sampled_from([1, 1, 2, 3]), heads=st.integers(1, 5), num_splits=st.sampled_from([None, 1, 2, 5]),
+       config=st.sampled_from(CONFIGS))
+def test_kernel_matches_contiguous_attention(triton_backend, data, kind, page_size, s_q, heads, num_splits, config):
     kind, tensor_scale = kind
     d_latent, d_rope = 128, 32
     lengths = data.draw(ragged_lengths(st.integers(1, 4), min_len=s_q, max_len=150 if page_size > 1 else 40))
@@ -79,7 +82,8 @@ def test_kernel_matches_contiguous_attention(triton_backend, data, kind, page_si
     out = poisoned_empty((len(lengths), s_q, heads, d_latent), device=dev)
     lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
     table, seq_lens = table.to(dev), seq_lens.to(dev)
-    mla_decode(q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent, num_splits=num_splits, out=out, lse=lse)
+    mla_decode(q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent, num_splits=num_splits, out=out, lse=lse,
+               config=config)
     assert_all_written(out, "out")
     assert_all_written(lse, "lse")
     out, lse = out.cpu(), lse.cpu()
@@ -100,12 +104,13 @@ def test_ds_mla_with_several_tiles_and_a_long_split_sequence(triton_backend):
     dev = triton_backend
     kv, _, stored = build_pages(lengths, table, 40, page_size, "fp8_ds_mla", None, 256, 32, seed=3, device=dev)
     q = torch.randn(2, 2, 3, 288)
-    out, lse = mla_decode(q.to(dev), kv, None, table.to(dev), seq_lens.to(dev), 0.07, "fp8_ds_mla", 256,
-                          num_splits=3)
-    out, lse = out.cpu(), lse.cpu()
-    for b, rows in enumerate(stored):
-        o_ref, lse_ref = contiguous_attention(q[b], rows, 0.07, 256)
-        assert rel_err(out[b], o_ref) < 1e-5 and torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+    for split_load in (False, True):
+        out, lse = mla_decode(q.to(dev), kv, None, table.to(dev), seq_lens.to(dev), 0.07, "fp8_ds_mla", 256,
+                              num_splits=3, config=dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=split_load))
+        out, lse = out.cpu(), lse.cpu()
+        for b, rows in enumerate(stored):
+            o_ref, lse_ref = contiguous_attention(q[b], rows, 0.07, 256)
+            assert rel_err(out[b], o_ref) < 1e-5 and torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
 
 
 def test_absorbed_decode_equals_naive_attention():
@@ -211,6 +216,8 @@ def test_kernel_rejects_bad_split_count_and_dims(triton_backend):
     q, data, s, table, seq = (t.to(dev) if t is not None else None for t in _small_case())
     with pytest.raises(ValueError, match="num_splits"):
         mla_decode(q, data, s, table, seq, 0.1, "bf16", 128, num_splits=0)
+    with pytest.raises(ValueError, match="config"):
+        mla_decode(q, data, s, table, seq, 0.1, "bf16", 128, config=dict(BLOCK_M=8, BLOCK_N=16, QK_SPLIT_LOAD=False))
     data24, _ = quantize_kv_rows(torch.randn(32, 152), "bf16", 128)
     with pytest.raises(ValueError, match="powers of two"):
         mla_decode(torch.randn(2, 1, 2, 152, device=dev), data24.reshape(4, 8, -1).to(dev), None, table, seq, 0.1,

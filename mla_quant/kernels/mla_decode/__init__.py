@@ -103,6 +103,15 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
     return choose_num_splits(batch * triton.cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
 
 
+def _check_config(config: dict) -> None:
+    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "num_warps", "num_stages"}
+    if unknown or not {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD"} <= set(config):
+        raise ValueError(f"config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ num_warps, num_stages), got {sorted(config)}")
+    if config["BLOCK_M"] not in (16, 32, 64) or config["BLOCK_N"] < 16 or not _is_pow2(config["BLOCK_N"]):
+        raise ValueError(f"config: BLOCK_M {config['BLOCK_M']} must be 16/32/64 and BLOCK_N "
+                         f"{config['BLOCK_N']} a power of two ≥ 16")
+
+
 def _scale_mode(kind: str, kv_scales: torch.Tensor | None) -> int:
     if kind == "bf16":
         return 0
@@ -131,7 +140,8 @@ def _page_views(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str
 def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor | None, block_table: torch.Tensor,
                seq_lens: torch.Tensor, softmax_scale: float, kind: str, d_latent: int, *,
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
-               out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -139,6 +149,8 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     upper bound of seq_lens defaulting to the block table's capacity). ``validate``: check seq_lens and
     page ids against the tables (one device sync; engines that build the tables themselves may skip it).
     ``out`` / ``lse``: optional preallocated outputs (contiguous, the shapes and dtypes above).
+    ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
+    ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``num_warps`` / ``num_stages`` (tests, tuning).
     """
     check_tensor("q", q, dtype=Q_DTYPES, ndim=4)
     if q.stride(-1) != 1:
@@ -170,11 +182,11 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                              num_splits, max_seq_len, out, lse)
+                              num_splits, max_seq_len, out, lse, config)
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                       num_splits, max_seq_len, out, lse):
+                       num_splits, max_seq_len, out, lse, config):
     from .kernel import _mla_decode_combine_kernel, _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
@@ -183,8 +195,6 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if bsz == 0 or m_rows == 0:
         return out, lse
     interpreted = triton_interpreted()
-    block_m = _block_m(m_rows)
-    m_blocks = triton.cdiv(m_rows, block_m)
     if num_splits is None:
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -205,11 +215,17 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
             lat.stride(0), lat.stride(1), rope.stride(0), rope.stride(1), sc_page, sc_row,
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
-                TILE=DS_MLA_TILE, BLOCK_M=block_m, SPLIT_OUT=split,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=interpreted)
-    grid = (m_blocks, num_splits, bsz)
-    if interpreted:
-        _mla_decode_kernel[grid](*args, **meta, BLOCK_N=16)
+                TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                INTERPRET=interpreted)
+
+    def grid(m):
+        return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
+
+    if config is None and interpreted:
+        config = dict(BLOCK_M=_block_m(m_rows), BLOCK_N=16, QK_SPLIT_LOAD=False)
+    if config is not None:
+        _check_config(config)
+        _mla_decode_kernel[grid](*args, **meta, **config)
     else:
         _mla_decode_kernel_tuned[grid](*args, **meta)
     if split:

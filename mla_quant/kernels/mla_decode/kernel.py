@@ -2,7 +2,7 @@
 
 One program per (head block, KV split, request). The latent tile of BLOCK_N tokens is loaded once and used
 by every head of the block twice: as K (scores = q_abs·latentᵀ + q_pe·k_peᵀ) and as V (out += p·latent) —
-the point of MLA's absorbed form. FP8 pages are dequantized in registers right after the load: e4m3 → the
+the point of MLA's absorbed form (with QK_SPLIT_LOAD, the score dot re-reads the tile transposed, from L2). FP8 pages are dequantized in registers right after the load: e4m3 → the
 dot dtype, with a per-token scale folded into the score column and into p (never multiplied into K), a
 per-tensor scale folded into the softmax scale and the output, and fp8_ds_mla's per-128 tile scales
 multiplied in (power-of-two, so exact). Scores are kept in the log2 domain (exp2).
@@ -19,6 +19,27 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, TRANSPOSED: tl.constexpr, SCALE_MODE: tl.constexpr,
+                      D_LAT: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, dot_ty: tl.constexpr):
+    """The latent part of BLOCK_N rows as a dot operand: [BLOCK_N, D_LAT] or, TRANSPOSED, [D_LAT, BLOCK_N].
+    Masked rows (past seq_len) are never read. fp8_ds_mla tiles are multiplied by their power-of-two scales."""
+    if TRANSPOSED:
+        k = tl.load(lat_rows[None, :] + d_lat[:, None], mask=tok_ok[None, :], other=0.0)
+    else:
+        k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)
+    if SCALE_MODE == SCALE_TILE:
+        NT: tl.constexpr = D_LAT // TILE
+        tiles = tl.arange(0, NT)
+        if TRANSPOSED:
+            sc = tl.load(sc_rows[None, :] + tiles[:, None], mask=tok_ok[None, :], other=0.0)      # [NT, N]
+            k = tl.reshape(tl.reshape(k.to(tl.float32), (NT, TILE, BLOCK_N)) * sc[:, None, :], (D_LAT, BLOCK_N))
+        else:
+            sc = tl.load(sc_rows[:, None] + tiles[None, :], mask=tok_ok[:, None], other=0.0)      # [N, NT]
+            k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, NT, TILE)) * sc[:, :, None], (BLOCK_N, D_LAT))
+    return k.to(dot_ty)
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     sm_scale_log2, S_Q, H, NUM_SPLITS,
@@ -26,9 +47,11 @@ def _mla_decode_kernel(
     stride_lat_page, stride_lat_row, stride_rope_page, stride_rope_row, stride_sc_page, stride_sc_row,
     stride_bt,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_MODE: tl.constexpr,
-    TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr,
 ):
+    """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
+    registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots."""
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
@@ -72,22 +95,21 @@ def _mla_decode_kernel(
         slot = toks % PAGE_SIZE
         lat_rows = lat_ptr + page * stride_lat_page + slot * stride_lat_row
         rope_rows = rope_ptr + page * stride_rope_page + slot * stride_rope_row
+        sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
         # masked loads never touch slots past seq_len (they may hold anything, NaN included)
-        k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)      # [N, D_LAT]
-        k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)  # [N, D_ROPE]
-        if SCALE_MODE == SCALE_TILE:
-            NT: tl.constexpr = D_LAT // TILE
-            sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
-            tile_sc = tl.load(sc_rows[:, None] + tl.arange(0, NT)[None, :], mask=tok_ok[:, None], other=0.0)
-            k3 = tl.reshape(k.to(tl.float32), (BLOCK_N, NT, TILE)) * tile_sc[:, :, None]
-            k = tl.reshape(k3, (BLOCK_N, D_LAT))  # power-of-two scales: exact in bf16
-        k = k.to(dot_ty)
-        k_pe = k_pe.to(dot_ty)
-
-        s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)  # [M, N]
+        if QK_SPLIT_LOAD:
+            k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty)
+            k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0).to(dot_ty)
+            s = tl.dot(q_lat, k_t, input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, k_pe_t, s, input_precision=DOT_PRECISION)                          # [M, N]
+            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty)
+        else:
+            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty)
+            k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0).to(dot_ty)
+            s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)                  # [M, N]
         if SCALE_MODE == SCALE_TOKEN:
-            tok_sc = tl.load(scale_ptr + page * stride_sc_page + slot * stride_sc_row, mask=tok_ok, other=0.0)
+            tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
             s = s * (tok_sc * qk_scale)[None, :]
         else:
             s = s * qk_scale
@@ -121,12 +143,30 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + base + rows, lse2 * LN2, mask=row_ok)
 
 
-# GPU launches go through a small autotuner (the interpreter runs one fixed config): the tile of tokens and
-# the pipeline depth trade registers and shared memory against latency hiding, per head block and KV format.
+def _prune_decode_configs(configs, named_args, **kwargs):
+    """Keep the head blocks that fit the query rows: 16 rows for ≤ 16 (S·H), 32–64 above."""
+    rows = named_args["S_Q"] * named_args["H"]
+    want = {16} if rows <= 16 else {16, 32} if rows <= 32 else {32, 64}
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] in want]
+    return kept or configs
+
+
+# GPU launches go through a small autotuner (the interpreter runs one fixed config). The candidates
+# (BLOCK_M, BLOCK_N, QK_SPLIT_LOAD, warps, stages) were checked ahead of time for sm_90 (triton.compile +
+# cuobjdump --dump-resource-usage): every KV format has spill-free candidates with 16 and 32 query rows
+# (BF16 99–171 registers; FP8 128–254, the transposed QK load saving registers when an FP8 tile feeds two
+# dots); 64-row blocks (wgmma) are spill-free for BF16 only — FP8 spills ~280 bytes there, left to the tuner.
+DECODE_CONFIGS = [
+    (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, False, 8, 3), (16, 32, True, 8, 2), (16, 64, True, 8, 2),
+    (16, 16, False, 4, 3),
+    (32, 16, False, 8, 2), (32, 32, False, 8, 2), (32, 16, True, 8, 2), (32, 32, True, 8, 2),
+    (64, 16, False, 8, 2), (64, 16, False, 8, 3),
+]
 _mla_decode_kernel_tuned = triton.autotune(
-    [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-     for bn, w, st in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (16, 4, 4), (32, 8, 2), (64, 8, 2))],
-    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "BLOCK_M", "SPLIT_OUT"],
+    [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "QK_SPLIT_LOAD": split}, num_warps=w, num_stages=st)
+     for bm, bn, split, w, st in DECODE_CONFIGS],
+    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT"],
+    prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
 
 
