@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, count
+from itertools import count
 
 import torch
 
@@ -58,20 +58,6 @@ class EngineStats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
-
-
-def select_rows(batch: PagedBatch, rows: Sequence[int]) -> PagedBatch:
-    """The ``PagedBatch`` of only these request rows (their tokens, tables, lengths and tags)."""
-    cu = batch.cu_seqlens_q.tolist()
-    dev = batch.block_table.device
-    idx = torch.tensor(list(rows), dtype=torch.long, device=dev)
-    tok = torch.tensor([t for i in rows for t in range(cu[i], cu[i + 1])], dtype=torch.long, device=dev)
-    lens = [cu[i + 1] - cu[i] for i in rows]
-    return PagedBatch(block_table=batch.block_table[idx], seq_lens=batch.seq_lens[idx],
-                      cu_seqlens_q=torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=dev),
-                      positions=batch.positions[tok], slot_mapping=batch.slot_mapping[tok], page_size=batch.page_size,
-                      max_query_len=max(lens, default=0), request_ids=tuple(batch.request_ids[i] for i in rows),
-                      tags=None if batch.tags is None else batch.tags[idx])
 
 
 def _phase_kv(phase, model) -> object:
@@ -260,7 +246,7 @@ class Engine:
         keep = self._verify(pool, reqs, batch, done)
         if keep is None:
             return
-        reqs, batch = [reqs[i] for i in keep], select_rows(batch, keep) if len(keep) < len(reqs) else batch
+        reqs, batch = [reqs[i] for i in keep], batch.select(keep) if len(keep) < len(reqs) else batch
         ids = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=pool.cache.device)
         with torch.no_grad():
             logits = pool.model(ids, batch=batch, cache=pool.cache)                       # [B, vocab]
@@ -277,7 +263,7 @@ class Engine:
         if keep is None:
             return
         if len(keep) < len(reqs):
-            reqs, counts, batch = [reqs[i] for i in keep], [counts[i] for i in keep], select_rows(batch, keep)
+            reqs, counts, batch = [reqs[i] for i in keep], [counts[i] for i in keep], batch.select(keep)
         ids = [t for r, n in zip(reqs, counts) for t in r.tokens[r.num_computed:r.num_computed + n]]
         ids = torch.tensor(ids, dtype=torch.long, device=pool.cache.device)
         with torch.no_grad():
@@ -397,4 +383,4 @@ class Engine:
         return req.result(reason, time.perf_counter(), abort_reason)
 
 
-__all__ = ["Engine", "EngineStats", "select_rows"]
+__all__ = ["Engine", "EngineStats"]

@@ -60,6 +60,12 @@ def _int4_mse(ctx: dict) -> torch.nn.Module:
         return from_pretrained(f"{tmp}/dst", dtype=torch.float32, device=ctx["device"])
 
 
+def _load(path: str, device: torch.device) -> torch.nn.Module:
+    from ..models import from_pretrained
+
+    return from_pretrained(path, dtype=torch.float32, device=device).eval()
+
+
 VARIANTS = {
     "kv bf16": _kv("bf16"),
     "kv fp8_e4m3 per-token": _kv("fp8_e4m3"),
@@ -80,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "indexer fp8"],
                    choices=list(VARIANTS), help="'indexer fp8' applies to DSA models (GLM 5.2)")
+    p.add_argument("--extra", nargs="+", default=[], metavar="NAME=PATH",
+                   help="more variants: checkpoints of the same model made elsewhere (e.g. QAT-exported INT4 "
+                        "experts), loaded in fp32 and run plainly")
     p.add_argument("--tokens", help="torch.save'd 1-D int tensor of real text token ids (default: random ids)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens")
@@ -90,10 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_reference(args, device: torch.device) -> torch.nn.Module:
-    from ..models import KimiK26Config, KimiK26ForCausalLM, from_pretrained, init_random_weights_
+    from ..models import KimiK26Config, KimiK26ForCausalLM, init_random_weights_
 
     if args.checkpoint:
-        return from_pretrained(args.checkpoint, dtype=torch.float32, device=device).eval()
+        return _load(args.checkpoint, device)
     model = KimiK26ForCausalLM(KimiK26Config.tiny(), dtype=torch.float32, device=device)
     return init_random_weights_(model, args.seed).eval()
 
@@ -115,6 +124,12 @@ def main(argv=None) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     reference = load_reference(args, device)
     ctx = {"reference": reference, "device": device, "page_size": args.page_size, "chunk": args.chunk, "models": {}}
+    variants = {name: VARIANTS[name] for name in args.variants}
+    for spec in args.extra:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--extra: {spec!r} is not NAME=PATH")
+        variants[name] = _weights(lambda c, path=path: _load(path, c["device"]))
     rows = []
     print("| variant | context | KL (nats) | top-1 |\n|---|---:|---:|---:|")
     for length in args.contexts:
@@ -124,8 +139,8 @@ def main(argv=None) -> int:
         keep_from = length - args.eval_tokens
         with torch.no_grad():
             ref = reference(ids)[:, keep_from:].float()
-        for name in args.variants:
-            q = VARIANTS[name](ctx, ids, keep_from).to(ref.device)
+        for name, run in variants.items():
+            q = run(ctx, ids, keep_from).to(ref.device)
             row = {"variant": name, "context": length, "kl": float(kl_divergence(ref, q)),
                    "top1": float(top1_agreement(ref, q)), "positions": q.shape[0] * q.shape[1]}
             rows.append(row)

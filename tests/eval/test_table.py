@@ -24,3 +24,15 @@ def test_table_smoke(tmp_path, capsys):
     assert rows["kv bf16"]["kl"] < 1e-3 < rows["kv fp8_e4m3 per-token"]["kl"] < 0.2
     assert 0 < rows["kv fp8_e4m3 per-tensor"]["kl"] < 0.2 and 0 < rows["experts int4 rtn"]["kl"] < 0.2
     assert "| kv bf16 | 40 |" in capsys.readouterr().out
+
+
+def test_table_extra_checkpoint(tmp_path, capsys):
+    """A checkpoint made elsewhere joins the table: the reference saved as is gives KL 0."""
+    from mla_quant.eval.table import load_reference, parse_args
+    from mla_quant.models import save_pretrained
+
+    save_pretrained(load_reference(parse_args([]), torch.device("cpu")), tmp_path / "same")
+    main(["--contexts", "24", "--eval-tokens", "4", "--page-size", "8", "--device", "cpu", "--variants", "kv bf16",
+          "--extra", f"same={tmp_path / 'same'}", "--json", str(tmp_path / "t.json")])
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert rows["same"]["kl"] == 0.0 and rows["same"]["top1"] == 1.0
