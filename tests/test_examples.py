@@ -85,3 +85,22 @@ def test_main_job_help():
 @pytest.mark.parametrize("name", ["01_formats.py", "07_load_checkpoint.py"])
 def test_other_examples(name):
     run(f"examples/{name}")
+
+
+def test_main_job_from_a_checkpoint(tmp_path):
+    """--checkpoint loads a saved model (here: Kimi's release formats, INT4 experts); --json writes the
+    measurements."""
+    import json
+
+    import torch
+
+    from mla_quant.models import KimiK26Config, KimiK26ForCausalLM, init_random_weights_, save_pretrained
+
+    model = KimiK26ForCausalLM(KimiK26Config.tiny(), dtype=torch.bfloat16, formats="checkpoint")
+    save_pretrained(init_random_weights_(model, 3), tmp_path / "ckpt")
+    out = run("-m", "mla_quant", "--checkpoint", str(tmp_path / "ckpt"), "--requests", "3", "--new-tokens", "4",
+              "--decode-kv", "fp8_ds_mla", "--json", str(tmp_path / "m.json"))
+    assert re.search(r"decode +pool +fp8_ds_mla ", out)
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["requests"] == 3 and m["stats"]["decode_tokens"] > 0 and 0 < m["kl_all"] < 0.5
+    assert m["kv_bytes_per_token"]["decode"]["format"] == "fp8_ds_mla"
