@@ -28,7 +28,7 @@ from torch import nn
 from ..cache.batch import PagedBatch
 from ..cache.paged import LayerKV
 from ..cache.tables import slots_from_block_table
-from ..formats import BF16, WeightFormat
+from ..formats import BF16, KVFormat, WeightFormat
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prefill import mla_prefill
 from .linear import QuantLinear
@@ -93,6 +93,7 @@ class MLAttention(nn.Module):
         self.softmax_scale = rope.softmax_scale(self.qk_head_dim) if softmax_scale is None else float(softmax_scale)
         self.max_decode_query_len = 8    # uniform query runs up to this length use the absorbed decode kernel
         self.validate_tables = True      # check block tables / lengths in the kernels (one sync per call)
+        self.kv_format = KVFormat("bf16")  # the format of the KV rows this layer writes; a plan's KV rules set it
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._absorbed_key: tuple | None = None
         self._absorbed_src: list[torch.Tensor] = []
