@@ -8,10 +8,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
+timeout "${TEST_TIMEOUT:-300}" python -m pytest -v -p no:cacheprovider ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
   || true
-grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -40
+grep -cE " PASSED" "$OUT/gpu_tests.log"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
+grep -E "(FAILED|ERROR)" "$OUT/gpu_tests.log" | grep -v "^E " | head -60
 timeout "${BENCH_TIMEOUT:-400}" python -m benchmarks ${1:+--only $1} ${BENCH_ARGS:-} --out "$OUT/h200.json" \
   >"$OUT/bench.log" 2>&1
 grep -E "^\[|ceilings|wrote|Error|error" "$OUT/bench.log" | tail -40
