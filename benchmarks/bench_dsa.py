@@ -34,7 +34,7 @@ from mla_quant.kernels.mla_prefill import mla_prefill
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
 from mla_quant.kernels.topk import topk_indices
 
-from .common import L2_BYTES, Context, case, median_us
+from .common import L2_BYTES, Context, case, median_us, graph_us
 
 PAGE = 64
 D_LATENT, D_ROPE = 512, 64
@@ -80,18 +80,7 @@ def _tables(batch: int, ctx: int, bytes_per_set: int, num_pages: int, dev: str) 
 
 def _graph_us(fn, reps: int) -> float:
     """Median µs of one of ``reps`` calls replayed from a CUDA graph (eager if capture fails)."""
-    fn()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        t = median_us(graph.replay) / reps
-        del graph
-        return t
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return median_us(fn) / reps
+    return graph_us(fn, reps)[0]
 
 
 def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[dict]:

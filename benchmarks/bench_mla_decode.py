@@ -24,7 +24,7 @@ from mla_quant.formats import KVFormat
 from mla_quant.kernels.kv_layout import kv_data_dtype, kv_row_width
 from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits
 
-from .common import L2_BYTES, Context, case, median_us
+from .common import L2_BYTES, Context, case, median_us, graph_us
 
 KINDS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
 HEADS = (8, 16, 64, 128)
@@ -77,19 +77,8 @@ def _input_sets(batch: int, ctx: int, heads: int, kind: str, num_pages: int, dev
 
 
 def _graph_us(fn, reps: int) -> float:
-    """Median µs of one of ``reps`` calls, replayed from a CUDA graph (eager if capture fails)."""
-    fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        t = median_us(graph.replay) / reps
-        del graph
-        return t
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return median_us(fn) / reps
+    """Median µs of one of ``reps`` calls replayed from a CUDA graph (eager if capture fails)."""
+    return graph_us(fn, reps)[0]
 
 
 def _torch_composition(q, pool, table, ctx):

@@ -30,7 +30,7 @@ from mla_quant.kernels.fused_moe import choose_block_m, fused_moe
 from mla_quant.modules import MLP, MoE, Router
 from mla_quant.modules.experts import kernel_args
 
-from .common import Context, case, median_us
+from .common import Context, case, median_us, graph_us
 
 E, HIDDEN, INTER, TOP_K, SCALE = 384, 7168, 2048, 8, 2.827
 TOKENS = (1, 4, 16, 64, 256, 1024)
@@ -40,18 +40,7 @@ SETS = 8  # routings cycled per timing
 
 def _graph_us(fn, reps: int) -> tuple[float, bool]:
     """Median µs of one of ``reps`` calls replayed from a CUDA graph (eager if capture fails)."""
-    fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        t = median_us(graph.replay, warmup_ms=10, rep_ms=60) / reps
-        del graph
-        return t, True
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return median_us(fn, warmup_ms=10, rep_ms=60) / reps, False
+    return graph_us(fn, reps, warmup_ms=10, rep_ms=60)
 
 
 def _peer_us(ctx: Context, what: str, fn) -> float | None:

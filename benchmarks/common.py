@@ -35,6 +35,26 @@ def median_us(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def graph_us(fn, reps: int = 1, warmup_ms: float = 25, rep_ms: float = 100) -> tuple[float, bool]:
+    """Median µs of one of ``reps`` calls made by ``fn()``, replayed from a CUDA graph, so host-side launch
+    overhead is excluded for ours and the peers alike (as in a CUDA-graph decode loop). Falls back to eager
+    timing when capture fails. Returns (µs, captured)."""
+    import torch
+
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        t = median_us(graph.replay, warmup_ms, rep_ms) / reps
+        del graph
+        return t, True
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return median_us(fn, warmup_ms, rep_ms) / reps, False
+
+
 def rotating(make_inputs, bytes_per_set: int, min_sets: int = 2, max_sets: int = 32):
     """Build enough independent input sets that cycling through them exceeds the L2 cache.
     Returns a zero-argument function yielding the next set."""
