@@ -30,6 +30,10 @@ settings.register_profile("thorough", max_examples=500, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# Hopper's fp8 tensor-core MMA accumulates a 128-deep K block with fewer than fp32's mantissa bits (the
+# reason DeepGEMM promotes per block, as fp8_gemm does): 6.3e-4 relative error was measured on the H200 for
+# one block. The interpreter multiplies in fp32, so there fp8 GEMMs must match their references to 1e-5.
+FP8_MMA_REL_TOL = 2e-3 if HAS_CUDA else 1e-5
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ from mla_quant.formats.plan import (METADATA_KEY, Phase, PhaseRecipe, PhaseSwitc
 from mla_quant.kernels import fp8_quant
 from mla_quant.modules import QuantLinear
 from mla_quant.testing import assert_bitwise_equal, assert_rel_close
-from tests.conftest import HAS_CUDA
+from tests.conftest import FP8_MMA_REL_TOL, HAS_CUDA
 
 D, I_, E = 128, 64, 3  # hidden, expert width, experts
 
@@ -190,19 +190,18 @@ def test_bf16_plan_is_bit_exact(model):
 def test_quantized_model_equals_its_dequantized_reference(triton_backend, monkeypatch):
     if not HAS_CUDA:  # the interpreter's fp32 -> e4m3 cast rounds wrongly: quantize activations in torch
         monkeypatch.setattr(fp8_quant, "act_quant_fp8", fp8_quant.act_quant_fp8_reference)
-    model = ToyModel(layers=2)  # layer 1 gets every quantized format of PLAN
+    model = ToyModel(layers=2).to(triton_backend)  # layer 1 gets every quantized format of PLAN
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            mod.set_weight(torch.randn(mod.out_features, mod.in_features) * 0.05)
-    quantize_(model, PLAN)
-    reference = copy.deepcopy(model)
+            mod.set_weight(torch.randn(mod.out_features, mod.in_features, device=triton_backend) * 0.05)
+    quantize_(model, PLAN)  # the quantizers' kernels run here (bit-exact with their references)
+    reference = copy.deepcopy(model).cpu()
     for mod in reference.modules():  # same stored bits, reference math
         if isinstance(mod, QuantLinear) and not isinstance(mod.fmt, BF16):
             mod.convert_format_(dataclasses.replace(mod.fmt, kernel="torch"))
     x = torch.randn(9, D)
     expected = reference(x)
-    model.to(triton_backend)
-    assert_rel_close(model(x.to(triton_backend)).cpu(), expected, 1e-5)
+    assert_rel_close(model(x.to(triton_backend)).cpu(), expected, FP8_MMA_REL_TOL)
 
 
 # ------------------------------------------------------------------------------------------ serialising

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from mla_quant.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8_reference, block_quant_fp8_reference
 from mla_quant.testing import assert_rel_close, odd_sizes, poisoned_empty, realistic_tensor
+from tests.conftest import FP8_MMA_REL_TOL
 
 
 def _operands(m, n, k, block=(128, 128), device="cpu", seed=0):
@@ -51,7 +52,7 @@ def test_scales_apply_per_k_block_and_per_weight_block(triton_backend):
 def test_default_config_over_shapes(triton_backend, m, n, kb, seed):
     a, a_s, b, b_s = _operands(m, n, 128 * kb, device=triton_backend, seed=seed)
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
-    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-5)
+    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), FP8_MMA_REL_TOL)
 
 
 def test_reference_is_the_sum_of_scaled_block_products():

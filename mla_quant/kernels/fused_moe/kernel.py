@@ -174,14 +174,28 @@ DOT_CONFIGS = _configs([(32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128,
                         (256, 64, 8, 3)])
 
 
+SMEM_BUDGET = 200 * 1024  # of the H100/H200's 227 KB per block, leaving room for the epilogue
+
+
+def _smem_bytes(meta: dict, bn: int, bk: int, stages: int) -> int:
+    """Pipelined operand tiles: an A tile and one (two when GATED) weight tiles per stage."""
+    a_bytes = 1 if meta["W8A8"] else meta["a_ptr"].element_size()
+    w_bits = {KIND_DENSE: 8 * meta["w1_ptr"].element_size(), KIND_FP8: 8, KIND_INT4: 4}[meta["KIND"]]
+    w_tiles = 2 if meta["GATED"] else 1
+    return stages * (meta["BLOCK_M"] * bk * a_bytes + w_tiles * bn * bk * w_bits // 8)
+
+
 def _prune(configs, named_args, **kwargs):
     """Keep the tiles the format can use: INT4 needs BLOCK_K ≥ its group; W8A8 dots need each K tile
-    inside one scale block; wide N tiles only pay off with many rows per block."""
+    inside one scale block; wide N tiles only pay off with many rows per block; the pipelined tiles must
+    fit in shared memory (Triton 3.6 raised OutOfResources at launch for a bf16 gate-up tile here)."""
     meta = {**named_args, **kwargs}
     bm = meta["BLOCK_M"]
     out = []
     for c in configs:
         bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        if bm > 1 and _smem_bytes(meta, bn, bk, c.num_stages) > SMEM_BUDGET:
+            continue
         if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
             continue
         if meta["W8A8"] and bm > 1 and (meta["ACT_G"] % bk or meta["SBK"] % bk):
