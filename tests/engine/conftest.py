@@ -1,4 +1,4 @@
-"""Engine tests: tiny fp32 models with random weights, one intra-op CPU thread (see tests/models/conftest.py).
+"""Engine tests: tiny fp32 models with random weights.
 
 ``dense_model`` (2 dense layers) has no router, so its logits move continuously with the tiny differences
 that batching makes in fp32 (a MoE router can flip an expert on a near-tie); ``moe_model`` is the
@@ -10,14 +10,6 @@ import torch
 
 from mla_quant.models import KimiK26Config, KimiK26ForCausalLM, init_random_weights_
 from tests.conftest import DEVICE
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build(config, seed: int = 0) -> KimiK26ForCausalLM:

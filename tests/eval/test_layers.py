@@ -14,14 +14,6 @@ from mla_quant.models import KimiK26Config, KimiK26ForCausalLM, init_random_weig
 from tests.conftest import DEVICE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model():
     m = KimiK26ForCausalLM(KimiK26Config.tiny(), dtype=torch.float32, device=DEVICE)
