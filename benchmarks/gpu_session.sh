@@ -3,12 +3,21 @@
 # bit-exact where the references are; `gpu`-marked tests run too), then the benchmarks. Output under $OUT.
 #   bash benchmarks/gpu_session.sh [benches: comma-separated, default all] [pytest args, default tests]
 #   TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound the two stages; BENCH_ARGS adds e.g. --quick.
+#   .git does not travel to the device: pass MLA_QUANT_COMMIT=<hash> so the results name their commit.
+#   The suite is bound by Triton compiles (CPU work): carry pytest-xdist to spread it over the 16 cores —
+#   here: pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl pytest-xdist execnet
+#   and name ".whl" in the device call's carry.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-300}" python -m pytest -v -p no:cacheprovider ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
+XDIST=""
+if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site \
+    && XDIST="-n ${TEST_WORKERS:-8} --dist loadfile"
+fi
+timeout "${TEST_TIMEOUT:-300}" python -m pytest -v -p no:cacheprovider $XDIST ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
   || true
 grep -cE " PASSED" "$OUT/gpu_tests.log"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 grep -E "(FAILED|ERROR)" "$OUT/gpu_tests.log" | grep -v "^E " | head -60
