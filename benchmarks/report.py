@@ -1,0 +1,56 @@
+"""Markdown tables from a results file, one per bench: ``python -m benchmarks.report [--results F]``.
+
+Columns: the case keys, our median, the peer and its median, the speed-up over the peer, and the achieved
+rate against the run's ceilings (copy bandwidth, bf16 matmul rate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .common import RESULTS
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def tables(results: dict) -> str:
+    meta = results["meta"]
+    copy, mm = meta["copy_tbps"], meta["bf16_tflops"]
+    by_bench = defaultdict(list)
+    for c in results["cases"]:
+        by_bench[c["bench"]].append(c)
+    out = [f"Run: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, commit "
+           f"`{meta['commit'][:10]}`; ceilings measured in the run: copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s.\n"]
+    for bench, rows in by_bench.items():
+        keys = list(dict.fromkeys(k for r in rows for k in r["case"]))
+        head = keys + ["µs", "peer", "peer µs", "× peer", "% copy BW", "% bf16 MMA"]
+        out.append(f"### `{bench}`\n")
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in rows:
+            tb = r.get("tbps")
+            tf = r.get("tflops")
+            cells = [_fmt(r["case"].get(k, "")) for k in keys] + [
+                _fmt(r["median_us"]), r.get("peer") or "", _fmt(r.get("peer_median_us") or ""),
+                _fmt(r["peer_median_us"] / r["median_us"]) if r.get("peer_median_us") else "",
+                f"{100 * tb / copy:.0f}" if tb else "", f"{100 * tf / mm:.0f}" if tf else ""]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    print(tables(json.loads(args.results.read_text())))
+
+
+if __name__ == "__main__":
+    main()
