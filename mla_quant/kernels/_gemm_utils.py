@@ -1,4 +1,5 @@
-"""Helpers shared by the GEMM kernels (``fp8_gemm``, ``w4a16_gemm``): tile ordering and launch sizing."""
+"""Helpers shared by the GEMM kernels (``fp8_gemm``, ``w4a16_gemm``, ``fused_moe``): tile ordering, launch
+sizing and the INT4 code unpacking of the fast dequant path."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,22 @@ def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % per_group) % rows
     pid_n = (pid % per_group) // rows
     return pid_m, pid_n
+
+
+@triton.jit
+def int4_codes(nib, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Nibbles n (int32 in 0..15) -> the signed codes q = n - 8, exact, without an int->float conversion:
+    bf16 bits ``0x4300 | n`` are 128 + n and fp16 bits ``0x6400 | n`` are 1024 + n (the nibble lands in
+    the low mantissa bits of a 16-bit lane), so one subtraction in the 16-bit type gives q; other dtypes
+    use the fp32 form ``float(0x4B000000 | n) - (2^23 + 8)``. Returns q in DT (fp32 for fp32 and, under the
+    interpreter, for bf16: its bf16 bitcast is wrong, and its dots upcast to fp32 anyway)."""
+    if DT == tl.bfloat16 and not INTERPRET:
+        q = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0
+    elif DT == tl.float16:
+        q = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+    else:
+        q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return q
 
 
 def m_bucket(m: int) -> int:

@@ -12,7 +12,7 @@ from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages")
+CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS"]
 
@@ -36,15 +36,18 @@ def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
     return n, k
 
 
-def _interpreter_config(m: int, group_size: int) -> dict:
+def _interpreter_config(m: int, group_size: int, fast: bool = False) -> dict:
     """A small fixed config for the CPU interpreter (autotuning there would only cost time; few, large
-    programs run fastest there). The tests pin the other configs, split-K included."""
-    return {"BM": 1 if m == 1 else 16 if m <= 16 else 32, "BN": 64, "BK": max(128, group_size), "SPLIT_K": 1,
-            "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
+    programs run fastest there). The tests pin the other configs, split-K included. ``fast`` uses the
+    16-row tensor-core tile at one token too (the GEMV is the same with and without FAST_DEQUANT)."""
+    bm = 1 if m == 1 and not fast else 16 if m <= 16 else 32
+    return {"BM": bm, "BN": 64, "BK": max(128, group_size), "SPLIT_K": 1, "GROUP_M": 4, "num_warps": 4,
+            "num_stages": 1, "FAST_DEQUANT": fast}
 
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-               group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+               group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
+               fast_dequant: bool = False) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -54,6 +57,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     ``config`` (keys of ``CONFIG_KEYS``; SPLIT_K optional) pins one kernel configuration instead of the
     autotuned choice, for tests and benchmarks. BM = 1 selects the one-token GEMV path, 16 the small-batch
     ``mma`` path, ≥ 32 the tiled path.
+
+    ``fast_dequant`` (default off; also ``config["FAST_DEQUANT"]``) selects the group-scaled tensor-core
+    form of ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group partial) and its own
+    autotuned configs, which also try the 16-row tile at one token. Unmeasured: see docs/recipes.md.
     """
     n, k = _check(x, weight_packed, weight_scale, group_size)
     lead = x.shape[:-1]
@@ -65,7 +72,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
-    from .kernel import _w4a16_gemm_kernel, split_k, w4a16_gemm_autotuned, workspace_bounds
+    from .kernel import _w4a16_gemm_kernel, split_k, w4a16_gemm_autotuned, w4a16_gemm_fast_autotuned, workspace_bounds
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -75,9 +82,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     sms = num_sms(x.device)
     interpreted = triton_interpreted()
     if config is None and interpreted:
-        config = _interpreter_config(m, group_size)
+        config = _interpreter_config(m, group_size, fast_dequant)
     if config is not None:
-        cfg = dict(config)
+        cfg = {"FAST_DEQUANT": fast_dequant, **config}
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
         if bk % group_size or bk % 8:
             raise ValueError(f"config: BK={bk} must be a multiple of group_size {group_size}")
@@ -87,7 +94,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         max_split, max_tiles = split, triton.cdiv(m, bm) * triton.cdiv(n, bn)
     else:
         cfg = None
-        max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms)
+        max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms, fast_dequant)
     # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
     count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
@@ -100,7 +107,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if cfg is None:
-        w4a16_gemm_autotuned[grid](*args, **common)
+        (w4a16_gemm_fast_autotuned if fast_dequant else w4a16_gemm_autotuned)[grid](*args, **common)
     else:
         meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}
         _w4a16_gemm_kernel[grid(meta)](*args, **common, **meta)

@@ -16,6 +16,16 @@ One kernel, three shapes of work picked by constexprs:
   and runs ``mma`` on each plane.
 * ``BM >= 32`` (prefill): a tiled GEMM on the dequantized ``[BN, BK]`` tile, grouped tile order for L2 reuse.
 
+``FAST_DEQUANT`` (off by default; ``w4a16_gemm(..., fast_dequant=True)`` or ``config["FAST_DEQUANT"]``)
+changes the tensor-core paths (``BM >= 16``; also usable at one token, the row tile then re-reading the one
+row) to the group-scaled form: per group, the codes ``q = n - 8`` are made directly in the activation dtype
+from 16-bit lanes (``_gemm_utils.int4_codes``: bf16 bits ``0x4300 | n`` = 128 + n, minus 136; exact), fed
+in K order to ``tl.dot(x_group, q.T)`` into a fresh fp32 tile, and the group's scale multiplies that
+partial once per output (not once per weight): no fp32 weight tile, no per-weight multiply or rounding.
+The weight is then not rounded to the activation dtype before the product (the reference does round it),
+so bf16 results differ from the default path within the bf16 tolerance; fp32 results match to rounding
+order. The one-token GEMV (``BM == 1``) already applies the scale once per word and is unchanged by it.
+
 Split-K (``SPLIT_K > 1``) fills the SMs when there are few output tiles: each program writes its fp32 partial
 ``[BM, BN]`` to a workspace, and the last program to arrive at a tile (an atomic counter) sums the partials
 in a fixed order — deterministic — writes the output and resets the counter for the next launch.
@@ -23,7 +33,7 @@ in a fixed order — deterministic — writes the output and resets the counter 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import autotune_bench, grouped_tile, m_bucket, split_k_for
+from .._gemm_utils import autotune_bench, grouped_tile, int4_codes, m_bucket, split_k_for
 
 
 @triton.jit
@@ -52,12 +62,34 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP: tl.constexpr, BN: tl.constexpr,
+                       EVEN_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """FAST_DEQUANT step over K block k0..k0+GROUPS·GROUP: for each group, acc += (x_g @ q_g.T) · s_g.
+    x_rows [BM, 1] / w_rows [BN, 1] / s_vec [BN] pointers; q_g [BN, GROUP] codes in the activation dtype,
+    in K order (word w, nibble i -> element 8w + i); the scale multiplies the group's fp32 partial once."""
+    for g in tl.static_range(GROUPS):
+        kg = k0 + g * GROUP
+        gw = kg // 8 + tl.arange(0, GROUP // 8)
+        words = _load(w_rows + gw[None, :], (gw < K // 8)[None, :], EVEN_K)         # int32 [BN, GROUP/8]
+        nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        q = tl.reshape(int4_codes(nib, x_rows.dtype.element_ty, INTERPRET), (BN, GROUP))
+        rk = kg + tl.arange(0, GROUP)
+        x = _load(x_rows + rk[None, :], (rk < K)[None, :], EVEN_K)                   # [BM, GROUP]
+        s = _load(s_vec + kg // GROUP, kg + tl.zeros((BN,), dtype=tl.int32) < K, EVEN_K).to(tl.float32)  # [BN]
+        part = _dot(x, tl.trans(q), tl.zeros(acc.shape, dtype=tl.float32), INTERPRET, DOT_PRECISION)
+        acc += part * s[None, :]
+    return acc
+
+
+@triton.jit
 def _w4a16_gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
     M_BUCKET, NUM_SMS,  # autotuning key / split-K heuristic input only
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr = False,
 ):
     # x [M, K] (row stride stride_xm), w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
     pid = tl.program_id(0)
@@ -71,6 +103,7 @@ def _w4a16_gemm_kernel(
     x_rows = x_ptr + (rm % M)[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + (rn % N)[:, None].to(tl.int64) * (K // 8)
     s_rows = s_ptr + (rn % N)[:, None].to(tl.int64) * (K // GROUP)
+    s_vec = s_ptr + (rn % N).to(tl.int64) * (K // GROUP)  # [BN]: one scale per column (FAST_DEQUANT)
     rk = tl.arange(0, BK)
     rw = tl.arange(0, BK // 8)
     rg = tl.arange(0, BK // GROUP)
@@ -86,31 +119,35 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for it in range(it_lo, it_hi):
         k0 = it * BK
-        kmask = (k0 // 8 + rw < K // 8)[None, :]  # per word; K % 8 == 0, so also per element of a word
-        words = _load(w_rows + (k0 // 8 + rw)[None, :], kmask, EVEN_K)             # int32 [BN, BK/8]
-        if BM <= 16:
-            # Nibble planes: plane i holds the elements k0 + 8·w + i. A dot product does not care about the
-            # order of K, so x is read in the same permuted order instead of interleaving the nibbles back
-            # into K order (no reshape, no layout shuffle); the group scale is the same for a whole word.
-            sw = _load(s_rows + ((k0 + 8 * rw) // GROUP)[None, :], kmask, EVEN_K).to(tl.float32)
-            if BM == 1:
-                inner = tl.zeros((BN, BK // 8), dtype=tl.float32)
-            for i in tl.static_range(8):
-                codes = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                xi = _load(x_rows + (k0 + 8 * rw + i)[None, :], kmask, EVEN_K)     # [BM, BK/8]
-                if BM == 1:
-                    inner += codes * xi.to(tl.float32)
-                else:  # scaled and rounded like int4_dequantize's output, then mma
-                    wt = tl.trans((codes * sw).to(x_ptr.dtype.element_ty))
-                    acc = _dot(xi, wt, acc, INTERPRET, DOT_PRECISION)
-            if BM == 1:
-                acc_e += inner * sw
+        if FAST_DEQUANT and BM > 1:
+            acc = _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP, BN, EVEN_K, BK // GROUP,
+                                     INTERPRET, DOT_PRECISION)
         else:
-            scales = _load(s_rows + (k0 // GROUP + rg)[None, :], (k0 // GROUP + rg < K // GROUP)[None, :],
-                           EVEN_K).to(tl.float32)
-            x = _load(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
-            w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
-            acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
+            kmask = (k0 // 8 + rw < K // 8)[None, :]  # per word; K % 8 == 0, so also per element of a word
+            words = _load(w_rows + (k0 // 8 + rw)[None, :], kmask, EVEN_K)             # int32 [BN, BK/8]
+            if BM <= 16:
+                # Nibble planes: plane i holds the elements k0 + 8·w + i. A dot product does not care about the
+                # order of K, so x is read in the same permuted order instead of interleaving the nibbles back
+                # into K order (no reshape, no layout shuffle); the group scale is the same for a whole word.
+                sw = _load(s_rows + ((k0 + 8 * rw) // GROUP)[None, :], kmask, EVEN_K).to(tl.float32)
+                if BM == 1:
+                    inner = tl.zeros((BN, BK // 8), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    codes = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                    xi = _load(x_rows + (k0 + 8 * rw + i)[None, :], kmask, EVEN_K)     # [BM, BK/8]
+                    if BM == 1:
+                        inner += codes * xi.to(tl.float32)
+                    else:  # scaled and rounded like int4_dequantize's output, then mma
+                        wt = tl.trans((codes * sw).to(x_ptr.dtype.element_ty))
+                        acc = _dot(xi, wt, acc, INTERPRET, DOT_PRECISION)
+                if BM == 1:
+                    acc_e += inner * sw
+            else:
+                scales = _load(s_rows + (k0 // GROUP + rg)[None, :], (k0 // GROUP + rg < K // GROUP)[None, :],
+                               EVEN_K).to(tl.float32)
+                x = _load(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
+                w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
+                acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
     if BM == 1:
         acc = tl.reshape(tl.sum(acc_e, axis=1), (1, BN))
 
@@ -133,9 +170,13 @@ def _w4a16_gemm_kernel(
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
 
 
-def _configs() -> list[triton.Config]:
-    """A few sensible configs per regime; the launcher keeps those whose BM suits the token count."""
-    c = triton.Config
+def _configs(fast: bool = False) -> list[triton.Config]:
+    """A few sensible configs per regime; the launcher keeps those whose BM suits the token count. With
+    ``fast`` every config sets FAST_DEQUANT (the GEMV ones are unaffected by it) and the 16-row tiles are
+    also tried at one token."""
+    def c(kw, num_warps, num_stages):
+        return triton.Config({**kw, "FAST_DEQUANT": True} if fast else kw, num_warps=num_warps,
+                             num_stages=num_stages)
     gemv = [c({"BM": 1, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
             for bn, bk, w, s in ((16, 512, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2), (64, 256, 4, 3),
                                  (32, 1024, 8, 2))]
@@ -160,9 +201,14 @@ def regime_bm(m_bucket: int) -> tuple[int, ...]:
 
 
 def _prune(configs, named_args, **kwargs):
-    bms = regime_bm(named_args["M_BUCKET"])
+    bucket = named_args["M_BUCKET"]
     group = named_args.get("GROUP", kwargs.get("GROUP"))
-    return [cfg for cfg in configs if cfg.kwargs["BM"] in bms and cfg.kwargs["BK"] % group == 0]
+
+    def suits(cfg):
+        fast_tile_at_one = bucket == 1 and cfg.kwargs.get("FAST_DEQUANT") and cfg.kwargs["BM"] == 16
+        return (cfg.kwargs["BM"] in regime_bm(bucket) or fast_tile_at_one) and cfg.kwargs["BK"] % group == 0
+
+    return [cfg for cfg in configs if suits(cfg)]
 
 
 def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
@@ -172,18 +218,23 @@ def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
     return split_k_for(tiles, triton.cdiv(k, bk), (4 if bm <= 16 else 2) * sms)
 
 
-def workspace_bounds(m: int, n: int, k: int, group: int, sms: int) -> tuple[int, int]:
+def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: bool = False) -> tuple[int, int]:
     """(largest SPLIT_K, most output tiles) over the configs the autotuner may pick for this shape."""
-    cfgs = _prune(_configs(), {"M_BUCKET": m_bucket(m), "GROUP": group})
+    cfgs = _prune(_configs(fast), {"M_BUCKET": m_bucket(m), "GROUP": group})
     splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
     tiles = [triton.cdiv(m, c.kwargs["BM"]) * triton.cdiv(n, c.kwargs["BN"]) for c in cfgs]
     return max(splits), max(tiles)
 
 
-w4a16_gemm_autotuned = triton.autotune(
-    configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
-    do_bench=autotune_bench,
-)(triton.heuristics({
-    "SPLIT_K": lambda a: split_k(a["M"], a["N"], a["K"], a["BM"], a["BN"], a["BK"], a["NUM_SMS"]),
-    "EVEN_K": lambda a: a["K"] % a["BK"] == 0,
-})(_w4a16_gemm_kernel))
+def _autotuned(fast: bool):
+    return triton.autotune(
+        configs=_configs(fast), key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
+        do_bench=autotune_bench,
+    )(triton.heuristics({
+        "SPLIT_K": lambda a: split_k(a["M"], a["N"], a["K"], a["BM"], a["BN"], a["BK"], a["NUM_SMS"]),
+        "EVEN_K": lambda a: a["K"] % a["BK"] == 0,
+    })(_w4a16_gemm_kernel))
+
+
+w4a16_gemm_autotuned = _autotuned(fast=False)  # the default
+w4a16_gemm_fast_autotuned = _autotuned(fast=True)  # w4a16_gemm(..., fast_dequant=True): its own tuning cache
