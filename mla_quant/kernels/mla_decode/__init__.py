@@ -23,6 +23,7 @@ __all__ = ["mla_decode", "mla_decode_reference", "check_paged_kv", "choose_num_s
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
+FP8_DEQUANTS = ("convert", "bitcast")  # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant")
 
 
 def _is_pow2(n: int) -> bool:
@@ -141,7 +142,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                seq_lens: torch.Tensor, softmax_scale: float, kind: str, d_latent: int, *,
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: dict | None = None, fp8_dequant: str = "convert") -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -151,7 +152,12 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``out`` / ``lse``: optional preallocated outputs (contiguous, the shapes and dtypes above).
     ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
     ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``num_warps`` / ``num_stages`` (tests, tuning).
+    ``fp8_dequant``: ``"convert"`` (default: Triton's e4m3 conversion, ds_mla tile scales multiplied into the
+    tile) or ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within
+    rounding; docs/mla.md). Only the Triton path of FP8 pages is affected.
     """
+    if fp8_dequant not in FP8_DEQUANTS:
+        raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
     check_tensor("q", q, dtype=Q_DTYPES, ndim=4)
     if q.stride(-1) != 1:
         raise ValueError("q: the last dimension must be contiguous")
@@ -182,11 +188,11 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                              num_splits, max_seq_len, out, lse, config)
+                              num_splits, max_seq_len, out, lse, config, fp8_dequant == "bitcast" and kind != "bf16")
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                       num_splits, max_seq_len, out, lse, config):
+                       num_splits, max_seq_len, out, lse, config, fp8_bitcast):
     from .kernel import _mla_decode_combine_kernel, _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
@@ -216,7 +222,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted)
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast)
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)

@@ -6,6 +6,15 @@ the point of MLA's absorbed form (with QK_SPLIT_LOAD, the score dot re-reads the
 dot dtype, with a per-token scale folded into the score column and into p (never multiplied into K), a
 per-tensor scale folded into the softmax scale and the output, and fp8_ds_mla's per-128 tile scales
 multiplied in (power-of-two, so exact). Scores are kept in the log2 domain (exp2).
+
+FP8_BITCAST (off by default; ``mla_decode(..., fp8_dequant="bitcast")``) replaces the conversion of FP8 tiles
+by integer ops on 16-bit lanes: the e4m3 byte, sign-extended to int16, shifted and masked, *is* the bf16 (or
+fp16) of the same value times 2^-120 (2^-8) — exact for every e4m3 number, subnormals included, because the
+e4m3 exponent field lands in the low bits of the 16-bit exponent field. The 2^120 and every KV scale go into
+the fp32 scores and into p, never into the tile: q is pre-multiplied by 2^64 and p by 2^64 (powers of two,
+exact) so the dots' products stay far from fp32 underflow, the rest (2^56) is folded into the score scale
+and the output. fp8_ds_mla's tile scales are applied by batched dots over the D_LAT/128 tiles (scores:
+Σ_t scale_t·(q_t·k_tᵀ); output: one [M, 128] accumulator per tile fed p·scale_t).
 """
 import triton
 import triton.language as tl
@@ -16,18 +25,42 @@ SCALE_TOKEN = tl.constexpr(1)   # fp8_e4m3, one fp32 per row (latent and rope)
 SCALE_TENSOR = tl.constexpr(2)  # fp8_e4m3, one fp32 for the layer
 SCALE_TILE = tl.constexpr(3)    # fp8_ds_mla, one fp32 per 128 latent values; rope is bf16
 LN2 = tl.constexpr(0.6931471805599453)
+# FP8_BITCAST: with bf16 lanes holding value·2^-120 (exponent biases 127 vs 7), q and p are pre-multiplied by
+# 2^64 (exact) so the dots return (true value)·2^-56, undone by 2^56 on the fp32 scores / output. fp16 lanes
+# hold value·2^-8 (biases 15 vs 7): nothing is pre-multiplied (fp16 could not hold it), 2^8 is undone.
+BITCAST_PRE_BF16 = tl.constexpr(2.0 ** 64)
+BITCAST_UNSCALE_BF16 = tl.constexpr(2.0 ** 56)
+BITCAST_UNSCALE_FP16 = tl.constexpr(2.0 ** 8)
+
+
+@triton.jit
+def _e4m3_bits_to_16(raw, TO_FP16: tl.constexpr):
+    """e4m3 bytes (any 8-bit dtype) -> bf16 holding value·2^-120 (TO_FP16: fp16 holding value·2^-8), exact
+    for all finite e4m3 values incl. subnormals and ±0. Sign-extending the byte puts the sign in bit 15 and
+    ones in bits 8..14; the shift moves exponent+mantissa (7 bits) under the 16-bit format's exponent LSBs
+    and the mask keeps sign | exponent+mantissa. (e4m3's NaN bytes 0x7F/0xFF map to finite values: pages
+    never hold NaN in used slots, masked slots are never read.)"""
+    x = raw.to(tl.int8, bitcast=True).to(tl.int16)
+    if TO_FP16:
+        return ((x << 7) & -0x4080).to(tl.float16, bitcast=True)   # mask 0xBF80 = sign | bits 7..13
+    else:
+        return ((x << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0 = sign | bits 4..10
 
 
 @triton.jit
 def _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, TRANSPOSED: tl.constexpr, SCALE_MODE: tl.constexpr,
-                      D_LAT: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, dot_ty: tl.constexpr):
+                      D_LAT: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, dot_ty: tl.constexpr,
+                      BITCAST: tl.constexpr = False, TO_FP16: tl.constexpr = False):
     """The latent part of BLOCK_N rows as a dot operand: [BLOCK_N, D_LAT] or, TRANSPOSED, [D_LAT, BLOCK_N].
-    Masked rows (past seq_len) are never read. fp8_ds_mla tiles are multiplied by their power-of-two scales."""
+    Masked rows (past seq_len) are never read. fp8_ds_mla tiles are multiplied by their power-of-two scales.
+    BITCAST (FP8 only): the raw 16-bit image of the bytes (value·2^-GAP, _e4m3_bits_to_16), no scale applied."""
     if TRANSPOSED:
         k = tl.load(lat_rows[None, :] + d_lat[:, None], mask=tok_ok[None, :], other=0.0)
     else:
         k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)
-    if SCALE_MODE == SCALE_TILE:
+    if BITCAST:
+        k = _e4m3_bits_to_16(k, TO_FP16)
+    elif SCALE_MODE == SCALE_TILE:
         NT: tl.constexpr = D_LAT // TILE
         tiles = tl.arange(0, NT)
         if TRANSPOSED:
@@ -48,10 +81,12 @@ def _mla_decode_kernel(
     stride_bt,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_MODE: tl.constexpr,
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
-    registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots."""
+    registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
+    FP8_BITCAST: FP8 tiles become dot operands by integer ops, scales applied to scores and p (module doc);
+    no effect on BF16 pages. fp8_ds_mla then runs batched per-128-tile dots (QK_SPLIT_LOAD is ignored)."""
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
@@ -67,8 +102,26 @@ def _mla_decode_kernel(
     dot_ty = q_ptr.dtype.element_ty
     if INTERPRET:  # the interpreter's bf16 dot is wrong: run the dots in fp32
         dot_ty = tl.float32
+    # fp16 queries take fp16 images of the bytes (value·2^-8: no pre-scaling needed, and fp16 could not hold it);
+    # fp16 with fp8_ds_mla keeps the conversion (p·tile scale in fp16 would lose small p to fp16 subnormals)
+    TO_FP16: tl.constexpr = q_ptr.dtype.element_ty == tl.float16
+    BITCAST: tl.constexpr = FP8_BITCAST and SCALE_MODE != SCALE_NONE and not (TO_FP16 and SCALE_MODE == SCALE_TILE)
+    TILED: tl.constexpr = BITCAST and SCALE_MODE == SCALE_TILE
+    NT: tl.constexpr = D_LAT // TILE if TILED else 1
+    if BITCAST:  # dots return (true value)·2^-56 (fp16: 2^-8); `unscale` goes into the scores and the output
+        if TO_FP16:
+            pre = 1.0
+            unscale = BITCAST_UNSCALE_FP16
+        else:
+            pre = BITCAST_PRE_BF16
+            unscale = BITCAST_UNSCALE_BF16
+        q_lat = (q_lat.to(tl.float32) * pre).to(dot_ty)
+        if SCALE_MODE != SCALE_TILE:  # fp8_ds_mla's rope is bf16: its q stays as is
+            q_pe = (q_pe.to(tl.float32) * pre).to(dot_ty)
     q_lat = q_lat.to(dot_ty)
     q_pe = q_pe.to(dot_ty)
+    if TILED:  # [NT, M, TILE]: one batch entry per 128-column scale tile
+        q_lat = tl.permute(tl.reshape(q_lat, (BLOCK_M, NT, TILE)), (1, 0, 2))
 
     seq_len = tl.load(seq_lens_ptr + b)
     limit = seq_len - S_Q + 1 + s_idx  # row s sees tokens < limit (causal among the S_Q new tokens)
@@ -81,10 +134,15 @@ def _mla_decode_kernel(
         qk_scale = tensor_scale * sm_scale_log2
     else:
         qk_scale = sm_scale_log2
+    if BITCAST and not TILED:  # (TILED: unscale goes in with the tile scales)
+        qk_scale = qk_scale * unscale
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
+    if TILED:
+        acc = tl.zeros([NT, BLOCK_M, TILE], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_ok = toks < end
@@ -97,17 +155,33 @@ def _mla_decode_kernel(
         rope_rows = rope_ptr + page * stride_rope_page + slot * stride_rope_row
         sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
         # masked loads never touch slots past seq_len (they may hold anything, NaN included)
-        if QK_SPLIT_LOAD:
-            k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty)
-            k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0).to(dot_ty)
-            s = tl.dot(q_lat, k_t, input_precision=DOT_PRECISION)
-            s = tl.dot(q_pe, k_pe_t, s, input_precision=DOT_PRECISION)                          # [M, N]
-            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty)
-        else:
-            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty)
+        if TILED:
+            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
+                                  dot_ty, True, TO_FP16)
+            k = tl.permute(tl.reshape(k.to(dot_ty), (BLOCK_N, NT, TILE)), (1, 0, 2))             # [NT, N, TILE]
             k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0).to(dot_ty)
-            s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+            tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :], other=0.0)  # [NT, N]
+            s_t = tl.dot(q_lat, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)         # [NT, M, N]
+            s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)                  # [M, N]
+        elif QK_SPLIT_LOAD:
+            k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
+                                    BITCAST, TO_FP16)
+            k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
+            if BITCAST:
+                k_pe_t = _e4m3_bits_to_16(k_pe_t, TO_FP16)
+            s = tl.dot(q_lat, k_t.to(dot_ty), input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
+            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
+                                  BITCAST, TO_FP16)
+        else:
+            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
+                                  BITCAST, TO_FP16)
+            k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
+            if BITCAST:
+                k_pe = _e4m3_bits_to_16(k_pe, TO_FP16)
+            s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
         if SCALE_MODE == SCALE_TOKEN:
             tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
             s = s * (tok_sc * qk_scale)[None, :]
@@ -123,9 +197,19 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if SCALE_MODE == SCALE_TOKEN:
             p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
-        acc = tl.dot(p.to(dot_ty), k, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if TILED:  # p·scale_t for each tile t, times 2^PRE
+            p_t = (p[None, :, :] * (tile_sc * pre)[:, None, :]).to(dot_ty)                     # [NT, M, N]
+            acc = tl.dot(p_t, k, acc * alpha[None, :, None], input_precision=DOT_PRECISION)
+        else:
+            if BITCAST:
+                p = p * pre
+            acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if TILED:
+        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_M, D_LAT)) * unscale
+    elif BITCAST:
+        acc = acc * unscale
     if SCALE_MODE == SCALE_TENSOR:
         acc = acc * tensor_scale
     empty = l_i == 0.0
@@ -165,7 +249,7 @@ DECODE_CONFIGS = [
 _mla_decode_kernel_tuned = triton.autotune(
     [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "QK_SPLIT_LOAD": split}, num_warps=w, num_stages=st)
      for bm, bn, split, w, st in DECODE_CONFIGS],
-    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT"],
+    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST"],
     prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
 
