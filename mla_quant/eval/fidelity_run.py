@@ -1,0 +1,268 @@
+"""Fidelity of every format on the model that ``mla_quant.eval.train`` trained, on held-out stdlib text.
+
+    python -m mla_quant.eval.fidelity_run --checkpoint RUN/model --qat-checkpoint RUN/model_qat \\
+        --contexts 1024 2048 4096 --out RUN/fidelity
+    python -m mla_quant.eval.fidelity_run --smoke --out /tmp/fid            # CPU, seconds
+
+For each context length L, ``--batch`` windows of L bytes of the *validation* files (the training split's
+held-out files, ``eval.train.load_corpus``) run through the fp32 reference (plain forward: the checkpoint's
+weights in fp32, no KV rounding) and through each variant:
+
+* KV variants (``kv ...``): the reference's weights through the paged cache in that KV format
+  (``paged_logits``): the first ``L - eval_tokens`` positions as a chunked prefill (``--chunk``, so later
+  chunks attend to the quantized pages of earlier ones), the last ``eval_tokens`` decoded one byte per step
+  (teacher forcing). Per-tensor FP8 uses per-layer scales calibrated (``calibrate_kv_scales``) on other
+  validation windows.
+* Weight variants: INT4 routed experts by round-to-nearest (``quantize_``), by the MSE clipping search
+  (``mla_quant.convert``, ``method="mse"``), by QAT (``--qat-checkpoint``, exported by ``eval.train``); FP8
+  128×128 block weights with 1×128 FP8 activations (W8A8) on every linear layer but ``lm_head``. Plain
+  forward (no KV rounding): the weight format alone.
+
+Per (variant, L): KL(reference ‖ variant) and top-1 agreement over the decoded tail and over all positions,
+the variant's and the reference's next-byte cross-entropy on the tail (nats/byte), KL against position
+(bins of ``--bin`` positions), and per-layer SQNR of the hidden states (weight variants, first context).
+Writes ``fidelity.json`` and ``fidelity.md`` under ``--out`` after every context (a time-out keeps what
+finished), and ``fidelity.png`` (matplotlib, when installed).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats import FP8Block, Int4Group, KVFormat
+from ..formats.plan import QuantPlan, quantize_
+from .layers import calibrate_kv_scales, layer_errors, paged_logits
+from .metrics import error_by_position, kl_divergence, top1_agreement
+from .table import EXPERTS
+
+KV_VARIANTS = {
+    "kv bf16": KVFormat("bf16"),
+    "kv fp8_e4m3 per-token": KVFormat("fp8_e4m3"),
+    "kv fp8_e4m3 per-tensor": KVFormat("fp8_e4m3", "tensor"),
+    "kv fp8_ds_mla": KVFormat("fp8_ds_mla"),
+}
+WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 qat", "weights fp8 block w8a8")
+
+
+def _load(path, device: torch.device) -> nn.Module:
+    from ..models import from_pretrained
+
+    return from_pretrained(path, dtype=torch.float32, device=device).eval()
+
+
+def weight_variant(name: str, reference: nn.Module, args, device: torch.device) -> nn.Module | None:
+    """The model of one weight variant (None: not available, e.g. no QAT checkpoint)."""
+    if name == "experts int4 rtn":
+        return quantize_(copy.deepcopy(reference), QuantPlan({EXPERTS: Int4Group(32)})).eval()
+    if name == "weights fp8 block w8a8":
+        return quantize_(copy.deepcopy(reference), QuantPlan({"lm_head": None, "_default": FP8Block()})).eval()
+    if name == "experts int4 mse":
+        from ..convert import convert_checkpoint
+        from ..models import save_pretrained
+
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(reference, f"{tmp}/src")
+            convert_checkpoint(f"{tmp}/src", f"{tmp}/dst", None, method="mse", device=device, progress=False)
+            return _load(f"{tmp}/dst", device)
+    if name == "experts int4 qat":
+        return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
+    raise ValueError(f"variants: unknown {name!r}")
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Mean next-byte cross-entropy: logits [B, T, V] predict targets [B, T]."""
+    return float(F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
+def score(name: str, ref: torch.Tensor, q: torch.Tensor, ids: torch.Tensor, eval_tokens: int, bin_size: int) -> dict:
+    """One row: ref, q [B, L, V] logits of ids [B, L]; the tail is the last ``eval_tokens`` positions (the last
+    position has no next byte in the window, so the cross-entropy uses the tail minus it)."""
+    length = ids.shape[1]
+    tail = slice(length - eval_tokens, length)
+    nxt = slice(length - eval_tokens, length - 1)
+    return {"variant": name, "context": length, "positions": ids.shape[0] * eval_tokens,
+            "kl": float(kl_divergence(ref[:, tail], q[:, tail])), "top1": float(top1_agreement(ref[:, tail], q[:, tail])),
+            "nll": _nll(q[:, nxt], ids[:, nxt.start + 1:]), "nll_ref": _nll(ref[:, nxt], ids[:, nxt.start + 1:]),
+            "kl_all": float(kl_divergence(ref, q)), "top1_all": float(top1_agreement(ref, q)),
+            "by_position": error_by_position(ref, q, bins=max(1, length // bin_size))}
+
+
+def markdown(result: dict) -> str:
+    """The table of docs/fidelity.md from the JSON result."""
+    s = result["setting"]
+    lines = [f"Model: `{s['checkpoint']}` ({s.get('parameters', '?')} parameters; {s.get('trained', '')}). "
+             f"Text: {s['batch']} windows per context of the held-out stdlib files ({s['data']}). "
+             f"KL and top-1 over the last {s['eval_tokens']} positions of each context (decoded one byte per "
+             f"step for KV formats), all positions too; NLL: next-byte cross-entropy on the tail "
+             f"(reference {'/'.join(f'{r:.3f}' for r in s.get('nll_ref', []))} by context). Device: {s['device']}.",
+             "", "| variant | context | KL tail (nats) | top-1 tail | NLL tail (nats/byte) | KL all | top-1 all |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['variant']} | {r['context']} | {r['kl']:.3g} | {100 * r['top1']:.2f}% | {r['nll']:.4f} | "
+                     f"{r['kl_all']:.3g} | {100 * r['top1_all']:.2f}% |")
+    layered = [r for r in result["rows"] if r.get("layers")]
+    if layered:
+        n = len(layered[0]["layers"])
+        lines += ["", f"Per-layer SQNR (dB) of the hidden states, context {layered[0]['context']}:", "",
+                  "| variant | " + " | ".join(f"layer {i}" for i in range(n)) + " |", "|---|" + "---:|" * n]
+        lines += [f"| {r['variant']} | " + " | ".join(f"{x['hidden_sqnr_db']:.1f}" for x in r["layers"]) + " |"
+                  for r in layered]
+    if result.get("skipped"):
+        lines += ["", "Not run: " + "; ".join(result["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """KL (tail) against context per variant, and KL against position at the longest context."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    longest = max(r["context"] for r in rows)
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == name]
+        axes[0].plot([r["context"] for r in mine], [max(r["kl"], 1e-9) for r in mine], marker="o", label=name)
+        last = [r for r in mine if r["context"] == longest]
+        if last:
+            pos = last[0]["by_position"]
+            axes[1].plot([(a + b - 1) / 2 for a, b, _, _ in pos], [max(kl, 1e-9) for _, _, kl, _ in pos], label=name)
+    axes[0].set(xscale="log", yscale="log", xlabel="context (bytes)", ylabel="KL tail (nats)",
+                title="KL against context")
+    axes[1].set(yscale="log", xlabel="position", ylabel="KL (nats)", title=f"KL against position, context {longest}")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mla_quant.eval.fidelity_run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", help="eval.train's model/ (default with --smoke: a random smoke-size model)")
+    p.add_argument("--qat-checkpoint", help="eval.train's model_qat/ (INT4 experts by QAT)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--eval-tokens", type=int, default=128, help="tail positions decoded one per step")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--variants", nargs="+", default=list(KV_VARIANTS) + list(WEIGHT_VARIANTS),
+                   choices=list(KV_VARIANTS) + list(WEIGHT_VARIANTS))
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read quantized pages)")
+    p.add_argument("--bin", type=int, default=128, help="positions per bin of the KL-against-position curve")
+    p.add_argument("--time-budget", type=float, default=float("inf"), help="start no new context after this (s)")
+    p.add_argument("--val-every", type=int, default=20, help="as eval.train (the same held-out files)")
+    p.add_argument("--max-files", type=int)
+    p.add_argument("--stdlib")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="tiny contexts on the CPU (a test runs it)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.contexts = [c for c in args.contexts if c <= 96] or [48, 96]
+        args.eval_tokens, args.batch, args.page_size, args.chunk, args.bin = 8, 1, 16, 32, 16
+        args.max_files, args.val_every, args.device = args.max_files or 60, min(args.val_every, 5), "cpu"
+    return args
+
+
+def main(argv=None) -> int:
+    from .train import build_model, load_corpus, windows
+
+    args = parse_args(argv)
+    t0 = time.time()
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.checkpoint:
+        reference = _load(args.checkpoint, device)
+    elif args.smoke:
+        reference = build_model("smoke", args.seed, device).eval()
+    else:
+        raise ValueError("--checkpoint: required (eval.train's model/ folder) unless --smoke")
+    corpus = load_corpus(args.stdlib, args.val_every, args.max_files)
+    val = corpus.val
+    for length in args.contexts:
+        if length <= args.eval_tokens:
+            raise ValueError(f"--contexts: {length} must exceed --eval-tokens {args.eval_tokens}")
+    trained = ""
+    info = Path(args.checkpoint).parent / "train.json" if args.checkpoint else None
+    if info is not None and info.is_file():
+        t = json.loads(info.read_text())
+        trained = (f"trained {t['train']['steps']} steps, {t['train']['tokens'] / 1e6:.3g} M bytes at context "
+                   f"{t['args']['context']}, validation loss {t.get('val_loss_saved', math.nan):.3f} nats/byte "
+                   f"(unigram {t['unigram_val_loss']:.3f})")
+    setting = {"checkpoint": args.checkpoint or "random smoke model", "trained": trained,
+               "parameters": sum(p.numel() for p in reference.parameters()), "batch": args.batch,
+               "eval_tokens": args.eval_tokens, "page_size": args.page_size, "chunk": args.chunk,
+               "data": f"{corpus.info['val_files']} files, {corpus.info['val_bytes']} bytes, Python "
+                       f"{corpus.info['python']}", "device": torch.cuda.get_device_name(device)
+               if device.type == "cuda" else "cpu", "nll_ref": []}
+    result = {"setting": setting, "rows": [], "skipped": [], "timings_s": {}}
+
+    def save() -> None:
+        (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "fidelity.md").write_text(markdown(result))
+
+    gen = torch.Generator().manual_seed(args.seed)
+    scales = None
+    if "kv fp8_e4m3 per-tensor" in args.variants:
+        calib = windows(val, args.batch, max(args.contexts), gen).to(device)
+        scales = calibrate_kv_scales(reference, calib, args.page_size)
+        setting["kv_tensor_scales"] = scales
+    models: dict[str, nn.Module | None] = {}
+    for name in args.variants:
+        if name in WEIGHT_VARIANTS:
+            t = time.time()
+            models[name] = weight_variant(name, reference, args, device)
+            result["timings_s"][f"build {name}"] = time.time() - t
+            if models[name] is None:
+                result["skipped"].append(f"{name} (no checkpoint)")
+    for ci, length in enumerate(args.contexts):
+        if time.time() - t0 > args.time_budget:
+            result["skipped"].append(f"contexts {args.contexts[ci:]} (time budget {args.time_budget:.0f}s)")
+            break
+        t = time.time()
+        ids = windows(val, args.batch, length, gen).to(device)
+        with torch.no_grad():
+            ref = reference(ids).float()
+        setting["nll_ref"].append(_nll(ref[:, length - args.eval_tokens:-1], ids[:, length - args.eval_tokens + 1:]))
+        for name in args.variants:
+            if name in KV_VARIANTS:
+                q = paged_logits(reference, ids, KV_VARIANTS[name], args.page_size, chunk=args.chunk,
+                                 decode_from=length - args.eval_tokens,
+                                 tensor_scales=scales if KV_VARIANTS[name].scale == "tensor" else None)
+            elif models.get(name) is None:
+                continue
+            else:
+                with torch.no_grad():
+                    q = models[name](ids).float()
+            row = score(name, ref, q.to(ref.device), ids, args.eval_tokens, args.bin)
+            if ci == 0 and name in models:
+                row["layers"] = layer_errors(reference, models[name], ids[:1], what=("hidden",))
+            result["rows"].append(row)
+            print(f"| {name} | {length} | KL {row['kl']:.3g} | top-1 {100 * row['top1']:.2f}% | NLL {row['nll']:.4f} "
+                  f"(ref {row['nll_ref']:.4f}) | {time.time() - t0:.0f}s", flush=True)
+        result["timings_s"][f"context {length}"] = time.time() - t
+        save()
+    save()
+    png = plot(result, out / "fidelity.png") if result["rows"] else None
+    print(f"wrote {out / 'fidelity.md'}, {out / 'fidelity.json'}" + (f", {png}" if png else " (no matplotlib: no plot)"),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
