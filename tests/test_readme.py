@@ -14,5 +14,5 @@ def test_first_look_snippet_runs():
 
 def test_commands_match_ci():
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
-    for cmd in ("pip install torch==2.13.0", 'pip install -e ".[test]"', "python -m pytest -q"):
+    for cmd in ("pip install torch==2.13.0", 'pip install -e ".[test,compat]"', "python -m pytest -q"):
         assert cmd in README and cmd in ci, cmd
