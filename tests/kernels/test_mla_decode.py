@@ -1,15 +1,21 @@
 """mla_decode: absorbed MLA decode over paged latents — the Triton kernel (interpreted on the CPU, real on the GPU)
 and the reference against a contiguous attention over the rows each request meant to cache (paged ==
 contiguous), ragged lengths, page sizes 1/16/64, shuffled and shared pages, NaN in every unused slot,
-speculative (S > 1) causal queries, split-K, FP8 SQNR against BF16, and bad input."""
+speculative (S > 1) causal queries, split-K, FP8 SQNR against BF16, and bad input. The FP8 fast-dequant switch
+(``fp8_dequant="bitcast"``) is checked the same way, and its e4m3 -> 16-bit bit trick on all 256 bytes."""
+
+import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width, quantize_kv_rows
 from mla_quant.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_reference
+from mla_quant.kernels.mla_decode.kernel import _e4m3_bits_to_16
 from mla_quant.testing import assert_all_written, page_tables, poisoned_empty, ragged_lengths, rel_err, sqnr_db
 from tests.conftest import HAS_CUDA
 
@@ -155,6 +161,95 @@ def test_fp8_pages_sqnr_against_bf16_pages():
     assert sqnr_db(ref, outs[("fp8_ds_mla", None)]) > 25
 
 
+# ------------------------------------------------------------------------------- FP8 fast dequant (bitcast)
+@triton.jit
+def _bits_kernel(x_ptr, out_ptr, TO_FP16: tl.constexpr, TO_F32: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, _e4m3_bits_to_16(tl.load(x_ptr + i), TO_FP16, TO_F32).to(tl.float32))
+
+
+@pytest.mark.parametrize("to_fp16, gap", [(False, 120), (True, 8)])
+@pytest.mark.parametrize("to_f32", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="the interpreter's bf16 -> fp32 conversion mangles bf16 subnormals"))])
+def test_e4m3_bit_trick_is_exact_for_every_byte(triton_backend, to_fp16, gap, to_f32):
+    """Every finite e4m3 byte (subnormals and ±0 included) -> its value·2^-gap exactly (bf16: 2^-120, fp16: 2^-8),
+    as the 16-bit dot operand (GPU) and widened to fp32 (fp32 dots, the interpreter)."""
+    dev = triton_backend
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.full((256,), float("nan"), device=dev)
+    _bits_kernel[(1,)](raw.to(dev), out, TO_FP16=to_fp16, TO_F32=to_f32)
+    want = raw.view(torch.float8_e4m3fn).double() * 2.0 ** -gap
+    finite = want.isfinite()  # 0x7F / 0xFF are NaN in e4m3fn: never read (used slots hold finite values)
+    assert finite.sum() == 254
+    assert torch.equal(out.cpu().double()[finite], want[finite])
+    assert torch.equal(out.cpu()[finite].signbit(), want[finite].signbit())  # -0 stays -0
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16, 64]),
+       s_q=st.sampled_from([1, 1, 2]), heads=st.integers(1, 4), num_splits=st.sampled_from([None, 1, 3]),
+       config=st.sampled_from(CONFIGS), q_dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16,
+                                                                  torch.float16]))
+def test_bitcast_dequant_matches_contiguous_attention(triton_backend, data, kind, page_size, s_q, heads, num_splits,
+                                                      config, q_dtype):
+    """fp8_dequant="bitcast" (bf16 pages: no effect): fp32 queries within the tolerances of the default path;
+    bf16 / fp16 queries (fp16: fp16 images of the bytes, ds_mla falls back to the conversion) within their
+    output rounding, against the reference and against the default path."""
+    kind, tensor_scale = kind
+    d_latent, d_rope = 256, 32  # two 128-tiles: fp8_ds_mla's batched per-tile dots
+    lengths = data.draw(ragged_lengths(st.integers(1, 3), min_len=s_q, max_len=130 if page_size > 1 else 40))
+    table, seq_lens, num_pages = _tables(lengths, page_size, data)
+    dev = triton_backend
+    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
+                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope).to(q_dtype)
+    scale = (d_latent // 4 + d_rope) ** -0.5
+    out = poisoned_empty((len(lengths), s_q, heads, d_latent), dtype=q_dtype, device=dev)
+    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
+    table, seq_lens = table.to(dev), seq_lens.to(dev)
+    args = (q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent)
+    mla_decode(*args, num_splits=num_splits, out=out, lse=lse, config=config, fp8_dequant="bitcast")
+    assert_all_written(out, "out")
+    assert_all_written(lse, "lse")
+    out, lse = out.cpu().float(), lse.cpu()
+    o_r, lse_r = mla_decode_reference(*args)
+    if q_dtype == torch.float32:
+        for b, rows in enumerate(stored):
+            o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
+            assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
+            assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+        assert rel_err(out, o_r.cpu()) < 1e-5 and torch.allclose(lse, lse_r.cpu(), atol=1e-4)
+    else:
+        o_conv, lse_conv = mla_decode(*args, num_splits=num_splits, config=config)
+        assert rel_err(out, o_r.cpu().float()) < 1e-2 and torch.allclose(lse, lse_r.cpu(), atol=2e-2)
+        assert rel_err(out, o_conv.cpu().float()) < 1e-2 and torch.allclose(lse, lse_conv.cpu(), atol=2e-2)
+
+
+def test_bitcast_dequant_tiny_and_large_scales(triton_backend):
+    """Scales far from 1 (per-token rows scaled 1e-3 … 1e15, ds_mla tiles 2^-12 … 2^50; amax is floored at 1e-4):
+    the 2^56 / 2^64 factors of the bitcast path neither underflow nor overflow; the output matches the reference."""
+    dev = triton_backend
+    n, page_size, d_latent, d_rope = 40, 16, 256, 32
+    table = torch.arange(3, dtype=torch.int32)[None]
+    seq = torch.tensor([n], dtype=torch.int32)
+    q = torch.randn(1, 1, 2, d_latent + d_rope)
+    for kind in ("fp8_e4m3", "fp8_ds_mla"):
+        rows = torch.randn(48, d_latent + d_rope)
+        if kind == "fp8_e4m3":
+            rows = rows * torch.logspace(-3, 15, 48)[:, None]
+        else:
+            rows[:, :d_latent] *= torch.exp2(torch.randint(-12, 50, (48, 2)).float()).repeat_interleave(128, 1)
+        data, s = quantize_kv_rows(rows, kind, d_latent)
+        data = data.reshape(3, page_size, -1).to(dev)
+        s = s.reshape(3, page_size).to(dev) if s is not None else None
+        for qs in (1e-3, 1.0, 1e3):
+            args = (q.to(dev) * qs, data, s, table.to(dev), seq.to(dev), 0.1, kind, d_latent)
+            o, lse = mla_decode(*args, config=dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False), fp8_dequant="bitcast")
+            o_r, lse_r = mla_decode_reference(*args)
+            assert o.isfinite().all() and rel_err(o.cpu(), o_r.cpu()) < 1e-5, (kind, qs)
+            assert torch.allclose(lse.cpu(), lse_r.cpu(), rtol=1e-5, atol=1e-4), (kind, qs)
+
+
 # ------------------------------------------------------------------------------------------ split rule
 def test_choose_num_splits():
     assert choose_num_splits(work_items=300, max_len=65536, min_tokens=256, slots=264) == 1  # grid already full
@@ -204,6 +299,8 @@ def test_bad_scales_and_options():
         mla_decode(q, data, s, table, seq, 0.1, "int4", 128)
     with pytest.raises(ValueError, match="softmax_scale"):
         mla_decode(q, data, s, table, seq, float("nan"), "fp8_e4m3", 128)
+    with pytest.raises(ValueError, match="fp8_dequant"):
+        mla_decode(q, data, s, table, seq, 0.1, "fp8_e4m3", 128, fp8_dequant="fast")
     with pytest.raises(ValueError, match="out: expected shape"):
         mla_decode(q, data, s, table, seq, 0.1, "fp8_e4m3", 128, out=torch.empty(2, 1, 2, 144))
     with pytest.raises(ValueError, match="fewer than its 2 query"):
@@ -250,3 +347,28 @@ def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, tensor_scale", KINDS)
+@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097]), (128, 1, [777]), (16, 2, [100, 3000])])
+def test_bitcast_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
+    """fp8_dequant="bitcast" on the GPU at real dims: the reference's tolerances, and close to the default path."""
+    d_latent, d_rope, page_size = 512, 64, 64
+    pages = [-(-n // page_size) for n in lengths]
+    perm = torch.randperm(sum(pages) + 3).int()
+    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    for b, (k, c) in enumerate(zip(pages, [0] + list(itertools.accumulate(pages)))):
+        table[b, :k] = perm[c:c + k]
+    kv, scales, _ = build_pages(lengths, table, sum(pages) + 3, page_size, kind, tensor_scale, d_latent, d_rope,
+                                seed=2, device="cuda")
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
+    args = (q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    for splits in (None, 1, 7):
+        out, lse = mla_decode(*args, num_splits=splits, fp8_dequant="bitcast")
+        o_conv, _ = mla_decode(*args, num_splits=splits)
+        assert_all_written(out, "out")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        assert rel_err(out.float(), o_conv.float()) < 1e-2

@@ -34,15 +34,18 @@ BITCAST_UNSCALE_FP16 = tl.constexpr(2.0 ** 8)
 
 
 @triton.jit
-def _e4m3_bits_to_16(raw, TO_FP16: tl.constexpr):
+def _e4m3_bits_to_16(raw, TO_FP16: tl.constexpr, TO_F32: tl.constexpr = False):
     """e4m3 bytes (any 8-bit dtype) -> bf16 holding value·2^-120 (TO_FP16: fp16 holding value·2^-8), exact
     for all finite e4m3 values incl. subnormals and ±0. Sign-extending the byte puts the sign in bit 15 and
     ones in bits 8..14; the shift moves exponent+mantissa (7 bits) under the 16-bit format's exponent LSBs
     and the mask keeps sign | exponent+mantissa. (e4m3's NaN bytes 0x7F/0xFF map to finite values: pages
-    never hold NaN in used slots, masked slots are never read.)"""
+    never hold NaN in used slots, masked slots are never read.) TO_F32 (fp32 dots): widen to fp32 exactly
+    (bf16 by a 16-bit shift: the interpreter's bf16 -> fp32 conversion mangles bf16 subnormals)."""
     x = raw.to(tl.int8, bitcast=True).to(tl.int16)
     if TO_FP16:
-        return ((x << 7) & -0x4080).to(tl.float16, bitcast=True)   # mask 0xBF80 = sign | bits 7..13
+        return ((x << 7) & -0x4080).to(tl.float16, bitcast=True).to(tl.float32 if TO_F32 else tl.float16)
+    elif TO_F32:
+        return ((((x << 4) & -0x7810).to(tl.int32)) << 16).to(tl.float32, bitcast=True)
     else:
         return ((x << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0 = sign | bits 4..10
 
@@ -59,7 +62,7 @@ def _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, TRANSPOSED: tl.constexpr
     else:
         k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)
     if BITCAST:
-        k = _e4m3_bits_to_16(k, TO_FP16)
+        k = _e4m3_bits_to_16(k, TO_FP16, dot_ty == tl.float32)
     elif SCALE_MODE == SCALE_TILE:
         NT: tl.constexpr = D_LAT // TILE
         tiles = tl.arange(0, NT)
@@ -169,7 +172,7 @@ def _mla_decode_kernel(
                                     BITCAST, TO_FP16)
             k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
             if BITCAST:
-                k_pe_t = _e4m3_bits_to_16(k_pe_t, TO_FP16)
+                k_pe_t = _e4m3_bits_to_16(k_pe_t, TO_FP16, dot_ty == tl.float32)
             s = tl.dot(q_lat, k_t.to(dot_ty), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
@@ -179,7 +182,7 @@ def _mla_decode_kernel(
                                   BITCAST, TO_FP16)
             k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
             if BITCAST:
-                k_pe = _e4m3_bits_to_16(k_pe, TO_FP16)
+                k_pe = _e4m3_bits_to_16(k_pe, TO_FP16, dot_ty == tl.float32)
             s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
         if SCALE_MODE == SCALE_TOKEN:
