@@ -134,13 +134,16 @@ def fused_moe(
     shared_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
+    fast_dequant: bool = False,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
 
     ``gate``/``up``: stacked [E, I, H] and ``down``: [E, H, I] projections, each a dict of the format's
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
-    overrides :func:`choose_block_m` (GPU path only).
+    overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only, default off,
+    unmeasured) selects the kernel's FAST_DEQUANT path and its own autotuned configs (docs/moe.md, "W4A16
+    fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
     """
     block = tuple(int(b) for b in block)
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
@@ -153,7 +156,7 @@ def fused_moe(
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
-                         moe_gemv_autotuned)
+                         moe_gemm_fast_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -165,6 +168,7 @@ def fused_moe(
     topk_ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
+    fast = fast_dequant and kind == "int4_group"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
@@ -183,10 +187,13 @@ def fused_moe(
         if interpret:  # one small tile: the interpreter is slow and has nothing to tune
             bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
             grid = (expert_ids.numel(), triton.cdiv(n, 32))
-            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk)
+            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, FAST_DEQUANT=fast)
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-            tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
+            if fast:
+                tuned = moe_gemv_fast_autotuned if bm == 1 else moe_gemm_fast_autotuned
+            else:
+                tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
             tuned[grid](*launch_args, GATED=gated, **consts)
 
     # The interpreter rounds fp32 -> e4m3 wrongly (DESIGN.md): there the activation rounding runs in torch.

@@ -13,6 +13,16 @@ loops over K, and multiplies in one of three weight formats (``KIND``):
   gives the code ``q`` exactly without an int→float conversion; ``q × group scale`` in fp32, then the
   tile goes to the tensor cores in the activation dtype.
 
+``FAST_DEQUANT`` (INT4 only, off by default; ``fused_moe(..., fast_dequant=True)``) changes how the INT4
+codes meet the activations (docs/moe.md, "W4A16 fast path"):
+
+* tensor-core tiles (``BLOCK_M > 1``, also ``block_m=16`` at one token): per group, the codes ``q = n - 8``
+  are made in the activation dtype from 16-bit lanes (``_gemm_utils.int4_codes``: bf16 bits ``0x4300 | n``
+  = 128 + n, minus 136, exact), ``tl.dot(a_group, q.T)`` runs into a fresh fp32 tile and the group scale
+  multiplies that partial once per output — no fp32 weight tile, no per-weight scale multiply or rounding;
+* GEMV (``BLOCK_M == 1``): nibble planes as in ``w4a16_gemm`` (plane ``i`` = elements ``8w + i``, the
+  activation read in the same permuted order), ``q · a`` accumulated per word and scaled once per word.
+
 With ``GATED`` the program holds two accumulators (gate and up rows of the same columns) and its
 epilogue writes ``silu(gate) * up`` (the SwiGLU of the expert) in the activation dtype; otherwise (the
 down projection) it multiplies each row by its routing weight and writes fp32. ``_moe_combine_kernel``
@@ -21,6 +31,8 @@ and rounds once.
 """
 import triton
 import triton.language as tl
+
+from .._gemm_utils import int4_codes
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -56,6 +68,32 @@ def _weight_tile(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
+def _int4_group_codes(w_ptr, s_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """FAST_DEQUANT: the group starting at column kg of rows ``rn`` of one expert's INT4 weight: codes
+    [BLOCK_N, GROUP] in DT, in K order (word w, nibble i -> column kg + 8w + i), and the fp32 scales [BLOCK_N]."""
+    ok = (rn < N) & (kg + rn * 0 < K)  # the group exists (K need not be a multiple of BLOCK_K)
+    rw = kg // 8 + tl.arange(0, GROUP // 8)
+    words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :],
+                    mask=(rn < N)[:, None] & (rw[None, :] < K // 8), other=0)
+    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    q = tl.reshape(int4_codes(nib, DT, INTERPRET), (BLOCK_N, GROUP))
+    s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + kg // GROUP, mask=ok, other=0.0).to(tl.float32)
+    return q, s
+
+
+@triton.jit
+def _int4_planes(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """FAST_DEQUANT GEMV: the words [BLOCK_N, BLOCK_K/8] of columns k0..k0+BLOCK_K and each word's fp32 scale."""
+    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ok = (rn < N)[:, None] & (rw < K // 8)[None, :]
+    words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], mask=ok, other=0)
+    sw = tl.load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + (8 * rw // GROUP)[None, :], mask=ok, other=0.0)
+    return words, sw.to(tl.float32)
+
+
+@triton.jit
 def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ w.T for a [M, K] and w [N, K] (fp32 operands under the interpreter: its bf16/fp8 dot is wrong)."""
     if INTERPRET:
@@ -68,6 +106,47 @@ def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
+                    stride_at, stride_wn, stride_sn, acc1, acc3, GATED: tl.constexpr, GROUP: tl.constexpr,
+                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """One K block k0..k0+BLOCK_K of the FAST_DEQUANT INT4 path (see the module docstring). GEMV: acc
+    [BLOCK_N, BLOCK_K/8] per-word sums; tiles: acc [BLOCK_M, BLOCK_N]."""
+    if BLOCK_M == 1:
+        rw = tl.arange(0, BLOCK_K // 8)
+        words1, sw1 = _int4_planes(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K)
+        if GATED:
+            words3, sw3 = _int4_planes(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K)
+        inner1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        inner3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        a_row = a_ptr + a_rows[:, None] * stride_at  # [1, 1]
+        for i in tl.static_range(8):  # plane i: the elements k0 + 8w + i, the activation read in that order
+            rk = k0 + 8 * rw + i
+            a = tl.load(a_row + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0).to(tl.float32)
+            inner1 += int4_codes((words1 >> (4 * i)) & 0xF, tl.float32, INTERPRET) * a
+            if GATED:
+                inner3 += int4_codes((words3 >> (4 * i)) & 0xF, tl.float32, INTERPRET) * a
+        acc1 += inner1 * sw1
+        if GATED:
+            acc3 += inner3 * sw3
+    else:
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in tl.static_range(BLOCK_K // GROUP):
+            kg = k0 + g * GROUP
+            rk = kg + tl.arange(0, GROUP)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :],
+                        mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_M, GROUP]
+            q1, s1 = _int4_group_codes(w1_ptr, s1_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
+                                       a_ptr.dtype.element_ty, INTERPRET)
+            acc1 += _mma(a, q1, zero, IEEE, INTERPRET) * s1[None, :]
+            if GATED:
+                q3, s3 = _int4_group_codes(w3_ptr, s3_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
+                                           a_ptr.dtype.element_ty, INTERPRET)
+                acc3 += _mma(a, q3, zero, IEEE, INTERPRET) * s3[None, :]
+    return acc1, acc3
+
+
+@triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
         sorted_ptr, expert_ids_ptr, num_padded_ptr,
@@ -76,7 +155,7 @@ def _moe_gemm_kernel(
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_DEQUANT: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     pid_m = tl.program_id(0)
@@ -92,47 +171,56 @@ def _moe_gemm_kernel(
     s1_ptr += e * stride_se
     w3_ptr += e * stride_we
     s3_ptr += e * stride_se
-    if BLOCK_M == 1:  # GEMV: products accumulate elementwise, reduced once after the loop
+    if BLOCK_M == 1 and FAST_DEQUANT and KIND == 2:  # GEMV on nibble planes: one accumulator element per word
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    elif BLOCK_M == 1:  # GEMV: products accumulate elementwise, reduced once after the loop
         acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a_mask = row_ok[:, None] & (rk[None, :] < K)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], mask=a_mask, other=0.0)
-        if BLOCK_M == 1:
-            a = a.to(tl.float32)
-            if W8A8:
-                a *= tl.load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], mask=a_mask, other=0.0)
-            w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                              KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
-            acc1 += w1.to(tl.float32) * a
-            if GATED:
-                w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
-                acc3 += w3.to(tl.float32) * a
+        if FAST_DEQUANT and KIND == 2:
+            acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
+                                         stride_at, stride_wn, stride_sn, acc1, acc3, GATED, GROUP, IEEE, INTERPRET,
+                                         BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                              KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
-            if GATED:
-                w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
-            if W8A8:
-                # e4m3 × e4m3 -> fp32 per K block, then × activation scale (row) × weight block scale (column)
-                a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
-                s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
-                zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
-                acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
+            rk = k0 + tl.arange(0, BLOCK_K)
+            a_mask = row_ok[:, None] & (rk[None, :] < K)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], mask=a_mask, other=0.0)
+            if BLOCK_M == 1:
+                a = a.to(tl.float32)
+                if W8A8:
+                    a *= tl.load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], mask=a_mask,
+                                 other=0.0)
+                w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                acc1 += w1.to(tl.float32) * a
                 if GATED:
-                    w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
-                    acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
+                    w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                      KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                    acc3 += w3.to(tl.float32) * a
             else:
-                acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
+                w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
                 if GATED:
-                    acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
+                    w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                      KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                if W8A8:
+                    # e4m3 × e4m3 -> fp32 per K block, then × activation scale (row) × weight block scale (column)
+                    a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
+                    s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
+                    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
+                    acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
+                    if GATED:
+                        w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
+                        acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
+                else:
+                    acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
+                    if GATED:
+                        acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
     if BLOCK_M == 1:
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
@@ -162,8 +250,10 @@ def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, top_k, E,
     tl.store(out_ptr + t * stride_ot + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _configs(shapes) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
+def _configs(shapes, fast: bool = False) -> list[triton.Config]:
+    extra = {"FAST_DEQUANT": True} if fast else {}
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in shapes]
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). GEMV (BLOCK_M == 1) keeps [BN, BK] fp32 products per
@@ -211,5 +301,14 @@ def _autotuned(configs):
                            prune_configs_by={"early_config_prune": _prune})(_moe_gemm_kernel)
 
 
+# FAST_DEQUANT (INT4): the GEMV keeps one accumulator per word, so longer K blocks fit; narrow N tiles give
+# the 16-row tensor-core path at one token more programs. Separate autotuners: their own tuning caches.
+GEMV_FAST_CONFIGS = _configs([(16, 512, 4, 3), (32, 256, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 2), (64, 256, 8, 2)],
+                             fast=True)
+DOT_FAST_CONFIGS = _configs([(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+                             (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)], fast=True)
+
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemm_autotuned = _autotuned(DOT_CONFIGS)
+moe_gemv_fast_autotuned = _autotuned(GEMV_FAST_CONFIGS)
+moe_gemm_fast_autotuned = _autotuned(DOT_FAST_CONFIGS)
