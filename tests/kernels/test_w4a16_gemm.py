@@ -1,10 +1,14 @@
 """W4A16 GEMM: the Triton kernel (interpreted on CPU, real on GPU) against its reference, each tile path."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels import int4_quant as I
+from mla_quant.kernels._backend import triton_interpreted
+from mla_quant.kernels._gemm_utils import int4_codes
 from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
 from mla_quant.testing import assert_bitwise_equal, assert_rel_close, odd_sizes, poisoned_empty, tensors
 from tests.conftest import HAS_CUDA
@@ -160,3 +164,88 @@ def test_gpu_bf16_output_rounds_like_the_reference():
     y = w4a16_gemm(x, packed, scale, 32).float()
     ref = w4a16_gemm_reference(x, packed, scale, 32).float()
     assert ((y - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2).all()  # one bf16 ulp plus summation order
+
+
+# --- FAST_DEQUANT (fast_dequant=True): codes from 16-bit lanes, the group scale applied to each group's dot ---
+
+def test_bf16_magic_number_gives_every_code_exactly():
+    # The bit trick itself, in torch: bf16 bits 0x4300 | n are 128 + n, and 128 + n - 136 = n - 8 exactly.
+    n = torch.arange(16, dtype=torch.int32)
+    for magic, offset, dtype in ((0x4300, 136.0, torch.bfloat16), (0x6400, 1032.0, torch.float16)):
+        lanes = (n | magic).to(torch.int16).view(dtype)
+        assert torch.equal(lanes.float(), (n + offset - 8).float())
+        assert torch.equal((lanes - offset).float(), (n - 8).float())  # the subtraction in the 16-bit type
+
+
+@triton.jit
+def _unpack_codes(w_ptr, o_ptr, INTERPRET: tl.constexpr):
+    words = tl.load(w_ptr + tl.arange(0, 2))
+    nib = (words[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF  # [2, 8]: element 8w + i
+    q = int4_codes(nib, o_ptr.dtype.element_ty, INTERPRET)
+    tl.store(o_ptr + tl.arange(0, 16), tl.reshape(q, (16,)).to(o_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_codes_kernel_is_exact_for_all_nibbles(triton_backend, dtype):
+    # on the GPU this runs the bf16 bitcast path (under the interpreter, bf16 takes the fp32 form)
+    words = torch.tensor([0x76543210, 0xFEDCBA98 - 2**32], dtype=torch.int32, device=triton_backend)
+    out = poisoned_empty((16,), dtype, triton_backend)
+    _unpack_codes[(1,)](words, out, INTERPRET=triton_interpreted())
+    assert torch.equal(out.float().cpu(), torch.arange(16, dtype=torch.float32) - 8)
+
+
+# M=1 on the 16-row tensor-core tile, ragged K with split-K, group 128, the tiled path with ragged N and K.
+FAST_PATHS = [
+    (1, 37, 256, 32, _cfg(16, 16, 64, 1)),
+    (1, 50, 384, 128, _cfg(16, 32, 128, 3)),
+    (5, 33, 288, 32, _cfg(16, 16, 128, 2)),
+    (40, 45, 192, 64, _cfg(32, 32, 128, 1)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,cfg", FAST_PATHS, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         f"BM{v['BM']}-split{v.get('SPLIT_K')}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_dequant_paths_match_reference(triton_backend, m, n, k, group, cfg, dtype):
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=m + n)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    out = poisoned_empty((m, n), dtype, dev)
+    y = w4a16_gemm(x, packed, scale, group, out=out, config={**cfg, "FAST_DEQUANT": True})
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    # fp32: the same products, summed per group then scaled; 16-bit: the weight is not rounded to x.dtype
+    # before the product (the reference rounds it) — within the default path's tolerance
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"{m}x{n}x{k} g{group}")
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_fast_dequant_keyword_selects_the_fast_path(triton_backend, m):
+    dev = triton_backend
+    packed, scale = _weights(24, 160, 32, dev, seed=m)
+    x = torch.randn(m, 160, device=dev)
+    fast = w4a16_gemm(x, packed, scale, 32, fast_dequant=True)
+    assert_rel_close(fast, w4a16_gemm_reference(x, packed, scale, 32), 1e-5, "fast_dequant=True")
+    assert_rel_close(fast, w4a16_gemm(x, packed, scale, 32), 1e-5, "fast vs default")
+
+
+def test_fast_configs_are_separate_from_the_default_ones():
+    from mla_quant.kernels.w4a16_gemm.kernel import _configs, _prune
+
+    def kept(fast, bucket):
+        return {(c.kwargs["BM"], c.kwargs.get("FAST_DEQUANT", False))
+                for c in _prune(_configs(fast), {"M_BUCKET": bucket, "GROUP": 32})}
+
+    assert kept(False, 1) == {(1, False)}  # the default one-token choice is unchanged: GEMV only
+    assert kept(True, 1) == {(1, True), (16, True)}  # fast: GEMV or the 16-row tensor-core tile
+    assert kept(True, 16) == {(16, True)} and kept(False, 16) == {(16, False)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 512])
+@pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048)])
+def test_fast_dequant_autotuned_on_real_shapes(m, n, k):
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_gemm(x, packed, scale, 32, fast_dequant=True)
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), 1e-2, f"fast vs default M={m}")
