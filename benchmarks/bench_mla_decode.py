@@ -7,6 +7,10 @@ block tables (distinct pages) until a pass reads more than 3× the L2 cache. Eac
 CUDA graph holding one ``mla_decode`` per input set (the decode kernel and, when the context is split, the
 combine kernel), so the Python launcher's overhead is not timed — as an engine runs decode.
 
+FP8 cases also run with ``fp8_dequant="bitcast"`` (the kernel's FP8_BITCAST switch, docs/mla.md "FP8 fast
+dequant"): same case keys plus ``variant: "bitcast"``, peer = the BF16 case at the same shape, and
+``vs_convert`` = (default FP8 µs) / (bitcast µs). Default rows carry no ``variant`` key (unchanged).
+
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
 for BF16 cases a torch composition (gather pages, einsum, softmax, einsum), also in a CUDA graph, skipped where
@@ -90,7 +94,7 @@ def _torch_composition(q, pool, table, ctx):
     return torch.einsum("bshn,bnc->bshc", p, kv[..., :D_LATENT])
 
 
-def _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev) -> None:
+def _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev, fp8_dequant="convert") -> None:
     """The autotuner keeps the config it finds on the first call of a key (format, heads, split or not): make
     that call at the shapes the goals are about (64 × 4k split, 8 × 16k split; 256 × 4k runs unsplit), not at
     the first, smallest case of the grid."""
@@ -100,7 +104,8 @@ def _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev) -> No
                 continue
             (q, table), = _input_sets(batch, n, heads, kind, batch * n // PAGE, dev)
             seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
-            mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n, validate=False)
+            mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n, validate=False,
+                       fp8_dequant=fp8_dequant)
     torch.cuda.synchronize()
 
 
@@ -113,13 +118,15 @@ def run(ctx: Context) -> list[dict]:
     for kind in KINDS:
         pool, scales = _fill_pool(kind, num_pages, dev)
         _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev)
+        if kind != "bf16":
+            _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev, fp8_dequant="bitcast")
         for heads, batch, n in itertools.product(heads_list, batches, contexts):
             sets = _input_sets(batch, n, heads, kind, num_pages, dev)
             seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
 
-            def call(q, table):
+            def call(q, table, dequant="convert"):
                 return mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
-                                  validate=False)
+                                  validate=False, fp8_dequant=dequant)
 
             t = _graph_us(lambda: [call(q, tb) for q, tb in sets], len(sets))
             moved = batch * n * _row_bytes(kind) + batch * heads * (2 * (D_LATENT + D_ROPE) + 2 * D_LATENT)
@@ -140,6 +147,16 @@ def run(ctx: Context) -> list[dict]:
                 frac_of_matmul=round(tflops / ctx.bf16_tflops, 3) if ctx.bf16_tflops else None,
                 num_splits=plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms),
                 input_sets=len(sets)))
+            if kind != "bf16":  # the same shape with the FP8 fast-dequant switch, side by side
+                t_bc = _graph_us(lambda: [call(q, tb, "bitcast") for q, tb in sets], len(sets))
+                cases.append(case(
+                    "mla_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE,
+                                   "variant": "bitcast"}, t_bc,
+                    bytes=moved, flops=flops, peer=peer, peer_median_us=peer_t,
+                    frac_of_copy=round(moved / (t_bc * 1e-6) / 1e12 / ctx.copy_tbps, 3) if ctx.copy_tbps else None,
+                    frac_of_matmul=round(flops / (t_bc * 1e-6) / 1e12 / ctx.bf16_tflops, 3) if ctx.bf16_tflops else None,
+                    num_splits=plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms),
+                    input_sets=len(sets), vs_convert=round(t / t_bc, 3)))
             del sets
         del pool, scales
         torch.cuda.empty_cache()
