@@ -33,6 +33,7 @@ import math
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -77,6 +78,19 @@ def weight_variant(name: str, reference: nn.Module, args, device: torch.device) 
     if name == "experts int4 qat":
         return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
     raise ValueError(f"variants: unknown {name!r}")
+
+
+def run_variant(name: str, reference: nn.Module, model: nn.Module | None, ids: torch.Tensor, args,
+                scales: list[float] | None) -> torch.Tensor:
+    """Logits [B, L, V] of one variant on ids [B, L]: KV formats through the paged cache (prefill, then the
+    last ``eval_tokens`` decoded one per step), weight formats by the plain forward of their model."""
+    if name in KV_VARIANTS:
+        fmt = KV_VARIANTS[name]
+        return paged_logits(reference, ids, fmt, args.page_size, chunk=args.chunk,
+                            decode_from=ids.shape[1] - args.eval_tokens,
+                            tensor_scales=scales if fmt.scale == "tensor" else None)
+    with torch.no_grad():
+        return model(ids).float()
 
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -226,10 +240,15 @@ def main(argv=None) -> int:
     for name in args.variants:
         if name in WEIGHT_VARIANTS:
             t = time.time()
-            models[name] = weight_variant(name, reference, args, device)
+            try:
+                models[name] = weight_variant(name, reference, args, device)
+            except Exception as e:   # one failing format must not lose the others' rows (one-shot GPU runs)
+                traceback.print_exc()
+                models[name] = None
+                result["skipped"].append(f"{name} (build failed: {type(e).__name__}: {e})")
             result["timings_s"][f"build {name}"] = time.time() - t
-            if models[name] is None:
-                result["skipped"].append(f"{name} (no checkpoint)")
+            if models[name] is None and name == "experts int4 qat" and not args.qat_checkpoint:
+                result["skipped"].append(f"{name} (no --qat-checkpoint)")
     for ci, length in enumerate(args.contexts):
         if time.time() - t0 > args.time_budget:
             result["skipped"].append(f"contexts {args.contexts[ci:]} (time budget {args.time_budget:.0f}s)")
@@ -240,15 +259,14 @@ def main(argv=None) -> int:
             ref = reference(ids).float()
         setting["nll_ref"].append(_nll(ref[:, length - args.eval_tokens:-1], ids[:, length - args.eval_tokens + 1:]))
         for name in args.variants:
-            if name in KV_VARIANTS:
-                q = paged_logits(reference, ids, KV_VARIANTS[name], args.page_size, chunk=args.chunk,
-                                 decode_from=length - args.eval_tokens,
-                                 tensor_scales=scales if KV_VARIANTS[name].scale == "tensor" else None)
-            elif models.get(name) is None:
+            if name not in KV_VARIANTS and models.get(name) is None:
                 continue
-            else:
-                with torch.no_grad():
-                    q = models[name](ids).float()
+            try:
+                q = run_variant(name, reference, models.get(name), ids, args, scales)
+            except Exception as e:   # recorded in the output; the other formats still run
+                traceback.print_exc()
+                result["skipped"].append(f"{name} at {length} ({type(e).__name__}: {e})")
+                continue
             row = score(name, ref, q.to(ref.device), ids, args.eval_tokens, args.bin)
             if ci == 0 and name in models:
                 row["layers"] = layer_errors(reference, models[name], ids[:1], what=("hidden",))

@@ -85,3 +85,16 @@ def test_smoke_train_then_fidelity(tmp_path, one_thread):
         assert rows["kv bf16", c]["by_position"][-1][1] == c          # the curve spans the whole context
     md = (out / "fidelity.md").read_text()
     assert "| kv fp8_ds_mla | 96 |" in md and "Per-layer SQNR" in md
+
+
+def test_fidelity_reports_what_did_not_run(tmp_path, one_thread):
+    """Without a QAT checkpoint the QAT row is listed as not run (not silently dropped); a random smoke model
+    stands in without --checkpoint."""
+    out = tmp_path / "fid"
+    fidelity_run.main(["--smoke", "--contexts", "40", "--variants", "kv bf16", "experts int4 qat", "--out", str(out)])
+    result = json.loads((out / "fidelity.json").read_text())
+    assert [(r["variant"], r["context"]) for r in result["rows"]] == [("kv bf16", 40)]
+    assert result["skipped"] == ["experts int4 qat (no --qat-checkpoint)"]
+    assert "Not run: experts int4 qat" in (out / "fidelity.md").read_text()
+    with pytest.raises(ValueError, match="--checkpoint"):
+        fidelity_run.main(["--out", str(out)])
