@@ -9,6 +9,8 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 ``cublas_bf16_us`` and ``act_quant_us`` (the 1×128 activation quantization it needs);
 * ``int4_g32``  the Triton W4A16 GEMM (group 32, bf16 scales); peer ``tinygemm_int4``
                 (``torch.ops.aten._weight_int4pack_mm``, group 32); also ``cublas_bf16_us``.
+* ``int4_g32_fast`` the same GEMM with ``fast_dequant=True`` (the FAST_DEQUANT path and its own autotuned
+                configs, docs/recipes.md), same weights, peers and goal, next to ``int4_g32``.
 
 Goals (issue 6 / issue 5): W4A16 ≥ 2× tinygemm at M = 1 and faster at every M ≤ 64; FP8 block ≥ 0.7×
 ``_scaled_mm`` and ≥ 1.4× bf16 cuBLAS at M ≥ 512 — each row says ``goal`` and ``goal_met``. Inputs are
@@ -57,7 +59,7 @@ def _bytes(fmt: str, m: int, n: int, k: int) -> int:
 
 
 def _goal(fmt: str, m: int, row: dict) -> tuple[str, bool] | None:
-    if fmt == "int4_g32" and row.get("peer_median_us"):
+    if fmt.startswith("int4_g32") and row.get("peer_median_us"):
         need = 2.0 if m == 1 else 1.0
         if m <= 64:
             return f">= {need}x tinygemm", row["peer_median_us"] / row["median_us"] >= need
@@ -136,7 +138,12 @@ def run(ctx: Context) -> list[dict]:
                              bytes=_bytes("int4_g32", m, n, k), flops=flops, peer="tinygemm_int4",
                              peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
                              speedup_vs_bf16=round(t_bf16 / t_int4, 3)))
-            for r in rows[-2:]:
+            t_fast = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, fast_dequant=True))
+            rows.append(case("gemm", {"format": "int4_g32_fast", "M": m, "N": n, "K": k}, t_fast,
+                             bytes=_bytes("int4_g32", m, n, k), flops=flops, peer="tinygemm_int4",
+                             peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
+                             speedup_vs_bf16=round(t_bf16 / t_fast, 3), speedup_vs_int4_g32=round(t_int4 / t_fast, 3)))
+            for r in rows[-3:]:
                 goal = _goal(r["case"]["format"], m, r)
                 if goal is not None:
                     r["goal"], r["goal_met"] = goal

@@ -16,6 +16,10 @@ where capture fails (the row says ``cuda_graph``). ``bytes`` = the active expert
 achieved rate with the copy bandwidth of the same run. Goals at one token (issue 5): INT4 ≥ 3.0× BF16 and
 ≥ 1.6× FP8 (ideal by bytes 3.55× and 1.78×); int4 rows say ``goal`` / ``goal_met``. For ≤ 16 tokens the
 rows also carry ``alt_block_m`` / ``alt_us``: the other decode path (GEMV vs 16-row tensor-core tiles).
+
+``moe`` rows with format ``int4_g32_fast`` time the same INT4 experts and routings through
+``fused_moe(..., fast_dequant=True)`` (the kernel's FAST_DEQUANT path, docs/moe.md "W4A16 fast path"), side
+by side with ``int4_g32``; their ``alt_us`` at ≤ 16 tokens is the fast path on 16-row tensor-core tiles.
 """
 from __future__ import annotations
 
@@ -180,9 +184,9 @@ def run(ctx: Context) -> list[dict]:
                 flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
                 bm = choose_block_m(t * TOP_K, E)
 
-                def routed(block_m=None):
+                def routed(block_m=None, **fast):
                     return [fused_moe(x, w, ids, projs["gate_proj"], projs["up_proj"], projs["down_proj"],
-                                      block_m=block_m, **args) for x, (w, ids) in zip(xs, routings)]
+                                      block_m=block_m, **args, **fast) for x, (w, ids) in zip(xs, routings)]
 
                 t_moe, graphed = _graph_us(routed, SETS)
                 times[("moe", name, t)] = t_moe
@@ -198,6 +202,17 @@ def run(ctx: Context) -> list[dict]:
                 rows.append(case("moe", {"format": name, "tokens": t}, t_moe, bytes=nbytes, flops=flops,
                                  peer="torch_grouped_mm_bf16" if peer_name is None else peer_name,
                                  peer_median_us=peer.get(("moe", t)), **extra))
+                if name == "int4_g32":  # the FAST_DEQUANT variant on the same experts and routings
+                    t_fast, graphed = _graph_us(lambda: routed(fast_dequant=True), SETS)
+                    times[("moe", "int4_g32_fast", t)] = t_fast
+                    extra = {"cuda_graph": graphed, "block_m": bm, "active_experts": active}
+                    if t <= 16:
+                        extra["alt_block_m"] = 16 if bm == 1 else 1
+                        extra["alt_us"] = round(_graph_us(lambda: routed(extra["alt_block_m"], fast_dequant=True),
+                                                          SETS)[0], 3)
+                    rows.append(case("moe", {"format": "int4_g32_fast", "tokens": t}, t_fast, bytes=nbytes,
+                                     flops=flops, peer="torch_grouped_mm_bf16", peer_median_us=peer.get(("moe", t)),
+                                     **extra))
 
                 layer_active = sum(layer.gate(x)[1].unique().numel() for x in xs) / SETS
                 t_layer, graphed = _graph_us(lambda: [layer(x) for x in xs], SETS)
@@ -223,7 +238,9 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        if name == "int4_g32":
+        if name == "int4_g32_fast":
+            r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
+        if name in ("int4_g32", "int4_g32_fast"):
             r["speedup_vs_fp8"] = round(times[(bench, "fp8_block", t)] / r["median_us"], 3)
             if bench == "moe" and t == 1:
                 r["goal"] = ">= 3.0x bf16 and >= 1.6x fp8_block at 1 token"
