@@ -22,13 +22,21 @@ else
   FID_ARGS="--contexts 1024 2048 4096 8192 --eval-tokens 128 --batch 4 --time-budget ${FID_S:-90}"
 fi
 start=$(date +%s)
+# the stdlib's *.py bytes; an install without sources (a stripped image) falls back to torch's own Python source
+SRC=""
+n=$("$PY" -c "from mla_quant.eval.train import stdlib_files as f; print(sum(p.stat().st_size for p in f()[1]))" \
+  2>/dev/null || echo 0)
+if [ "$n" -lt 8000000 ]; then
+  SRC="--stdlib $("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+  echo "the stdlib has $n bytes of *.py: training on torch's Python source instead ($SRC)"
+fi
 # shellcheck disable=SC2086
-timeout 390 "$PY" -m mla_quant.eval.train --out "$RUN" $TRAIN_ARGS >"$OUT/train.log" 2>&1
+timeout 390 "$PY" -m mla_quant.eval.train --out "$RUN" $TRAIN_ARGS $SRC >"$OUT/train.log" 2>&1
 echo "train: exit $? after $(( $(date +%s) - start ))s"; grep -E "planning|saved|Error|error" "$OUT/train.log" | tail -8
 cp "$RUN/train.json" "$OUT/" 2>/dev/null || true
 QAT=""; [ -f "$RUN/model_qat/config.json" ] && QAT="--qat-checkpoint $RUN/model_qat"
 # shellcheck disable=SC2086
-timeout 170 "$PY" -m mla_quant.eval.fidelity_run --checkpoint "$RUN/model" $QAT --out "$RUN/fidelity" $FID_ARGS \
+timeout 170 "$PY" -m mla_quant.eval.fidelity_run --checkpoint "$RUN/model" $QAT --out "$RUN/fidelity" $FID_ARGS $SRC \
   >"$OUT/fidelity.log" 2>&1
 echo "fidelity: exit $? after $(( $(date +%s) - start ))s"; tail -4 "$OUT/fidelity.log"
 cp "$RUN"/fidelity/fidelity.{json,md,png} "$OUT/" 2>/dev/null || true

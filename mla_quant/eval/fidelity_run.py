@@ -115,7 +115,7 @@ def markdown(result: dict) -> str:
     """The table of docs/fidelity.md from the JSON result."""
     s = result["setting"]
     lines = [f"Model: `{s['checkpoint']}` ({s.get('parameters', '?')} parameters; {s.get('trained', '')}). "
-             f"Text: {s['batch']} windows per context of the held-out stdlib files ({s['data']}). "
+             f"Text: {s['batch']} windows per context of the held-out files ({s['data']}). "
              f"KL and top-1 over the last {s['eval_tokens']} positions of each context (decoded one byte per "
              f"step for KV formats), all positions too; NLL: next-byte cross-entropy on the tail "
              f"(reference {'/'.join(f'{r:.3f}' for r in s.get('nll_ref', []))} by context). Device: {s['device']}.",
@@ -221,8 +221,8 @@ def main(argv=None) -> int:
     setting = {"checkpoint": args.checkpoint or "random smoke model", "trained": trained,
                "parameters": sum(p.numel() for p in reference.parameters()), "batch": args.batch,
                "eval_tokens": args.eval_tokens, "page_size": args.page_size, "chunk": args.chunk,
-               "data": f"{corpus.info['val_files']} files, {corpus.info['val_bytes']} bytes, Python "
-                       f"{corpus.info['python']}", "device": torch.cuda.get_device_name(device)
+               "data": f"{corpus.info['val_files']} files of {corpus.info['root']}, {corpus.info['val_bytes']} "
+                       f"bytes, Python {corpus.info['python']}", "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "nll_ref": []}
     result = {"setting": setting, "rows": [], "skipped": [], "timings_s": {}}
 
