@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mla_quant.kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width, quantize_kv_rows
 from mla_quant.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_reference
-from mla_quant.kernels.mla_decode.kernel import _e4m3_bits_to_16
+from mla_quant.kernels.mla_decode.kernel import _load_e4m3_16
 from mla_quant.testing import assert_all_written, page_tables, poisoned_empty, ragged_lengths, rel_err, sqnr_db
 from tests.conftest import HAS_CUDA
 
@@ -164,23 +164,25 @@ def test_fp8_pages_sqnr_against_bf16_pages():
 # ------------------------------------------------------------------------------- FP8 fast dequant (bitcast)
 @triton.jit
 def _bits_kernel(x_ptr, out_ptr, TO_FP16: tl.constexpr, TO_F32: tl.constexpr):
-    i = tl.arange(0, 256)
-    tl.store(out_ptr + i, _e4m3_bits_to_16(tl.load(x_ptr + i), TO_FP16, TO_F32).to(tl.float32))
+    r, i = tl.arange(0, 2), tl.arange(0, 256)
+    v = _load_e4m3_16(x_ptr + r * 256, r < 2, 256, 2, TO_FP16, TO_F32)
+    tl.store(out_ptr + r[:, None] * 256 + i[None, :], v.to(tl.float32))
 
 
 @pytest.mark.parametrize("to_fp16, gap", [(False, 120), (True, 8)])
 @pytest.mark.parametrize("to_f32", [True, pytest.param(False, marks=pytest.mark.skipif(
     not HAS_CUDA, reason="the interpreter's bf16 -> fp32 conversion mangles bf16 subnormals"))])
 def test_e4m3_bit_trick_is_exact_for_every_byte(triton_backend, to_fp16, gap, to_f32):
-    """Every finite e4m3 byte (subnormals and ±0 included) -> its value·2^-gap exactly (bf16: 2^-120, fp16: 2^-8),
-    as the 16-bit dot operand (GPU) and widened to fp32 (fp32 dots, the interpreter)."""
+    """Every finite e4m3 byte (subnormals and ±0 included), at even and odd columns -> its value·2^-gap exactly
+    (bf16: 2^-120, fp16: 2^-8), as the 16-bit dot operand (GPU) and widened to fp32 (fp32 dots, the interpreter)."""
     dev = triton_backend
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    out = torch.full((256,), float("nan"), device=dev)
+    raw = torch.stack([raw, raw.roll(1)])  # row 1: every byte at the other parity
+    out = torch.full((2, 256), float("nan"), device=dev)
     _bits_kernel[(1,)](raw.to(dev), out, TO_FP16=to_fp16, TO_F32=to_f32)
     want = raw.view(torch.float8_e4m3fn).double() * 2.0 ** -gap
     finite = want.isfinite()  # 0x7F / 0xFF are NaN in e4m3fn: never read (used slots hold finite values)
-    assert finite.sum() == 254
+    assert finite.sum() == 2 * 254
     assert torch.equal(out.cpu().double()[finite], want[finite])
     assert torch.equal(out.cpu()[finite].signbit(), want[finite].signbit())  # -0 stays -0
 

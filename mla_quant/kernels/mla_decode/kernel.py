@@ -8,9 +8,9 @@ per-tensor scale folded into the softmax scale and the output, and fp8_ds_mla's 
 multiplied in (power-of-two, so exact). Scores are kept in the log2 domain (exp2).
 
 FP8_BITCAST (off by default; ``mla_decode(..., fp8_dequant="bitcast")``) replaces the conversion of FP8 tiles
-by integer ops on 16-bit lanes: the e4m3 byte, sign-extended to int16, shifted and masked, *is* the bf16 (or
-fp16) of the same value times 2^-120 (2^-8) — exact for every e4m3 number, subnormals included, because the
-e4m3 exponent field lands in the low bits of the 16-bit exponent field. The 2^120 and every KV scale go into
+by integer ops on 16-bit lanes: the e4m3 bits, shifted and masked, *are* the bf16 (or fp16) of the same value
+times 2^-120 (2^-8) — exact for every e4m3 number, subnormals included, because the e4m3 exponent field lands
+in the low bits of the 16-bit exponent field (_load_e4m3_16). The 2^120 and every KV scale go into
 the fp32 scores and into p, never into the tile: q is pre-multiplied by 2^64 and p by 2^64 (powers of two,
 exact) so the dots' products stay far from fp32 underflow, the rest (2^56) is folded into the score scale
 and the output. fp8_ds_mla's tile scales are applied by batched dots over the D_LAT/128 tiles (scores:
@@ -34,20 +34,38 @@ BITCAST_UNSCALE_FP16 = tl.constexpr(2.0 ** 8)
 
 
 @triton.jit
-def _e4m3_bits_to_16(raw, TO_FP16: tl.constexpr, TO_F32: tl.constexpr = False):
-    """e4m3 bytes (any 8-bit dtype) -> bf16 holding value·2^-120 (TO_FP16: fp16 holding value·2^-8), exact
-    for all finite e4m3 values incl. subnormals and ±0. Sign-extending the byte puts the sign in bit 15 and
-    ones in bits 8..14; the shift moves exponent+mantissa (7 bits) under the 16-bit format's exponent LSBs
-    and the mask keeps sign | exponent+mantissa. (e4m3's NaN bytes 0x7F/0xFF map to finite values: pages
-    never hold NaN in used slots, masked slots are never read.) TO_F32 (fp32 dots): widen to fp32 exactly
-    (bf16 by a 16-bit shift: the interpreter's bf16 -> fp32 conversion mangles bf16 subnormals)."""
-    x = raw.to(tl.int8, bitcast=True).to(tl.int16)
+def _widen_16(bits, TO_FP16: tl.constexpr, TO_F32: tl.constexpr):
+    """int16 bit images -> bf16 / fp16 (TO_FP16), or fp32 exactly (TO_F32: fp32 dots; a bf16 image by a 16-bit
+    shift, since the interpreter's bf16 -> fp32 conversion mangles bf16 subnormals)."""
     if TO_FP16:
-        return ((x << 7) & -0x4080).to(tl.float16, bitcast=True).to(tl.float32 if TO_F32 else tl.float16)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32 if TO_F32 else tl.float16)
     elif TO_F32:
-        return ((((x << 4) & -0x7810).to(tl.int32)) << 16).to(tl.float32, bitcast=True)
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        return ((x << 4) & -0x7810).to(tl.bfloat16, bitcast=True)  # mask 0x87F0 = sign | bits 4..10
+        return bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _load_e4m3_16(rows, tok_ok, D: tl.constexpr, BLOCK_N: tl.constexpr, TO_FP16: tl.constexpr,
+                  TO_F32: tl.constexpr):
+    """D e4m3 bytes from each of the BLOCK_N rows (8-bit pointers, 2-byte aligned; masked rows are not read)
+    -> [BLOCK_N, D] bf16 holding value·2^-120 (TO_FP16: fp16 holding value·2^-8). Exact for every finite e4m3
+    value, subnormals and ±0 included: the 7 exponent+mantissa bits are moved under the 16-bit format's
+    exponent LSBs (e4m3 subnormals land on bf16/fp16 subnormals) and the sign to bit 15. The bytes are read as
+    int16 words (low byte = even column) and each word gives both images with same-width integer ops — no
+    widening op, which Triton would sink past the shared-memory round trip of the dot operands (byte-wise
+    shared loads, one conversion per dot). (e4m3's NaN bytes 0x7F/0xFF map to finite values: used slots never
+    hold NaN, masked slots are never read.)"""
+    j = tl.arange(0, D // 2)
+    w = tl.load(rows.to(tl.pointer_type(tl.int16))[:, None] + j[None, :], mask=tok_ok[:, None], other=0)
+    if TO_FP16:  # sign -> bit 15, bits 0..6 of the byte -> 7..13
+        lo = ((w << 7) & 0x3F80) | ((w << 8) & -0x8000)
+        hi = ((w >> 1) & 0x3F80) | (w & -0x8000)
+    else:        # sign -> bit 15, bits 0..6 of the byte -> 4..10
+        lo = ((w << 4) & 0x07F0) | ((w << 8) & -0x8000)
+        hi = ((w >> 4) & 0x07F0) | (w & -0x8000)
+    bits = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))
+    return _widen_16(bits, TO_FP16, TO_F32)
 
 
 @triton.jit
@@ -56,14 +74,17 @@ def _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, TRANSPOSED: tl.constexpr
                       BITCAST: tl.constexpr = False, TO_FP16: tl.constexpr = False):
     """The latent part of BLOCK_N rows as a dot operand: [BLOCK_N, D_LAT] or, TRANSPOSED, [D_LAT, BLOCK_N].
     Masked rows (past seq_len) are never read. fp8_ds_mla tiles are multiplied by their power-of-two scales.
-    BITCAST (FP8 only): the raw 16-bit image of the bytes (value·2^-GAP, _e4m3_bits_to_16), no scale applied."""
+    BITCAST (FP8 only): the 16-bit image of the bytes (value·2^-120 or ·2^-8, _load_e4m3_16), no scale applied."""
+    if BITCAST:  # (TRANSPOSED: the same load, transposed in registers)
+        k = _load_e4m3_16(lat_rows, tok_ok, D_LAT, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+        if TRANSPOSED:
+            k = tl.trans(k)
+        return k
     if TRANSPOSED:
         k = tl.load(lat_rows[None, :] + d_lat[:, None], mask=tok_ok[None, :], other=0.0)
     else:
         k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)
-    if BITCAST:
-        k = _e4m3_bits_to_16(k, TO_FP16, dot_ty == tl.float32)
-    elif SCALE_MODE == SCALE_TILE:
+    if SCALE_MODE == SCALE_TILE:
         NT: tl.constexpr = D_LAT // TILE
         tiles = tl.arange(0, NT)
         if TRANSPOSED:
@@ -170,9 +191,10 @@ def _mla_decode_kernel(
         elif QK_SPLIT_LOAD:
             k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                     BITCAST, TO_FP16)
-            k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
             if BITCAST:
-                k_pe_t = _e4m3_bits_to_16(k_pe_t, TO_FP16, dot_ty == tl.float32)
+                k_pe_t = tl.trans(_load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32))
+            else:
+                k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
             s = tl.dot(q_lat, k_t.to(dot_ty), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
@@ -180,9 +202,10 @@ def _mla_decode_kernel(
         else:
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                   BITCAST, TO_FP16)
-            k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
             if BITCAST:
-                k_pe = _e4m3_bits_to_16(k_pe, TO_FP16, dot_ty == tl.float32)
+                k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+            else:
+                k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
             s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
         if SCALE_MODE == SCALE_TOKEN:
