@@ -26,10 +26,12 @@ def int4_codes(nib, DT: tl.constexpr, INTERPRET: tl.constexpr):
     the low mantissa bits of a 16-bit lane), so one subtraction in the 16-bit type gives q; other dtypes
     use the fp32 form ``float(0x4B000000 | n) - (2^23 + 8)``. Returns q in DT (fp32 for fp32 and, under the
     interpreter, for bf16: its bf16 bitcast is wrong, and its dots upcast to fp32 anyway)."""
+    # (the .to() after the subtraction is a no-op where the Python constant is weakly typed, as in Triton
+    # 3.x; it keeps the dot operands in one dtype if a release promoted to fp32 — exact either way)
     if DT == tl.bfloat16 and not INTERPRET:
-        q = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0
+        q = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
     elif DT == tl.float16:
-        q = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+        q = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
     else:
         q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return q
