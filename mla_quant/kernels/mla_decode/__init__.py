@@ -209,8 +209,8 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
 
     lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
-    if fp8_bitcast and (kv_data.stride(0) % 2 or kv_data.stride(1) % 2 or kv_data.storage_offset() % 2):
-        raise ValueError("kv_data: fp8_dequant='bitcast' reads byte pairs: pages must be 2-byte aligned "
+    if fp8_bitcast and (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4):
+        raise ValueError("kv_data: fp8_dequant='bitcast' reads 4-byte words: pages must be 4-byte aligned "
                          "(row stride, page stride, offset)")
     split = num_splits > 1
     if split:

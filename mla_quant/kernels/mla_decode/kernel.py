@@ -48,23 +48,26 @@ def _widen_16(bits, TO_FP16: tl.constexpr, TO_F32: tl.constexpr):
 @triton.jit
 def _load_e4m3_16(rows, tok_ok, D: tl.constexpr, BLOCK_N: tl.constexpr, TO_FP16: tl.constexpr,
                   TO_F32: tl.constexpr):
-    """D e4m3 bytes from each of the BLOCK_N rows (8-bit pointers, 2-byte aligned; masked rows are not read)
+    """D e4m3 bytes from each of the BLOCK_N rows (8-bit pointers, 4-byte aligned; masked rows are not read)
     -> [BLOCK_N, D] bf16 holding value·2^-120 (TO_FP16: fp16 holding value·2^-8). Exact for every finite e4m3
     value, subnormals and ±0 included: the 7 exponent+mantissa bits are moved under the 16-bit format's
     exponent LSBs (e4m3 subnormals land on bf16/fp16 subnormals) and the sign to bit 15. The bytes are read as
-    int16 words (low byte = even column) and each word gives both images with same-width integer ops — no
-    widening op, which Triton would sink past the shared-memory round trip of the dot operands (byte-wise
-    shared loads, one conversion per dot). (e4m3's NaN bytes 0x7F/0xFF map to finite values: used slots never
+    int32 words and each word gives two 32-bit words of two images each with 32-bit integer ops (shift + mask,
+    ~2 ops per value) — no per-byte widening op, which Triton would sink past the shared-memory round trip of
+    the dot operands (byte-wise shared loads). (e4m3's NaN bytes 0x7F/0xFF map to finite values: used slots never
     hold NaN, masked slots are never read.)"""
-    j = tl.arange(0, D // 2)
-    w = tl.load(rows.to(tl.pointer_type(tl.int16))[:, None] + j[None, :], mask=tok_ok[:, None], other=0)
-    if TO_FP16:  # sign -> bit 15, bits 0..6 of the byte -> 7..13
-        lo = ((w << 7) & 0x3F80) | ((w << 8) & -0x8000)
-        hi = ((w >> 1) & 0x3F80) | (w & -0x8000)
-    else:        # sign -> bit 15, bits 0..6 of the byte -> 4..10
-        lo = ((w << 4) & 0x07F0) | ((w << 8) & -0x8000)
-        hi = ((w >> 4) & 0x07F0) | (w & -0x8000)
-    bits = tl.reshape(tl.join(lo, hi), (BLOCK_N, D))
+    j = tl.arange(0, D // 4)
+    w = tl.load(rows.to(tl.pointer_type(tl.int32))[:, None] + j[None, :], mask=tok_ok[:, None], other=0)
+    # w = bytes b0..b3 (columns 4j..4j+3); `ev` = images of (b0, b2) in its 16-bit halves, `od` = of (b1, b3)
+    if TO_FP16:  # sign -> bit 15 of the half, magnitude bits 0..6 -> 7..13
+        ev = ((w << 7) & 0x3F803F80) | ((w << 8) & -0x7FFF8000)  # -0x7FFF8000 = 0x80008000 (the sign bits)
+        od = ((w >> 1) & 0x3F803F80) | (w & -0x7FFF8000)
+    else:        # sign -> bit 15 of the half, magnitude bits 0..6 -> 4..10
+        ev = ((w << 4) & 0x07F007F0) | ((w << 8) & -0x7FFF8000)
+        od = ((w >> 4) & 0x07F007F0) | (w & -0x7FFF8000)
+    ev = tl.join(ev.to(tl.int16), (ev >> 16).to(tl.int16))  # [N, D/4, 2]: columns 4j, 4j+2
+    od = tl.join(od.to(tl.int16), (od >> 16).to(tl.int16))  # columns 4j+1, 4j+3
+    bits = tl.reshape(tl.join(ev, od), (BLOCK_N, D))         # [j, a, b] -> column 4j + 2a + b
     return _widen_16(bits, TO_FP16, TO_F32)
 
 
