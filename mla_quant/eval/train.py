@@ -438,7 +438,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balance-gamma", type=float, default=1e-3)
     p.add_argument("--qat-steps", type=int, help="QAT fine-tune steps (default: from --qat-time)")
     p.add_argument("--qat-time", type=float, default=0.0, help="seconds of QAT fine-tune (0 and no --qat-steps: none)")
-    p.add_argument("--qat-lr", type=float, default=2e-4)
+    p.add_argument("--qat-lr", type=float, default=5e-4)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--val-windows", type=int, default=64, help="fixed validation windows of --context bytes")
