@@ -252,6 +252,19 @@ def test_bitcast_dequant_tiny_and_large_scales(triton_backend):
             assert torch.allclose(lse.cpu(), lse_r.cpu(), rtol=1e-5, atol=1e-4), (kind, qs)
 
 
+def test_bitcast_candidates_never_reach_default_launches():
+    """The autotuner's extra FP8_BITCAST candidates are pruned from default launches (unchanged tuning there)."""
+    from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, _config_key,
+                                                     _mla_decode_kernel_tuned, _prune_decode_configs)
+    configs = _mla_decode_kernel_tuned.configs
+    assert {_config_key(c) for c in configs} == set(DECODE_CONFIGS) | set(BITCAST_CONFIGS)
+    for heads, want in ((8, {16}), (32, {16, 32}), (128, {32, 64})):
+        default = [_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), FP8_BITCAST=False)]
+        assert default == [k for k in DECODE_CONFIGS if k[0] in want]
+        bitcast = {_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), FP8_BITCAST=True)}
+        assert bitcast == {k for k in DECODE_CONFIGS + BITCAST_CONFIGS if k[0] in want}
+
+
 # ------------------------------------------------------------------------------------------ split rule
 def test_choose_num_splits():
     assert choose_num_splits(work_items=300, max_len=65536, min_tokens=256, slots=264) == 1  # grid already full

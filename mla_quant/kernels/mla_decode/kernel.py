@@ -256,10 +256,17 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + base + rows, lse2 * LN2, mask=row_ok)
 
 
+def _config_key(c) -> tuple:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["QK_SPLIT_LOAD"], c.num_warps, c.num_stages
+
+
 def _prune_decode_configs(configs, named_args, **kwargs):
-    """Keep the head blocks that fit the query rows: 16 rows for ≤ 16 (S·H), 32–64 above."""
+    """Keep the head blocks that fit the query rows: 16 rows for ≤ 16 (S·H), 32–64 above. The
+    BITCAST_CONFIGS candidates are only for FP8_BITCAST launches (the default launches see DECODE_CONFIGS)."""
     rows = named_args["S_Q"] * named_args["H"]
     want = {16} if rows <= 16 else {16, 32} if rows <= 32 else {32, 64}
+    if not kwargs.get("FP8_BITCAST", named_args.get("FP8_BITCAST", False)):
+        configs = [c for c in configs if _config_key(c) in DECODE_CONFIGS]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] in want]
     return kept or configs
 
@@ -269,15 +276,21 @@ def _prune_decode_configs(configs, named_args, **kwargs):
 # cuobjdump --dump-resource-usage): every KV format has spill-free candidates with 16 and 32 query rows
 # (BF16 99–171 registers; FP8 128–254, the transposed QK load saving registers when an FP8 tile feeds two
 # dots); 64-row blocks (wgmma) are spill-free for BF16 only — FP8 spills ~280 bytes there, left to the tuner.
-DECODE_CONFIGS = [
+DECODE_CONFIGS = (
     (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, False, 8, 3), (16, 32, True, 8, 2), (16, 64, True, 8, 2),
     (16, 16, False, 4, 3),
     (32, 16, False, 8, 2), (32, 32, False, 8, 2), (32, 16, True, 8, 2), (32, 32, True, 8, 2),
     (64, 16, False, 8, 2), (64, 16, False, 8, 3),
-]
+)
+# FP8_BITCAST adds unpipelined candidates (num_stages 1): with the words' conversion software-pipelined, the
+# fp8_e4m3 32/64-row candidates above spill 450–2700 bytes (sm_90, Triton 3.9); with 1 stage they need
+# 105–170 registers (fp8_ds_mla 160–255), no spills, and several programs per SM hide the load latency.
+BITCAST_CONFIGS = (
+    (16, 32, False, 8, 1), (16, 64, False, 8, 1), (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
+)
 _mla_decode_kernel_tuned = triton.autotune(
     [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "QK_SPLIT_LOAD": split}, num_warps=w, num_stages=st)
-     for bm, bn, split, w, st in DECODE_CONFIGS],
+     for bm, bn, split, w, st in DECODE_CONFIGS + BITCAST_CONFIGS],
     key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST"],
     prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
