@@ -20,18 +20,28 @@ def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def int4_codes(nib, DT: tl.constexpr, INTERPRET: tl.constexpr):
+def int4_codes(nib, DT: tl.constexpr, INTERPRET: tl.constexpr, BIASED: tl.constexpr):
     """Nibbles n (int32 in 0..15) -> the signed codes q = n - 8, exact, without an int->float conversion:
     bf16 bits ``0x4300 | n`` are 128 + n and fp16 bits ``0x6400 | n`` are 1024 + n (the nibble lands in
     the low mantissa bits of a 16-bit lane), so one subtraction in the 16-bit type gives q; other dtypes
     use the fp32 form ``float(0x4B000000 | n) - (2^23 + 8)``. Returns q in DT (fp32 for fp32 and, under the
-    interpreter, for bf16: its bf16 bitcast is wrong, and its dots upcast to fp32 anyway)."""
+    interpreter, for bf16: its bf16 bitcast is wrong, and its dots upcast to fp32 anyway).
+
+    ``BIASED`` skips the subtraction for bf16/fp16: it returns ``q + bias`` (128 + n = q + 136, or
+    1024 + n = q + 1032; no floating-point op at all), and the caller subtracts ``bias · Σ x`` from the dot
+    product once per group and row (the bias is ``int4_codes`` of nibble 8). fp32 codes are never biased."""
     # (the .to() after the subtraction is a no-op where the Python constant is weakly typed, as in Triton
     # 3.x; it keeps the dot operands in one dtype if a release promoted to fp32 — exact either way)
     if DT == tl.bfloat16 and not INTERPRET:
-        q = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
+        q = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if not BIASED:
+            q = (q - 136.0).to(tl.bfloat16)
     elif DT == tl.float16:
-        q = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
+        q = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        if not BIASED:
+            q = (q - 1032.0).to(tl.float16)
+    elif DT == tl.bfloat16 and BIASED:  # interpreted: the same values as the bf16 lanes, in fp32
+        q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388480.0  # 2^23 + n - (2^23 - 128)
     else:
         q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return q

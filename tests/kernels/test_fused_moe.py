@@ -219,9 +219,9 @@ def test_gpu_fp32_is_the_exact_mode():
 
 # --- FAST_DEQUANT (fast_dequant=True, INT4): group-scaled dots / nibble-plane GEMV ---
 
-@pytest.mark.parametrize("block_m", [1, 16])
+@pytest.mark.parametrize("block_m,level", [(1, 1), (16, 1), (16, 2)])  # the GEMV is the same at both levels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_dequant_matches_reference(triton_backend, block_m, dtype):
+def test_fast_dequant_matches_reference(triton_backend, block_m, level, dtype):
     # hidden 160 and intermediate 96 are not multiples of the K block (64 here): ragged last blocks
     dev = triton_backend
     gate, up, down = experts("int4_group", 4, 160, 96, seed=3, device=dev)
@@ -229,7 +229,7 @@ def test_fast_dequant_matches_reference(triton_backend, block_m, dtype):
     w, ids = routing(5, 4, 2, seed=3, device=dev)
     ids[1, 0] = -1  # a dropped slot
     out = poisoned_empty((5, 160), dtype, dev)
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=True, out=out)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=level, out=out)
     assert got is out
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group")
@@ -244,17 +244,19 @@ def test_fast_dequant_leaves_other_formats_alone(triton_backend):
     w, ids = routing(3, 3, 2, device=dev)
     a = fused_moe(x, w, ids, gate, up, down, kind="bf16", fast_dequant=True)
     assert torch.equal(a, fused_moe(x, w, ids, gate, up, down, kind="bf16"))
+    with pytest.raises(ValueError, match="fast_dequant"):
+        fused_moe(x, w, ids, gate, up, down, kind="bf16", fast_dequant=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4, 16, 63, 256])
-@pytest.mark.parametrize("block_m", [None, 16])
-def test_gpu_fast_dequant_real_widths(t, block_m):
+@pytest.mark.parametrize("block_m,level", [(None, 1), (16, 1), (16, 2)])
+def test_gpu_fast_dequant_real_widths(t, block_m, level):
     e, k = 24, 8
     gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
     x = (torch.randn(t, 7168, device="cuda") * 0.5).to(torch.bfloat16)
     w, ids = routing(t, e, k, device="cuda")
     out = poisoned_empty((t, 7168), torch.bfloat16, "cuda")
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=True, out=out)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=level, out=out)
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
-    assert_rel_close(got.float(), ref.float(), 1e-2, f"fast T={t} block_m={block_m}")
+    assert_rel_close(got.float(), ref.float(), 1e-2, f"fast {level} T={t} block_m={block_m}")

@@ -181,7 +181,7 @@ def test_bf16_magic_number_gives_every_code_exactly():
 def _unpack_codes(w_ptr, o_ptr, INTERPRET: tl.constexpr):
     words = tl.load(w_ptr + tl.arange(0, 2))
     nib = (words[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF  # [2, 8]: element 8w + i
-    q = int4_codes(nib, o_ptr.dtype.element_ty, INTERPRET)
+    q = int4_codes(nib, o_ptr.dtype.element_ty, INTERPRET, False)
     tl.store(o_ptr + tl.arange(0, 16), tl.reshape(q, (16,)).to(o_ptr.dtype.element_ty))
 
 
@@ -206,24 +206,30 @@ FAST_PATHS = [
 @pytest.mark.parametrize("m,n,k,group,cfg", FAST_PATHS, ids=lambda v: str(v) if not isinstance(v, dict) else
                          f"BM{v['BM']}-split{v.get('SPLIT_K')}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fast_dequant_paths_match_reference(triton_backend, m, n, k, group, cfg, dtype):
+@pytest.mark.parametrize("level", [1, 2])
+def test_fast_dequant_paths_match_reference(triton_backend, m, n, k, group, cfg, dtype, level):
     dev = triton_backend
     packed, scale = _weights(n, k, group, dev, seed=m + n)
     x = torch.randn(m, k, device=dev).to(dtype)
+    x[0, :group] *= 100  # an outlier group: level 2 subtracts 136 · Σx from each group's partial
     out = poisoned_empty((m, n), dtype, dev)
-    y = w4a16_gemm(x, packed, scale, group, out=out, config={**cfg, "FAST_DEQUANT": True})
+    y = w4a16_gemm(x, packed, scale, group, out=out, config={**cfg, "FAST_DEQUANT": level})
     ref = w4a16_gemm_reference(x, packed, scale, group)
     # fp32: the same products, summed per group then scaled; 16-bit: the weight is not rounded to x.dtype
     # before the product (the reference rounds it) — within the default path's tolerance
     assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"{m}x{n}x{k} g{group}")
+    if dtype == torch.float16:  # no interpreter rounding issue in fp16: level 2 equals level 1 to fp32 rounding
+        other = w4a16_gemm(x, packed, scale, group, config={**cfg, "FAST_DEQUANT": 3 - level})
+        assert_rel_close(y.float(), other.float(), 2e-3, "level 1 vs 2")
 
 
 @pytest.mark.parametrize("m", [1, 6])
-def test_fast_dequant_keyword_selects_the_fast_path(triton_backend, m):
+@pytest.mark.parametrize("level", [True, 2])
+def test_fast_dequant_keyword_selects_the_fast_path(triton_backend, m, level):
     dev = triton_backend
     packed, scale = _weights(24, 160, 32, dev, seed=m)
     x = torch.randn(m, 160, device=dev)
-    fast = w4a16_gemm(x, packed, scale, 32, fast_dequant=True)
+    fast = w4a16_gemm(x, packed, scale, 32, fast_dequant=level)
     assert_rel_close(fast, w4a16_gemm_reference(x, packed, scale, 32), 1e-5, "fast_dequant=True")
     assert_rel_close(fast, w4a16_gemm(x, packed, scale, 32), 1e-5, "fast vs default")
 
@@ -238,14 +244,18 @@ def test_fast_configs_are_separate_from_the_default_ones():
     assert kept(False, 1) == {(1, False)}  # the default one-token choice is unchanged: GEMV only
     assert kept(True, 1) == {(1, True), (16, True)}  # fast: GEMV or the 16-row tensor-core tile
     assert kept(True, 16) == {(16, True)} and kept(False, 16) == {(16, False)}
+    assert kept(2, 1) == {(1, 2), (16, 2)}
+    with pytest.raises(ValueError, match="fast_dequant"):
+        w4a16_gemm(torch.randn(1, 64), *_weights(8, 64, 32), 32, fast_dequant=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 512])
 @pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048)])
-def test_fast_dequant_autotuned_on_real_shapes(m, n, k):
+@pytest.mark.parametrize("level", [1, 2])
+def test_fast_dequant_autotuned_on_real_shapes(m, n, k, level):
     packed, scale = _weights(n, k, 32, "cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = w4a16_gemm(x, packed, scale, 32, fast_dequant=True)
+    y = w4a16_gemm(x, packed, scale, 32, fast_dequant=level)
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m}")
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), 1e-2, f"fast vs default M={m}")

@@ -134,18 +134,20 @@ def fused_moe(
     shared_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
-    fast_dequant: bool = False,
+    fast_dequant: int = 0,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
 
     ``gate``/``up``: stacked [E, I, H] and ``down``: [E, H, I] projections, each a dict of the format's
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
-    overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only, default off,
-    unmeasured) selects the kernel's FAST_DEQUANT path and its own autotuned configs (docs/moe.md, "W4A16
-    fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
+    overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only; 0 = off, the
+    default; 1 or True, 2; unmeasured) selects the kernel's FAST_DEQUANT level and its own autotuned configs
+    (docs/moe.md, "W4A16 fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
     """
     block = tuple(int(b) for b in block)
+    if fast_dequant not in (0, 1, 2):  # False / True compare equal to 0 / 1
+        raise ValueError(f"fast_dequant: {fast_dequant!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels)")
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
         raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile)")
     num_experts, inter = _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block,
@@ -155,8 +157,8 @@ def fused_moe(
                 ue8m0=ue8m0, shared_out=shared_out, out=out)
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
-    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
-                         moe_gemm_fast_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned)
+    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, MOE_GEMM_FAST_AUTOTUNED, _moe_combine_kernel,
+                         _moe_gemm_kernel, moe_gemm_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -168,7 +170,7 @@ def fused_moe(
     topk_ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
-    fast = fast_dequant and kind == "int4_group"
+    fast = int(fast_dequant) if kind == "int4_group" else 0
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
@@ -191,7 +193,7 @@ def fused_moe(
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             if fast:
-                tuned = moe_gemv_fast_autotuned if bm == 1 else moe_gemm_fast_autotuned
+                tuned = moe_gemv_fast_autotuned if bm == 1 else MOE_GEMM_FAST_AUTOTUNED[fast]
             else:
                 tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
             tuned[grid](*launch_args, GATED=gated, **consts)

@@ -13,13 +13,15 @@ loops over K, and multiplies in one of three weight formats (``KIND``):
   gives the code ``q`` exactly without an int→float conversion; ``q × group scale`` in fp32, then the
   tile goes to the tensor cores in the activation dtype.
 
-``FAST_DEQUANT`` (INT4 only, off by default; ``fused_moe(..., fast_dequant=True)``) changes how the INT4
-codes meet the activations (docs/moe.md, "W4A16 fast path"):
+``FAST_DEQUANT`` (INT4 only; 0 = off, the default; ``fused_moe(..., fast_dequant=1 or 2)``) changes how
+the INT4 codes meet the activations (docs/moe.md, "W4A16 fast path"):
 
 * tensor-core tiles (``BLOCK_M > 1``, also ``block_m=16`` at one token): per group, the codes ``q = n - 8``
   are made in the activation dtype from 16-bit lanes (``_gemm_utils.int4_codes``: bf16 bits ``0x4300 | n``
   = 128 + n, minus 136, exact), ``tl.dot(a_group, q.T)`` runs into a fresh fp32 tile and the group scale
   multiplies that partial once per output — no fp32 weight tile, no per-weight scale multiply or rounding;
+  level 2 skips the subtraction too (the lanes 128 + n = q + 136 go to the dot, and 136 · Σ a per group
+  and row is subtracted from the partial);
 * GEMV (``BLOCK_M == 1``): nibble planes as in ``w4a16_gemm`` (plane ``i`` = elements ``8w + i``, the
   activation read in the same permuted order), ``q · a`` accumulated per word and scaled once per word.
 
@@ -69,7 +71,7 @@ def _weight_tile(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn,
 
 @triton.jit
 def _int4_group_codes(w_ptr, s_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr, BIASED: tl.constexpr):
     """FAST_DEQUANT: the group starting at column kg of rows ``rn`` of one expert's INT4 weight: codes
     [BLOCK_N, GROUP] in DT, in K order (word w, nibble i -> column kg + 8w + i), and the fp32 scales [BLOCK_N]."""
     ok = (rn < N) & (kg + rn * 0 < K)  # the group exists (K need not be a multiple of BLOCK_K)
@@ -77,7 +79,7 @@ def _int4_group_codes(w_ptr, s_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP: t
     words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :],
                     mask=(rn < N)[:, None] & (rw[None, :] < K // 8), other=0)
     nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    q = tl.reshape(int4_codes(nib, DT, INTERPRET), (BLOCK_N, GROUP))
+    q = tl.reshape(int4_codes(nib, DT, INTERPRET, BIASED), (BLOCK_N, GROUP))
     s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + kg // GROUP, mask=ok, other=0.0).to(tl.float32)
     return q, s
 
@@ -109,9 +111,10 @@ def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
                     stride_at, stride_wn, stride_sn, acc1, acc3, GATED: tl.constexpr, GROUP: tl.constexpr,
                     IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BIASED: tl.constexpr):
     """One K block k0..k0+BLOCK_K of the FAST_DEQUANT INT4 path (see the module docstring). GEMV: acc
-    [BLOCK_N, BLOCK_K/8] per-word sums; tiles: acc [BLOCK_M, BLOCK_N]."""
+    [BLOCK_N, BLOCK_K/8] per-word sums; tiles: acc [BLOCK_M, BLOCK_N]. BIASED (FAST_DEQUANT=2, tiles
+    only): codes q + bias in the 16-bit lanes, bias · Σ a subtracted from each group's partial."""
     if BLOCK_M == 1:
         rw = tl.arange(0, BLOCK_K // 8)
         words1, sw1 = _int4_planes(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K)
@@ -123,26 +126,31 @@ def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k
         for i in tl.static_range(8):  # plane i: the elements k0 + 8w + i, the activation read in that order
             rk = k0 + 8 * rw + i
             a = tl.load(a_row + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0).to(tl.float32)
-            inner1 += int4_codes((words1 >> (4 * i)) & 0xF, tl.float32, INTERPRET) * a
+            inner1 += int4_codes((words1 >> (4 * i)) & 0xF, tl.float32, INTERPRET, False) * a
             if GATED:
-                inner3 += int4_codes((words3 >> (4 * i)) & 0xF, tl.float32, INTERPRET) * a
+                inner3 += int4_codes((words3 >> (4 * i)) & 0xF, tl.float32, INTERPRET, False) * a
         acc1 += inner1 * sw1
         if GATED:
             acc3 += inner3 * sw3
     else:
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        bias = int4_codes(tl.full((1,), 8, tl.int32), a_ptr.dtype.element_ty, INTERPRET, BIASED).to(tl.float32)
         for g in tl.static_range(BLOCK_K // GROUP):
             kg = k0 + g * GROUP
             rk = kg + tl.arange(0, GROUP)
             a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :],
                         mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_M, GROUP]
+            if BIASED:  # Σ a over the group, times the code bias: subtracted from each partial
+                corr = tl.sum(a.to(tl.float32), axis=1)[:, None] * bias[None, :]
+            else:
+                corr = zero
             q1, s1 = _int4_group_codes(w1_ptr, s1_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                                       a_ptr.dtype.element_ty, INTERPRET)
-            acc1 += _mma(a, q1, zero, IEEE, INTERPRET) * s1[None, :]
+                                       a_ptr.dtype.element_ty, INTERPRET, BIASED)
+            acc1 += (_mma(a, q1, zero, IEEE, INTERPRET) - corr) * s1[None, :]
             if GATED:
                 q3, s3 = _int4_group_codes(w3_ptr, s3_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                                           a_ptr.dtype.element_ty, INTERPRET)
-                acc3 += _mma(a, q3, zero, IEEE, INTERPRET) * s3[None, :]
+                                           a_ptr.dtype.element_ty, INTERPRET, BIASED)
+                acc3 += (_mma(a, q3, zero, IEEE, INTERPRET) - corr) * s3[None, :]
     return acc1, acc3
 
 
@@ -184,7 +192,7 @@ def _moe_gemm_kernel(
         if FAST_DEQUANT and KIND == 2:
             acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
                                          stride_at, stride_wn, stride_sn, acc1, acc3, GATED, GROUP, IEEE, INTERPRET,
-                                         BLOCK_M, BLOCK_N, BLOCK_K)
+                                         BLOCK_M, BLOCK_N, BLOCK_K, FAST_DEQUANT == 2)
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             a_mask = row_ok[:, None] & (rk[None, :] < K)
@@ -250,8 +258,8 @@ def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, top_k, E,
     tl.store(out_ptr + t * stride_ot + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _configs(shapes, fast: bool = False) -> list[triton.Config]:
-    extra = {"FAST_DEQUANT": True} if fast else {}
+def _configs(shapes, fast: int = 0) -> list[triton.Config]:
+    extra = {"FAST_DEQUANT": fast} if fast else {}
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=st)
             for bn, bk, w, st in shapes]
 
@@ -303,12 +311,13 @@ def _autotuned(configs):
 
 # FAST_DEQUANT (INT4): the GEMV keeps one accumulator per word, so longer K blocks fit; narrow N tiles give
 # the 16-row tensor-core path at one token more programs. Separate autotuners: their own tuning caches.
+# The GEMV is the same at FAST_DEQUANT 1 and 2 (the biased codes are a tensor-core form).
 GEMV_FAST_CONFIGS = _configs([(16, 512, 4, 3), (32, 256, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 2), (64, 256, 8, 2)],
-                             fast=True)
-DOT_FAST_CONFIGS = _configs([(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-                             (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)], fast=True)
+                             fast=1)
+DOT_FAST_SHAPES = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
+                   (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]
 
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemm_autotuned = _autotuned(DOT_CONFIGS)
 moe_gemv_fast_autotuned = _autotuned(GEMV_FAST_CONFIGS)
-moe_gemm_fast_autotuned = _autotuned(DOT_FAST_CONFIGS)
+MOE_GEMM_FAST_AUTOTUNED = {level: _autotuned(_configs(DOT_FAST_SHAPES, fast=level)) for level in (1, 2)}

@@ -36,7 +36,13 @@ def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
     return n, k
 
 
-def _interpreter_config(m: int, group_size: int, fast: bool = False) -> dict:
+def _fast_level(value) -> int:
+    if value not in (0, 1, 2):  # False / True compare equal to 0 / 1
+        raise ValueError(f"fast_dequant: {value!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels)")
+    return int(value)
+
+
+def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
     """A small fixed config for the CPU interpreter (autotuning there would only cost time; few, large
     programs run fastest there). The tests pin the other configs, split-K included. ``fast`` uses the
     16-row tensor-core tile at one token too (the GEMV is the same with and without FAST_DEQUANT)."""
@@ -47,7 +53,7 @@ def _interpreter_config(m: int, group_size: int, fast: bool = False) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: bool = False) -> torch.Tensor:
+               fast_dequant: int = 0) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -58,10 +64,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     autotuned choice, for tests and benchmarks. BM = 1 selects the one-token GEMV path, 16 the small-batch
     ``mma`` path, ≥ 32 the tiled path.
 
-    ``fast_dequant`` (default off; also ``config["FAST_DEQUANT"]``) selects the group-scaled tensor-core
-    form of ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group partial) and its own
-    autotuned configs, which also try the 16-row tile at one token. Unmeasured: see docs/recipes.md.
+    ``fast_dequant`` (0 = off, the default; 1 or True, 2; also ``config["FAST_DEQUANT"]``) selects the
+    group-scaled tensor-core form of ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group
+    partial; 2: biased codes, no float op per weight) and its own autotuned configs, which also try the
+    16-row tile at one token. Unmeasured: see docs/recipes.md.
     """
+    fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant))
     n, k = _check(x, weight_packed, weight_scale, group_size)
     lead = x.shape[:-1]
     if out is not None:
@@ -72,7 +80,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
-    from .kernel import _w4a16_gemm_kernel, split_k, w4a16_gemm_autotuned, w4a16_gemm_fast_autotuned, workspace_bounds
+    from .kernel import FAST_AUTOTUNED, _w4a16_gemm_kernel, split_k, w4a16_gemm_autotuned, workspace_bounds
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -84,7 +92,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if config is None and interpreted:
         config = _interpreter_config(m, group_size, fast_dequant)
     if config is not None:
-        cfg = {"FAST_DEQUANT": fast_dequant, **config}
+        cfg = {**config, "FAST_DEQUANT": fast_dequant}
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
         if bk % group_size or bk % 8:
             raise ValueError(f"config: BK={bk} must be a multiple of group_size {group_size}")
@@ -107,7 +115,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if cfg is None:
-        (w4a16_gemm_fast_autotuned if fast_dequant else w4a16_gemm_autotuned)[grid](*args, **common)
+        FAST_AUTOTUNED.get(fast_dequant, w4a16_gemm_autotuned)[grid](*args, **common)
     else:
         meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}
         _w4a16_gemm_kernel[grid(meta)](*args, **common, **meta)

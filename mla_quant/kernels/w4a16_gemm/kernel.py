@@ -16,7 +16,7 @@ One kernel, three shapes of work picked by constexprs:
   and runs ``mma`` on each plane.
 * ``BM >= 32`` (prefill): a tiled GEMM on the dequantized ``[BN, BK]`` tile, grouped tile order for L2 reuse.
 
-``FAST_DEQUANT`` (off by default; ``w4a16_gemm(..., fast_dequant=True)`` or ``config["FAST_DEQUANT"]``)
+``FAST_DEQUANT`` (0 = off, the default; ``w4a16_gemm(..., fast_dequant=1 or 2)`` or ``config["FAST_DEQUANT"]``)
 changes the tensor-core paths (``BM >= 16``; also usable at one token, the row tile then re-reading the one
 row) to the group-scaled form: per group, the codes ``q = n - 8`` are made directly in the activation dtype
 from 16-bit lanes (``_gemm_utils.int4_codes``: bf16 bits ``0x4300 | n`` = 128 + n, minus 136; exact), fed
@@ -25,6 +25,9 @@ partial once per output (not once per weight): no fp32 weight tile, no per-weigh
 The weight is then not rounded to the activation dtype before the product (the reference does round it),
 so bf16 results differ from the default path within the bf16 tolerance; fp32 results match to rounding
 order. The one-token GEMV (``BM == 1``) already applies the scale once per word and is unchanged by it.
+Level 2 also drops the subtraction: the 16-bit lanes ``128 + n`` (= q + 136) go to the dot as they are,
+and ``136 · Σ x_group`` (one row sum per group) is subtracted from the partial — no floating-point op per
+weight at all; the products are exact and the cancellation costs ~5 of fp32's 24 bits.
 
 Split-K (``SPLIT_K > 1``) fills the SMs when there are few output tiles: each program writes its fp32 partial
 ``[BM, BN]`` to a workspace, and the last program to arrive at a tile (an atomic counter) sums the partials
@@ -64,20 +67,25 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP: tl.constexpr, BN: tl.constexpr,
                        EVEN_K: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, BIASED: tl.constexpr):
     """FAST_DEQUANT step over K block k0..k0+GROUPS·GROUP: for each group, acc += (x_g @ q_g.T) · s_g.
     x_rows [BM, 1] / w_rows [BN, 1] / s_vec [BN] pointers; q_g [BN, GROUP] codes in the activation dtype,
-    in K order (word w, nibble i -> element 8w + i); the scale multiplies the group's fp32 partial once."""
+    in K order (word w, nibble i -> element 8w + i); the scale multiplies the group's fp32 partial once.
+    BIASED (FAST_DEQUANT=2): the codes are q + bias, and bias · Σ x_g is subtracted from each partial."""
+    # [1]: the code of nibble 8 (q = 0) is the bias: 136 (bf16), 1032 (fp16), 0 (fp32 or not BIASED)
+    bias = int4_codes(tl.full((1,), 8, tl.int32), x_rows.dtype.element_ty, INTERPRET, BIASED).to(tl.float32)
     for g in tl.static_range(GROUPS):
         kg = k0 + g * GROUP
         gw = kg // 8 + tl.arange(0, GROUP // 8)
         words = _load(w_rows + gw[None, :], (gw < K // 8)[None, :], EVEN_K)         # int32 [BN, GROUP/8]
         nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        q = tl.reshape(int4_codes(nib, x_rows.dtype.element_ty, INTERPRET), (BN, GROUP))
+        q = tl.reshape(int4_codes(nib, x_rows.dtype.element_ty, INTERPRET, BIASED), (BN, GROUP))
         rk = kg + tl.arange(0, GROUP)
         x = _load(x_rows + rk[None, :], (rk < K)[None, :], EVEN_K)                   # [BM, GROUP]
         s = _load(s_vec + kg // GROUP, kg + tl.zeros((BN,), dtype=tl.int32) < K, EVEN_K).to(tl.float32)  # [BN]
         part = _dot(x, tl.trans(q), tl.zeros(acc.shape, dtype=tl.float32), INTERPRET, DOT_PRECISION)
+        if BIASED:
+            part -= tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
         acc += part * s[None, :]
     return acc
 
@@ -121,7 +129,7 @@ def _w4a16_gemm_kernel(
         k0 = it * BK
         if FAST_DEQUANT and BM > 1:
             acc = _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP, BN, EVEN_K, BK // GROUP,
-                                     INTERPRET, DOT_PRECISION)
+                                     INTERPRET, DOT_PRECISION, FAST_DEQUANT == 2)
         else:
             kmask = (k0 // 8 + rw < K // 8)[None, :]  # per word; K % 8 == 0, so also per element of a word
             words = _load(w_rows + (k0 // 8 + rw)[None, :], kmask, EVEN_K)             # int32 [BN, BK/8]
@@ -170,12 +178,12 @@ def _w4a16_gemm_kernel(
             tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
 
 
-def _configs(fast: bool = False) -> list[triton.Config]:
+def _configs(fast: int = 0) -> list[triton.Config]:
     """A few sensible configs per regime; the launcher keeps those whose BM suits the token count. With
-    ``fast`` every config sets FAST_DEQUANT (the GEMV ones are unaffected by it) and the 16-row tiles are
+    ``fast`` (a FAST_DEQUANT level) every config sets it (the GEMV ones are unaffected) and the 16-row tiles are
     also tried at one token."""
     def c(kw, num_warps, num_stages):
-        return triton.Config({**kw, "FAST_DEQUANT": True} if fast else kw, num_warps=num_warps,
+        return triton.Config({**kw, "FAST_DEQUANT": fast} if fast else kw, num_warps=num_warps,
                              num_stages=num_stages)
     gemv = [c({"BM": 1, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
             for bn, bk, w, s in ((16, 512, 4, 2), (32, 512, 4, 2), (16, 1024, 4, 2), (64, 256, 4, 3),
@@ -218,7 +226,7 @@ def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
     return split_k_for(tiles, triton.cdiv(k, bk), (4 if bm <= 16 else 2) * sms)
 
 
-def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: bool = False) -> tuple[int, int]:
+def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: int = 0) -> tuple[int, int]:
     """(largest SPLIT_K, most output tiles) over the configs the autotuner may pick for this shape."""
     cfgs = _prune(_configs(fast), {"M_BUCKET": m_bucket(m), "GROUP": group})
     splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
@@ -226,7 +234,7 @@ def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: bool = 
     return max(splits), max(tiles)
 
 
-def _autotuned(fast: bool):
+def _autotuned(fast: int):
     return triton.autotune(
         configs=_configs(fast), key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
         do_bench=autotune_bench,
@@ -236,5 +244,6 @@ def _autotuned(fast: bool):
     })(_w4a16_gemm_kernel))
 
 
-w4a16_gemm_autotuned = _autotuned(fast=False)  # the default
-w4a16_gemm_fast_autotuned = _autotuned(fast=True)  # w4a16_gemm(..., fast_dequant=True): its own tuning cache
+w4a16_gemm_autotuned = _autotuned(fast=0)  # the default
+# w4a16_gemm(..., fast_dequant=level): each FAST_DEQUANT level has its own configs and tuning cache
+FAST_AUTOTUNED = {1: _autotuned(fast=1), 2: _autotuned(fast=2)}
