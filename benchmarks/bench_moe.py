@@ -17,9 +17,10 @@ achieved rate with the copy bandwidth of the same run. Goals at one token (issue
 ≥ 1.6× FP8 (ideal by bytes 3.55× and 1.78×); int4 rows say ``goal`` / ``goal_met``. For ≤ 16 tokens the
 rows also carry ``alt_block_m`` / ``alt_us``: the other decode path (GEMV vs 16-row tensor-core tiles).
 
-``moe`` rows with format ``int4_g32_fast`` time the same INT4 experts and routings through
-``fused_moe(..., fast_dequant=True)`` (the kernel's FAST_DEQUANT path, docs/moe.md "W4A16 fast path"), side
-by side with ``int4_g32``; their ``alt_us`` at ≤ 16 tokens is the fast path on 16-row tensor-core tiles.
+``moe`` rows with format ``int4_g32_fast`` / ``int4_g32_fast2`` time the same INT4 experts and routings
+through ``fused_moe(..., fast_dequant=1 / 2)`` (the kernel's FAST_DEQUANT levels, docs/moe.md "W4A16 fast
+path"), side by side with ``int4_g32``; at ≤ 16 tokens their ``alt_us`` is the other decode regime at the
+same level (at one token: the 16-row tensor-core tiles; the GEMV is the same at both levels).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ E, HIDDEN, INTER, TOP_K, SCALE = 384, 7168, 2048, 8, 2.827
 TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
+FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # fused_moe(fast_dequant=level) -> row format
 
 
 def _graph_us(fn, reps: int) -> tuple[float, bool]:
@@ -202,15 +204,16 @@ def run(ctx: Context) -> list[dict]:
                 rows.append(case("moe", {"format": name, "tokens": t}, t_moe, bytes=nbytes, flops=flops,
                                  peer="torch_grouped_mm_bf16" if peer_name is None else peer_name,
                                  peer_median_us=peer.get(("moe", t)), **extra))
-                if name == "int4_g32":  # the FAST_DEQUANT variant on the same experts and routings
-                    t_fast, graphed = _graph_us(lambda: routed(fast_dequant=True), SETS)
-                    times[("moe", "int4_g32_fast", t)] = t_fast
+                for level, fast_name in (FAST_FORMATS.items() if name == "int4_g32" else ()):
+                    # the FAST_DEQUANT levels on the same experts and routings
+                    t_fast, graphed = _graph_us(lambda: routed(fast_dequant=level), SETS)
+                    times[("moe", fast_name, t)] = t_fast
                     extra = {"cuda_graph": graphed, "block_m": bm, "active_experts": active}
                     if t <= 16:
-                        extra["alt_block_m"] = 16 if bm == 1 else 1
-                        extra["alt_us"] = round(_graph_us(lambda: routed(extra["alt_block_m"], fast_dequant=True),
-                                                          SETS)[0], 3)
-                    rows.append(case("moe", {"format": "int4_g32_fast", "tokens": t}, t_fast, bytes=nbytes,
+                        alt = 16 if bm == 1 else 1
+                        extra["alt_block_m"] = alt
+                        extra["alt_us"] = round(_graph_us(lambda: routed(alt, fast_dequant=level), SETS)[0], 3)
+                    rows.append(case("moe", {"format": fast_name, "tokens": t}, t_fast, bytes=nbytes,
                                      flops=flops, peer="torch_grouped_mm_bf16", peer_median_us=peer.get(("moe", t)),
                                      **extra))
 
@@ -238,9 +241,9 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        if name == "int4_g32_fast":
+        if name in FAST_FORMATS.values():
             r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
-        if name in ("int4_g32", "int4_g32_fast"):
+        if name == "int4_g32" or name in FAST_FORMATS.values():
             r["speedup_vs_fp8"] = round(times[(bench, "fp8_block", t)] / r["median_us"], 3)
             if bench == "moe" and t == 1:
                 r["goal"] = ">= 3.0x bf16 and >= 1.6x fp8_block at 1 token"

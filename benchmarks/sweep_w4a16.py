@@ -4,10 +4,11 @@
 
 For each M ∈ {1, 4, 16} and N×K ∈ {2048×7168, 7168×2048, 4096×7168} (group 32, bf16) it times, from CUDA
 graphs over enough weight sets to miss L2 (as ``bench_gemm``): tinygemm, the autotuned default and the
-autotuned ``fast_dequant=True`` launcher, then every pinned config of a small grid — the one-token GEMV
-(M = 1 only; FAST_DEQUANT does not change it) and 16-row tensor-core tiles with and without FAST_DEQUANT,
+autotuned ``fast_dequant=1`` and ``2`` launchers, then every pinned config of a small grid — the one-token
+GEMV (M = 1 only; FAST_DEQUANT does not change it) and 16-row tensor-core tiles at FAST_DEQUANT 0, 1 and 2,
 each at the split-K heuristic's choice ("auto") and the given explicit splits. Prints the best ``--top``
-per shape with µs, the speedup over tinygemm and over the autotuned default. About a minute on the H200.
+per shape with µs, the speedup over tinygemm and over the autotuned default. Mostly Triton compiles
+(~50 kernels): expect 1–2 minutes on the H200; ``--ms 1`` for a one-token pass.
 """
 from __future__ import annotations
 
@@ -33,15 +34,15 @@ def grid(m: int, splits: list) -> list[dict]:
     """The pinned configs tried at ``m`` tokens (SPLIT_K None = the launcher's heuristic)."""
     out = []
     if m == 1:
-        out += [{"BM": 1, "BN": bn, "BK": bk, "num_warps": w, "num_stages": st, "FAST_DEQUANT": False}
+        out += [{"BM": 1, "BN": bn, "BK": bk, "num_warps": w, "num_stages": st, "FAST_DEQUANT": 0}
                 for bn, bk, w, st in GEMV_TILES]
     out += [{"BM": 16, "BN": bn, "BK": bk, "num_warps": w, "num_stages": st, "FAST_DEQUANT": fast}
-            for fast in (False, True) for bn, bk, w, st in MMA_TILES]
+            for fast in (0, 1, 2) for bn, bk, w, st in MMA_TILES]
     return [{**c, "GROUP_M": 1, "SPLIT_K": s} for c in out for s in splits]
 
 
 def name(cfg: dict) -> str:
-    kind = "gemv" if cfg["BM"] == 1 else "fast" if cfg["FAST_DEQUANT"] else "mma "
+    kind = "gemv " if cfg["BM"] == 1 else f"fast{cfg['FAST_DEQUANT']}" if cfg["FAST_DEQUANT"] else "mma  "
     split = cfg["SPLIT_K"] or "auto"
     return f"{kind} BN={cfg['BN']:<3} BK={cfg['BK']:<4} w={cfg['num_warps']} s={cfg['num_stages']} split={split}"
 
@@ -78,7 +79,8 @@ def main() -> None:
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = {"default": timed(lambda i: w4a16_gemm(x, *sets[i], GROUP)),
-                   "fast_autotuned": timed(lambda i: w4a16_gemm(x, *sets[i], GROUP, fast_dequant=True))}
+                   "fast1_autotuned": timed(lambda i: w4a16_gemm(x, *sets[i], GROUP, fast_dequant=1)),
+                   "fast2_autotuned": timed(lambda i: w4a16_gemm(x, *sets[i], GROUP, fast_dequant=2))}
             if tiny is not None:
                 ref["tinygemm"] = timed(lambda i: torch.ops.aten._weight_int4pack_mm(x, tiny[i][0], GROUP, tiny[i][1]))
             rows = []
@@ -89,7 +91,8 @@ def main() -> None:
                     print(f"  M={m} {n}x{k} {name(cfg)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                     continue
                 rows.append((us, cfg))
-                results.append({"M": m, "N": n, "K": k, "config": cfg, "us": us, **{f"{r}_us": v for r, v in ref.items()}})
+                results.append({"M": m, "N": n, "K": k, "config": cfg, "us": us,
+                                **{f"{r}_us": v for r, v in ref.items()}})
             rows.sort(key=lambda r: r[0])
             head = "  ".join(f"{r}={v:.2f}us" for r, v in ref.items())
             print(f"M={m} N={n} K={k}: {head}")
