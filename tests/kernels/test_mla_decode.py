@@ -252,6 +252,37 @@ def test_bitcast_dequant_tiny_and_large_scales(triton_backend):
             assert torch.allclose(lse.cpu(), lse_r.cpu(), rtol=1e-5, atol=1e-4), (kind, qs)
 
 
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla"])
+def test_bitcast_pages_of_subnormals_only(triton_backend, kind):
+    """Pages holding only e4m3 subnormals (bytes 0x01–0x07, ±): with the bitcast images they are bf16
+    subnormals, so this checks that the dots (the GPU's tensor cores) do not flush them."""
+    dev = triton_backend
+    g = torch.Generator().manual_seed(5)
+    n, page_size, d_latent, d_rope = 48, 16, 128, 32
+    width = kv_row_width(kind, d_latent, d_rope)
+    n_fp8 = d_latent + d_rope if kind == "fp8_e4m3" else d_latent
+    data = torch.zeros(n, width, dtype=torch.uint8)
+    data[:, :n_fp8] = (torch.randint(1, 8, (n, n_fp8), generator=g) | 0x80 * torch.randint(0, 2, (n, n_fp8), generator=g)).to(torch.uint8)
+    scales = None
+    if kind == "fp8_e4m3":
+        scales = torch.tensor([64.0])
+    else:  # tile scale 2^6, bf16 rope of ordinary size
+        data[:, d_latent:d_latent + 4] = torch.tensor([64.0]).view(torch.uint8)
+        data[:, d_latent + 4:] = (torch.randn(n, d_rope, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
+    data = data.view(kv_data_dtype(kind)).reshape(3, page_size, width).to(dev)
+    q_dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    q = (torch.randn(2, 1, 4, d_latent + d_rope, generator=g) * 4).to(q_dtype).to(dev)
+    table = torch.tensor([[0, 1, 2], [2, 0, -1]], dtype=torch.int32, device=dev)
+    seq = torch.tensor([n, 20], dtype=torch.int32, device=dev)
+    args = (q, data, scales.to(dev) if scales is not None else None, table, seq, 0.5, kind, d_latent)
+    o, lse = mla_decode(*args, fp8_dequant="bitcast", config=dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False))
+    o_r, lse_r = mla_decode_reference(*args)
+    tol = 1e-2 if q_dtype == torch.bfloat16 else 1e-5
+    assert o_r.float().abs().max() > 0.05  # the values are not negligible after scaling
+    assert rel_err(o.float().cpu(), o_r.float().cpu()) < tol
+    assert torch.allclose(lse.cpu(), lse_r.cpu(), atol=2e-2 if q_dtype == torch.bfloat16 else 1e-4)
+
+
 def test_bitcast_candidates_never_reach_default_launches():
     """The autotuner's extra FP8_BITCAST candidates are pruned from default launches (unchanged tuning there)."""
     from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, _config_key,
