@@ -284,16 +284,18 @@ def test_bitcast_pages_of_subnormals_only(triton_backend, kind):
 
 
 def test_bitcast_candidates_never_reach_default_launches():
-    """The autotuner's extra FP8_BITCAST candidates are pruned from default launches (unchanged tuning there)."""
+    """Default launches tune among exactly the DECODE_CONFIGS of before (unchanged tuning), FP8_BITCAST launches
+    among BITCAST_CONFIGS; no candidate is listed twice."""
     from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, _config_key,
                                                      _mla_decode_kernel_tuned, _prune_decode_configs)
     configs = _mla_decode_kernel_tuned.configs
-    assert {_config_key(c) for c in configs} == set(DECODE_CONFIGS) | set(BITCAST_CONFIGS)
+    keys = [_config_key(c) for c in configs]
+    assert len(keys) == len(set(keys)) and set(keys) == set(DECODE_CONFIGS) | set(BITCAST_CONFIGS)
     for heads, want in ((8, {16}), (32, {16, 32}), (128, {32, 64})):
         default = [_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), FP8_BITCAST=False)]
         assert default == [k for k in DECODE_CONFIGS if k[0] in want]
         bitcast = {_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), FP8_BITCAST=True)}
-        assert bitcast == {k for k in DECODE_CONFIGS + BITCAST_CONFIGS if k[0] in want}
+        assert bitcast == {k for k in BITCAST_CONFIGS if k[0] in want}
 
 
 # ------------------------------------------------------------------------------------------ split rule
@@ -412,7 +414,7 @@ def test_bitcast_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, l
     args = (q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent)
     o_ref, lse_ref = mla_decode_reference(*args)
     configs = [None]
-    if heads == 16:  # every bitcast-only autotune candidate, forced (the tuner may pick any of them)
+    if heads == 16:  # every bitcast autotune candidate, forced (the tuner may pick any of them)
         from mla_quant.kernels.mla_decode.kernel import BITCAST_CONFIGS
         configs += [dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=sp, num_warps=w, num_stages=st)
                     for bm, bn, sp, w, st in BITCAST_CONFIGS]

@@ -261,12 +261,12 @@ def _config_key(c) -> tuple:
 
 
 def _prune_decode_configs(configs, named_args, **kwargs):
-    """Keep the head blocks that fit the query rows: 16 rows for ≤ 16 (S·H), 32–64 above. The
-    BITCAST_CONFIGS candidates are only for FP8_BITCAST launches (the default launches see DECODE_CONFIGS)."""
+    """Keep the head blocks that fit the query rows: 16 rows for ≤ 16 (S·H), 32–64 above, among DECODE_CONFIGS
+    (default launches) or BITCAST_CONFIGS (FP8_BITCAST launches)."""
     rows = named_args["S_Q"] * named_args["H"]
     want = {16} if rows <= 16 else {16, 32} if rows <= 32 else {32, 64}
-    if not kwargs.get("FP8_BITCAST", named_args.get("FP8_BITCAST", False)):
-        configs = [c for c in configs if _config_key(c) in DECODE_CONFIGS]
+    bitcast = kwargs.get("FP8_BITCAST", named_args.get("FP8_BITCAST", False))
+    configs = [c for c in configs if _config_key(c) in (BITCAST_CONFIGS if bitcast else DECODE_CONFIGS)]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] in want]
     return kept or configs
 
@@ -282,15 +282,19 @@ DECODE_CONFIGS = (
     (32, 16, False, 8, 2), (32, 32, False, 8, 2), (32, 16, True, 8, 2), (32, 32, True, 8, 2),
     (64, 16, False, 8, 2), (64, 16, False, 8, 3),
 )
-# FP8_BITCAST adds unpipelined candidates (num_stages 1): with the words' conversion software-pipelined, the
-# fp8_e4m3 32/64-row candidates above spill 450–2700 bytes (sm_90, Triton 3.9); with 1 stage they need
-# 105–170 registers (fp8_ds_mla 160–255), no spills, and several programs per SM hide the load latency.
+# FP8_BITCAST launches tune among their own candidates: with the words' conversion software-pipelined
+# (num_stages ≥ 2) the fp8_e4m3 32/64-row blocks spill 430–2700 bytes (sm_90, Triton 3.9) while the 16-row ones
+# need 205–240 registers; unpipelined (num_stages 1) 16/32-row blocks need 105–170 registers (fp8_ds_mla
+# 160–255), no spills, several programs per SM hiding the load latency. The 64-row block (wgmma) spills
+# 8 bytes with fp8_ds_mla, ~460 with fp8_e4m3: left to the tuner.
 BITCAST_CONFIGS = (
-    (16, 32, False, 8, 1), (16, 64, False, 8, 1), (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
+    (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, True, 8, 2), (16, 32, False, 8, 1), (16, 64, False, 8, 1),
+    (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
+    (64, 16, False, 8, 2),
 )
 _mla_decode_kernel_tuned = triton.autotune(
     [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "QK_SPLIT_LOAD": split}, num_warps=w, num_stages=st)
-     for bm, bn, split, w, st in DECODE_CONFIGS + BITCAST_CONFIGS],
+     for bm, bn, split, w, st in DECODE_CONFIGS + tuple(c for c in BITCAST_CONFIGS if c not in DECODE_CONFIGS)],
     key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST"],
     prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
