@@ -285,12 +285,13 @@ DECODE_CONFIGS = (
 # FP8_BITCAST launches tune among their own candidates: with the words' conversion software-pipelined
 # (num_stages ≥ 2) the fp8_e4m3 32/64-row blocks spill 430–2700 bytes (sm_90, Triton 3.9) while the 16-row ones
 # need 205–240 registers; unpipelined (num_stages 1) 16/32-row blocks need 105–170 registers (fp8_ds_mla
-# 160–255), no spills, several programs per SM hiding the load latency. The 64-row block (wgmma) spills
-# 8 bytes with fp8_ds_mla, ~460 with fp8_e4m3: left to the tuner.
+# 160–255), no spills, several programs per SM hiding the load latency. 64-row blocks: fp8_ds_mla (batched
+# per-tile dots) needs 223 registers unpipelined, no spills; fp8_e4m3 (wgmma) spills ~450 bytes with 8 warps
+# (~900 with 16): left to the tuner.
 BITCAST_CONFIGS = (
     (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, True, 8, 2), (16, 32, False, 8, 1), (16, 64, False, 8, 1),
     (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
-    (64, 16, False, 8, 2),
+    (64, 16, False, 8, 2), (64, 16, False, 8, 1),
 )
 _mla_decode_kernel_tuned = triton.autotune(
     [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "QK_SPLIT_LOAD": split}, num_warps=w, num_stages=st)
