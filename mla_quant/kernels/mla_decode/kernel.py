@@ -8,12 +8,12 @@ per-tensor scale folded into the softmax scale and the output, and fp8_ds_mla's 
 multiplied in (power-of-two, so exact). Scores are kept in the log2 domain (exp2).
 
 FP8_BITCAST (off by default; ``mla_decode(..., fp8_dequant="bitcast")``) replaces the conversion of FP8 tiles
-by integer ops on 16-bit lanes: the e4m3 bits, shifted and masked, *are* the bf16 (or fp16) of the same value
-times 2^-120 (2^-8) — exact for every e4m3 number, subnormals included, because the e4m3 exponent field lands
-in the low bits of the 16-bit exponent field (_load_e4m3_16). The 2^120 and every KV scale go into
-the fp32 scores and into p, never into the tile: q is pre-multiplied by 2^64 and p by 2^64 (powers of two,
-exact) so the dots' products stay far from fp32 underflow, the rest (2^56) is folded into the score scale
-and the output. fp8_ds_mla's tile scales are applied by batched dots over the D_LAT/128 tiles (scores:
+by integer ops on 32-bit words (two 16-bit images per op): the e4m3 bits, shifted and masked, *are* the bf16
+(or fp16) of the same value times 2^-120 (2^-8) — exact for every e4m3 number, subnormals included, because the
+e4m3 exponent field lands in the low bits of the 16-bit exponent field (_load_e4m3_16). The 2^120 and every KV
+scale go into the fp32 scores and into p, never into the tile: q and p are pre-multiplied by 2^64 (exact) so
+the dots' products stay far from fp32 underflow, and the remaining 2^56 is folded into the score scale and the
+output. fp8_ds_mla's tile scales are applied by batched dots over the D_LAT/128 tiles (scores:
 Σ_t scale_t·(q_t·k_tᵀ); output: one [M, 128] accumulator per tile fed p·scale_t).
 """
 import triton
