@@ -227,6 +227,33 @@ def test_bitcast_dequant_matches_contiguous_attention(triton_backend, data, kind
         assert rel_err(out, o_conv.cpu().float()) < 1e-2 and torch.allclose(lse, lse_conv.cpu(), atol=2e-2)
 
 
+@pytest.mark.parametrize("kind, tensor_scale", KINDS)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bitcast_dequant_64_row_blocks(triton_backend, kind, tensor_scale, q_dtype):
+    """64-row head blocks: with the switch, fp8_e4m3 takes the batched per-128-tile dots too (as fp8_ds_mla)."""
+    lengths, page_size, d_latent, d_rope = [70, 5, 33], 16, 256, 32
+    table = torch.randperm(15).int().reshape(3, 5)
+    table[1, 1:] = -1
+    table[2, 3:] = -1
+    dev = triton_backend
+    kv, scales, stored = build_pages(lengths, table, 15, page_size, kind, tensor_scale, d_latent, d_rope, seed=6,
+                                     device=dev)
+    q = torch.randn(3, 2, 20, d_latent + d_rope).to(q_dtype)
+    args = (q.to(dev), kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev), 0.06, kind,
+            d_latent)
+    for num_splits, block_n in ((1, 16), (3, 32)):
+        out, lse = mla_decode(*args, num_splits=num_splits, fp8_dequant="bitcast",
+                              config=dict(BLOCK_M=64, BLOCK_N=block_n, QK_SPLIT_LOAD=False))
+        out, lse = out.cpu().float(), lse.cpu()
+        if q_dtype == torch.float32:
+            for b, rows in enumerate(stored):
+                o_ref, lse_ref = contiguous_attention(q[b], rows, 0.06, d_latent)
+                assert rel_err(out[b], o_ref) < 1e-5 and torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+        else:
+            o_r, lse_r = mla_decode_reference(*args)
+            assert rel_err(out, o_r.cpu().float()) < 1e-2 and torch.allclose(lse, lse_r.cpu(), atol=2e-2)
+
+
 def test_bitcast_dequant_tiny_and_large_scales(triton_backend):
     """Scales far from 1 (per-token rows scaled 1e-3 … 1e15, ds_mla tiles 2^-12 … 2^50; amax is floored at 1e-4):
     the 2^56 / 2^64 factors of the bitcast path neither underflow nor overflow; the output matches the reference."""

@@ -133,8 +133,11 @@ def _mla_decode_kernel(
     # fp16 with fp8_ds_mla keeps the conversion (p·tile scale in fp16 would lose small p to fp16 subnormals)
     TO_FP16: tl.constexpr = q_ptr.dtype.element_ty == tl.float16
     BITCAST: tl.constexpr = FP8_BITCAST and SCALE_MODE != SCALE_NONE and not (TO_FP16 and SCALE_MODE == SCALE_TILE)
-    TILED: tl.constexpr = BITCAST and SCALE_MODE == SCALE_TILE
-    NT: tl.constexpr = D_LAT // TILE if TILED else 1
+    TILED: tl.constexpr = BITCAST and SCALE_MODE == SCALE_TILE  # tile scales: batched per-tile dots
+    # 64-row blocks of fp8_e4m3 also take the batched dots: [NT, 64, 128] accumulators fit registers where a
+    # [64, 512] wgmma accumulator spills (sm_90)
+    BATCHED: tl.constexpr = TILED or (BITCAST and BLOCK_M >= 64 and D_LAT % TILE == 0)
+    NT: tl.constexpr = D_LAT // TILE if BATCHED else 1
     if BITCAST:  # dots return (true value)·2^-56 (fp16: 2^-8); `unscale` goes into the scores and the output
         if TO_FP16:
             pre = 1.0
@@ -147,7 +150,7 @@ def _mla_decode_kernel(
             q_pe = (q_pe.to(tl.float32) * pre).to(dot_ty)
     q_lat = q_lat.to(dot_ty)
     q_pe = q_pe.to(dot_ty)
-    if TILED:  # [NT, M, TILE]: one batch entry per 128-column scale tile
+    if BATCHED:  # [NT, M, TILE]: one batch entry per 128-column tile
         q_lat = tl.permute(tl.reshape(q_lat, (BLOCK_M, NT, TILE)), (1, 0, 2))
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -166,7 +169,7 @@ def _mla_decode_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if TILED:
+    if BATCHED:
         acc = tl.zeros([NT, BLOCK_M, TILE], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
@@ -182,15 +185,19 @@ def _mla_decode_kernel(
         rope_rows = rope_ptr + page * stride_rope_page + slot * stride_rope_row
         sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
         # masked loads never touch slots past seq_len (they may hold anything, NaN included)
-        if TILED:
+        if BATCHED:
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
                                   dot_ty, True, TO_FP16)
             k = tl.permute(tl.reshape(k.to(dot_ty), (BLOCK_N, NT, TILE)), (1, 0, 2))             # [NT, N, TILE]
-            k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0).to(dot_ty)
-            tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :], other=0.0)  # [NT, N]
             s_t = tl.dot(q_lat, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)         # [NT, M, N]
-            s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)                  # [M, N]
+            if TILED:
+                k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
+                tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :], other=0.0)  # [NT, N]
+                s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
+            else:
+                k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+                s = tl.sum(s_t, 0)
+            s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
         elif QK_SPLIT_LOAD:
             k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                     BITCAST, TO_FP16)
@@ -226,8 +233,11 @@ def _mla_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if SCALE_MODE == SCALE_TOKEN:
             p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
-        if TILED:  # p·scale_t for each tile t, times 2^PRE
-            p_t = (p[None, :, :] * (tile_sc * pre)[:, None, :]).to(dot_ty)                     # [NT, M, N]
+        if BATCHED:  # p (·scale_t for each tile t), times 2^PRE
+            if TILED:
+                p_t = (p[None, :, :] * (tile_sc * pre)[:, None, :]).to(dot_ty)                 # [NT, M, N]
+            else:
+                p_t = tl.broadcast_to((p * pre).to(dot_ty)[None, :, :], (NT, BLOCK_M, BLOCK_N))
             acc = tl.dot(p_t, k, acc * alpha[None, :, None], input_precision=DOT_PRECISION)
         else:
             if BITCAST:
@@ -235,7 +245,7 @@ def _mla_decode_kernel(
             acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if TILED:
+    if BATCHED:
         acc = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_M, D_LAT)) * unscale
     elif BITCAST:
         acc = acc * unscale
@@ -285,9 +295,9 @@ DECODE_CONFIGS = (
 # FP8_BITCAST launches tune among their own candidates: with the words' conversion software-pipelined
 # (num_stages ≥ 2) the fp8_e4m3 32/64-row blocks spill 430–2700 bytes (sm_90, Triton 3.9) while the 16-row ones
 # need 205–240 registers; unpipelined (num_stages 1) 16/32-row blocks need 105–170 registers (fp8_ds_mla
-# 160–255), no spills, several programs per SM hiding the load latency. 64-row blocks: fp8_ds_mla (batched
-# per-tile dots) needs 223 registers unpipelined, no spills; fp8_e4m3 (wgmma) spills ~450 bytes with 8 warps
-# (~900 with 16): left to the tuner.
+# 160–255), no spills, several programs per SM hiding the load latency. 64-row blocks run batched per-tile
+# dots ([4, 64, 128] accumulators; a [64, 512] wgmma accumulator spilled ~450 bytes with fp8_e4m3): 220–255
+# registers, no spills (fp8_ds_mla pipelined: 8 bytes).
 BITCAST_CONFIGS = (
     (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, True, 8, 2), (16, 32, False, 8, 1), (16, 64, False, 8, 1),
     (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
