@@ -297,7 +297,7 @@ DECODE_CONFIGS = (
 # need 205–240 registers; unpipelined (num_stages 1) 16/32-row blocks need 105–170 registers (fp8_ds_mla
 # 160–255), no spills, several programs per SM hiding the load latency. 64-row blocks run batched per-tile
 # dots ([4, 64, 128] accumulators; a [64, 512] wgmma accumulator spilled ~450 bytes with fp8_e4m3): 220–255
-# registers, no spills (fp8_ds_mla pipelined: 8 bytes).
+# registers, no spills. (16, 64, 1 stage) spills 8 bytes with fp8_e4m3; every other candidate none.
 BITCAST_CONFIGS = (
     (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, True, 8, 2), (16, 32, False, 8, 1), (16, 64, False, 8, 1),
     (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
