@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import torch
 
@@ -109,6 +110,18 @@ def _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev, fp8_d
     torch.cuda.synchronize()
 
 
+def _try_variant(kind: str, fn) -> tuple[bool, object]:
+    """(True, fn()) for the fp8_dequant="bitcast" rows; if fn raises (e.g. a compile error on this Triton), the
+    error is reported on stderr and (False, None) ends that variant's rows for this format instead of costing
+    the default rows."""
+    try:
+        return True, fn()
+    except Exception as e:  # noqa: BLE001 - any failure of the optional variant
+        print(f"bench mla_decode: fp8_dequant='bitcast' failed for kv={kind}, its rows are skipped: {e!r}",
+              file=sys.stderr)
+        return False, None
+
+
 def run(ctx: Context) -> list[dict]:
     dev = ctx.device
     heads_list, batches, contexts = ((16, 128), (1, 64), (4096, 65536)) if ctx.quick else (HEADS, BATCHES, CONTEXTS)
@@ -118,8 +131,10 @@ def run(ctx: Context) -> list[dict]:
     for kind in KINDS:
         pool, scales = _fill_pool(kind, num_pages, dev)
         _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev)
-        if kind != "bf16":
-            _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev, fp8_dequant="bitcast")
+        bitcast = kind != "bf16"
+        if bitcast:
+            bitcast, _ = _try_variant(kind, lambda: _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages,
+                                                                           dev, fp8_dequant="bitcast"))
         for heads, batch, n in itertools.product(heads_list, batches, contexts):
             sets = _input_sets(batch, n, heads, kind, num_pages, dev)
             seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
@@ -147,8 +162,10 @@ def run(ctx: Context) -> list[dict]:
                 frac_of_matmul=round(tflops / ctx.bf16_tflops, 3) if ctx.bf16_tflops else None,
                 num_splits=plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms),
                 input_sets=len(sets)))
-            if kind != "bf16":  # the same shape with the FP8 fast-dequant switch, side by side
-                t_bc = _graph_us(lambda: [call(q, tb, "bitcast") for q, tb in sets], len(sets))
+            if bitcast:  # the same shape with the FP8 fast-dequant switch, side by side
+                bitcast, t_bc = _try_variant(kind, lambda: _graph_us(
+                    lambda: [call(q, tb, "bitcast") for q, tb in sets], len(sets)))
+            if bitcast:
                 cases.append(case(
                     "mla_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE,
                                    "variant": "bitcast"}, t_bc,
