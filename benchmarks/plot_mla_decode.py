@@ -23,7 +23,7 @@ def plot(results: Path, out: Path) -> bool:
     import matplotlib.pyplot as plt
 
     doc = json.loads(results.read_text())
-    rows = [c for c in doc["cases"] if c["bench"] == "mla_decode"]
+    rows = [c for c in doc["cases"] if c["bench"] == "mla_decode" and "variant" not in c["case"]]  # default path only
     if not rows:
         return False
     heads = sorted({c["case"]["heads"] for c in rows})
