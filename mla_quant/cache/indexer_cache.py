@@ -31,6 +31,7 @@ import torch
 
 from ..kernels.hadamard import hadamard_transform
 from ..kernels.indexer_k_append import indexer_k_append
+from .tables import copy_page_ids, page_ids
 
 INDEXER_K_KINDS = ("fp8_e4m3", "bf16", "fp32")
 _DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -160,11 +161,7 @@ class IndexerKCache:
         return self
 
     def _pages(self, name: str, pages) -> torch.Tensor:
-        t = torch.as_tensor(pages, dtype=torch.long).reshape(-1).to(self.device)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_pages):
-            bad = t[(t < 0) | (t >= self.num_pages)][0].item()
-            raise IndexError(f"{name}: page id {bad} out of range [0, {self.num_pages})")
-        return t
+        return page_ids(name, pages, self.num_pages).to(self.device)
 
     def copy_pages_to(self, other: "IndexerKCache", src_pages, dst_pages) -> None:
         """Copy pages ``src_pages`` into pages ``dst_pages`` of ``other`` (this cache or another, possibly of
@@ -172,14 +169,8 @@ class IndexerKCache:
         Call it wherever the latent pages are copied (copy-on-write, prefill→decode hand-off)."""
         if (other.layer_ids, other.page_size, other.head_dim) != (self.layer_ids, self.page_size, self.head_dim):
             raise ValueError(f"other: {other!r} has another geometry than {self!r}")
-        src = self._pages("src_pages", src_pages)
-        dst = other._pages("dst_pages", dst_pages)
-        if src.numel() != dst.numel():
-            raise ValueError(f"dst_pages: {dst.numel()} pages for {src.numel()} src_pages")
-        if torch.unique(dst).numel() != dst.numel():
-            raise ValueError("dst_pages: a page appears twice")
-        if other is self and bool(torch.isin(src, dst).any()):
-            raise ValueError("dst_pages: overlaps src_pages within one cache")
+        src, dst = copy_page_ids(src_pages, dst_pages, self.num_pages, other.num_pages, other is self)
+        src, dst = src.to(self.device), dst.to(other.device)
         if src.numel() == 0:
             return
         offs = torch.arange(self.page_size, device=self.device)

@@ -25,6 +25,7 @@ from ..formats import KVFormat
 from ..kernels.kv_append import kv_append
 from ..kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width
 from ._rows import to_device
+from .tables import copy_page_ids, page_ids
 
 MAX_PAGE_SIZE = 256
 
@@ -219,12 +220,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------------------------------ copies
     def _pages(self, name: str, pages) -> torch.Tensor:
-        """Page ids as a host int64 tensor, range-checked (on the host: page lists come from the allocator)."""
-        t = torch.as_tensor(pages, dtype=torch.long).reshape(-1).cpu()
-        bad = t[(t < 0) | (t >= self.num_pages)]
-        if bad.numel():
-            raise IndexError(f"{name}: page id {int(bad[0])} out of range [0, {self.num_pages})")
-        return t
+        return page_ids(name, pages, self.num_pages)
 
     def compatible(self, other: "PagedKVCache") -> bool:
         return (self.num_layers, self.page_size, self.kv_lora_rank, self.rope_dim) == \
@@ -241,14 +237,7 @@ class PagedKVCache:
         """
         if not self.compatible(other):
             raise ValueError(f"other: {other!r} has another geometry than {self!r}")
-        src = self._pages("src_pages", src_pages)
-        dst = other._pages("dst_pages", dst_pages)
-        if src.numel() != dst.numel():
-            raise ValueError(f"dst_pages: {dst.numel()} pages for {src.numel()} src_pages")
-        if torch.unique(dst).numel() != dst.numel():
-            raise ValueError("dst_pages: a page appears twice")
-        if other is self and bool(torch.isin(src, dst).any()):
-            raise ValueError("dst_pages: overlaps src_pages within one cache")
+        src, dst = copy_page_ids(src_pages, dst_pages, self.num_pages, other.num_pages, other is self)
         if src.numel() == 0:
             return
         dst_slots = (dst[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
