@@ -28,13 +28,12 @@ import torch
 
 from mla_quant.formats import KVFormat
 from mla_quant.kernels.indexer_scores import indexer_scores
-from mla_quant.kernels.kv_layout import kv_data_dtype, kv_row_width
 from mla_quant.kernels.mla_decode import mla_decode
 from mla_quant.kernels.mla_prefill import mla_prefill
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
 from mla_quant.kernels.topk import topk_indices
 
-from .common import L2_BYTES, Context, case, median_us, graph_us
+from .common import L2_BYTES, Context, case, median_us, graph_us, random_kv_pool
 
 PAGE = 64
 D_LATENT, D_ROPE = 512, 64
@@ -46,26 +45,12 @@ INDEX_KEY_BYTES = IDX_DIM + 4         # e4m3 key + fp32 scale
 
 def _fill_pools(kind: str, num_pages: int, dev: str):
     """MLA pages in ``kind`` and FP8 indexer key pages with realistic values (no NaN bit patterns)."""
-    width = kv_row_width(kind, D_LATENT, D_ROPE)
-    data = torch.empty(num_pages, PAGE, width, dtype=kv_data_dtype(kind), device=dev)
-    scales = torch.rand(num_pages, PAGE, device=dev) * 0.02 + 0.01 if kind == "fp8_e4m3" else None
+    data, scales = random_kv_pool(kind, num_pages, PAGE, D_LATENT, D_ROPE, dev)
     keys = torch.empty(num_pages, PAGE, IDX_DIM, dtype=torch.float8_e4m3fn, device=dev)
     key_scales = torch.rand(num_pages, PAGE, device=dev) * 0.02 + 0.01
     for lo in range(0, num_pages, 4096):
         hi = min(num_pages, lo + 4096)
-        rows = torch.randn(hi - lo, PAGE, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
         keys[lo:hi] = torch.randn(hi - lo, PAGE, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
-        if kind == "bf16":
-            data[lo:hi] = rows
-        elif kind == "fp8_e4m3":
-            data[lo:hi] = rows.to(torch.float8_e4m3fn)
-        else:  # fp8_ds_mla: e4m3 latent | fp32 power-of-two tile scales | bf16 rope
-            n_tiles = D_LATENT // 128
-            chunk = data[lo:hi]
-            chunk.view(torch.float8_e4m3fn)[..., :D_LATENT] = rows[..., :D_LATENT].to(torch.float8_e4m3fn)
-            exps = torch.randint(-8, -4, (hi - lo, PAGE, n_tiles), device=dev).float()
-            chunk.view(torch.float32)[..., D_LATENT // 4: D_LATENT // 4 + n_tiles] = torch.exp2(exps)
-            chunk.view(torch.bfloat16)[..., (D_LATENT + 4 * n_tiles) // 2:] = rows[..., D_LATENT:]
     return data, scales, keys, key_scales
 
 

@@ -26,10 +26,9 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.kv_layout import kv_data_dtype, kv_row_width
 from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits
 
-from .common import L2_BYTES, Context, case, median_us, graph_us
+from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
 KINDS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
 HEADS = (8, 16, 64, 128)
@@ -42,25 +41,7 @@ PEER_BYTES_LIMIT = 12e9   # skip the torch composition where its gathered KV + s
 
 
 def _fill_pool(kind: str, num_pages: int, dev: str):
-    """A pool of pages in ``kind`` with realistic values (no NaN bit patterns), filled chunk by chunk."""
-    width = kv_row_width(kind, D_LATENT, D_ROPE)
-    data = torch.empty(num_pages, PAGE, width, dtype=kv_data_dtype(kind), device=dev)
-    scales = torch.rand(num_pages, PAGE, device=dev) * 0.02 + 0.01 if kind == "fp8_e4m3" else None
-    for lo in range(0, num_pages, 4096):
-        hi = min(num_pages, lo + 4096)
-        rows = torch.randn(hi - lo, PAGE, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
-        if kind == "bf16":
-            data[lo:hi] = rows
-        elif kind == "fp8_e4m3":
-            data[lo:hi] = rows.to(torch.float8_e4m3fn)
-        else:
-            n_tiles = D_LATENT // 128
-            chunk = data[lo:hi]
-            chunk.view(torch.float8_e4m3fn)[..., :D_LATENT] = rows[..., :D_LATENT].to(torch.float8_e4m3fn)
-            exps = torch.randint(-8, -4, (hi - lo, PAGE, n_tiles), device=dev).float()
-            chunk.view(torch.float32)[..., D_LATENT // 4: D_LATENT // 4 + n_tiles] = torch.exp2(exps)
-            chunk.view(torch.bfloat16)[..., (D_LATENT + 4 * n_tiles) // 2:] = rows[..., D_LATENT:]
-    return data, scales
+    return random_kv_pool(kind, num_pages, PAGE, D_LATENT, D_ROPE, dev)
 
 
 def _row_bytes(kind: str) -> int:

@@ -35,7 +35,7 @@ from mla_quant.kernels.fused_moe import choose_block_m, fused_moe
 from mla_quant.modules import MLP, MoE, Router
 from mla_quant.modules.experts import kernel_args
 
-from .common import Context, case, median_us, graph_us
+from .common import Context, case, graph_us
 
 E, HIDDEN, INTER, TOP_K, SCALE = 384, 7168, 2048, 8, 2.827
 TOKENS = (1, 4, 16, 64, 256, 1024)

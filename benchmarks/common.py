@@ -55,6 +55,31 @@ def graph_us(fn, reps: int = 1, warmup_ms: float = 25, rep_ms: float = 100) -> t
         return median_us(fn, warmup_ms, rep_ms) / reps, False
 
 
+def random_kv_pool(kind: str, num_pages: int, page: int, d_latent: int, d_rope: int, device: str):
+    """One layer's MLA pages in ``kind`` (kernels/kv_layout.py) with realistic values and no NaN bit
+    patterns, filled chunk by chunk so huge pools need little scratch. Returns (data, scales)."""
+    from mla_quant.kernels.kv_layout import DS_MLA_TILE, kv_data_dtype, kv_row_width
+
+    width = kv_row_width(kind, d_latent, d_rope)
+    data = torch.empty(num_pages, page, width, dtype=kv_data_dtype(kind), device=device)
+    scales = torch.rand(num_pages, page, device=device) * 0.02 + 0.01 if kind == "fp8_e4m3" else None
+    n_tiles = d_latent // DS_MLA_TILE
+    for lo in range(0, num_pages, 4096):
+        hi = min(num_pages, lo + 4096)
+        rows = torch.randn(hi - lo, page, d_latent + d_rope, device=device, dtype=torch.bfloat16)
+        if kind == "bf16":
+            data[lo:hi] = rows
+        elif kind == "fp8_e4m3":
+            data[lo:hi] = rows.to(torch.float8_e4m3fn)
+        else:  # fp8_ds_mla: e4m3 latent | fp32 power-of-two tile scales | bf16 rope
+            chunk = data[lo:hi]
+            chunk.view(torch.float8_e4m3fn)[..., :d_latent] = rows[..., :d_latent].to(torch.float8_e4m3fn)
+            exps = torch.randint(-8, -4, (hi - lo, page, n_tiles), device=device).float()
+            chunk.view(torch.float32)[..., d_latent // 4: d_latent // 4 + n_tiles] = torch.exp2(exps)
+            chunk.view(torch.bfloat16)[..., (d_latent + 4 * n_tiles) // 2:] = rows[..., d_latent:]
+    return data, scales
+
+
 def rotating(make_inputs, bytes_per_set: int, min_sets: int = 2, max_sets: int = 32):
     """Build enough independent input sets that cycling through them exceeds the L2 cache.
     Returns a zero-argument function yielding the next set."""

@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-KV_KINDS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
-KV_SCALES = ("token", "tensor")
+from ..kernels.kv_layout import KV_KINDS, KV_SCALES
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_same_device, check_tensor
 from .fp8_quant.reference import (
     FP8,
     act_quant_fp8_reference,
@@ -32,6 +33,7 @@ from .fp8_quant.reference import (
 )
 
 KV_KINDS = ("bf16", "fp8_e4m3", "fp8_ds_mla")
+KV_SCALES = ("token", "tensor")
 DS_MLA_TILE = 128
 
 
@@ -96,3 +98,35 @@ def dequantize_kv_rows(data: torch.Tensor, scales: torch.Tensor | None, kind: st
         latent = (q.reshape(-1, n_tiles, DS_MLA_TILE) * s[..., None]).reshape(-1, d_latent)
         return torch.cat([latent, rope], dim=1).reshape(*lead, d_latent + d_rope)
     raise ValueError(f"kind: {kind!r} not in {KV_KINDS}")
+
+
+def check_kv_pages(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str, d_latent: int, d_rope: int,
+                   scale: str | None = None, names: tuple[str, str] = ("kv_data", "kv_scales")) -> None:
+    """The rules of one layer's pages, shared by every op that reads or writes them: ``kv_data``
+    ``[num_pages, page_size, kv_row_width(kind)]`` contiguous in ``kv_data_dtype(kind)``; fp8_e4m3 scales
+    contiguous fp32, per token ``[num_pages, page_size]`` or per tensor ``[1]`` (``scale`` pins which; None
+    accepts either); no separate scales for the other kinds. ``names`` are the caller's argument names."""
+    data_name, scales_name = names
+    if kind not in KV_KINDS:
+        raise ValueError(f"kind: {kind!r} not in {KV_KINDS}")
+    if scale is not None and scale not in KV_SCALES:
+        raise ValueError(f"scale: {scale!r} not in {KV_SCALES}")
+    check_tensor(data_name, kv_data, dtype=kv_data_dtype(kind), ndim=3)
+    width = kv_row_width(kind, d_latent, d_rope)
+    if kv_data.shape[-1] != width:
+        raise ValueError(f"{data_name}: rows of {kv_data.shape[-1]} elements, but kind {kind!r} with "
+                         f"d_latent={d_latent}, d_rope={d_rope} needs {width}")
+    check_tensor(data_name, kv_data, contiguous=True)
+    if kind != "fp8_e4m3":
+        if kv_scales is not None:
+            raise ValueError(f"{scales_name}: must be None for kind {kind!r} (bf16 has none, fp8_ds_mla keeps "
+                             "them in the row)")
+        return
+    if kv_scales is None:
+        raise ValueError(f"{scales_name}: fp8_e4m3 pages need scales ([num_pages, page_size] or [1])")
+    check_tensor(scales_name, kv_scales, dtype=torch.float32, contiguous=True)
+    per_token, per_tensor = tuple(kv_data.shape[:2]), (1,)
+    allowed = {"token": [per_token], "tensor": [per_tensor], None: [per_token, per_tensor]}[scale]
+    if tuple(kv_scales.shape) not in allowed:
+        raise ValueError(f"{scales_name}: shape {tuple(kv_scales.shape)}, expected one of {allowed}")
+    check_same_device(**{data_name: kv_data, scales_name: kv_scales})

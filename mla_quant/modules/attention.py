@@ -160,15 +160,20 @@ class MLAttention(nn.Module):
         return self.o_proj(o.flatten(-2))
 
     # ------------------------------------------------------------------------------------ no cache
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Plain causal attention from position 0 (naive form, no cache): x [B, T, hidden] -> [B, T, hidden].
-        ``positions``: [T] or [B, T] (default ``arange(T)``), used for RoPE only."""
+    def plain_positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Checks x [B, T, hidden] and returns positions as [B, T] (default ``arange(T)``)."""
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected [B, T, {self.hidden_size}], got {tuple(x.shape)}")
         bsz, t, _ = x.shape
         if positions is None:
             positions = torch.arange(t, device=x.device)
-        positions = positions.expand(bsz, t) if positions.dim() == 1 else positions
+        return positions.expand(bsz, t) if positions.dim() == 1 else positions
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain causal attention from position 0 (naive form, no cache): x [B, T, hidden] -> [B, T, hidden].
+        ``positions``: [T] or [B, T] (default ``arange(T)``), used for RoPE only."""
+        positions = self.plain_positions(x, positions)
+        bsz, t, _ = x.shape
         q_nope, q_pe = self.project_q(x, positions)
         latent, k_pe = self.project_kv(x, positions)
         k_nope, v = self.expand_kv(latent)

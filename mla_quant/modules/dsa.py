@@ -118,12 +118,8 @@ class DSAttention(MLAttention):
                 topk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain causal DSA from position 0: x [B, T, hidden] -> (y [B, T, hidden], int32 [B, T, K]).
         ``topk_indices`` (shared layers only, required there): the previous full layer's selection."""
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x: expected [B, T, {self.hidden_size}], got {tuple(x.shape)}")
+        positions = self.plain_positions(x, positions)
         bsz, t, _ = x.shape
-        if positions is None:
-            positions = torch.arange(t, device=x.device)
-        positions = positions.expand(bsz, t) if positions.dim() == 1 else positions
         q_latent = self.q_latent(x)
         dense = t <= self.index_topk                 # every visible token is selected
         if self.indexer is not None:

@@ -12,37 +12,12 @@ import triton
 
 from .._backend import use_triton
 from .._checks import check_same_device, check_tensor
-from ..kv_layout import DS_MLA_TILE, KV_KINDS, kv_data_dtype, kv_row_width
+from ..kv_layout import DS_MLA_TILE, KV_KINDS, check_kv_pages
 from .reference import kv_append_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-KV_SCALES = ("token", "tensor")
 
 __all__ = ["kv_append", "kv_append_reference", "check_kv_pages", "check_slot_mapping"]
-
-
-def check_kv_pages(data: torch.Tensor, scales: torch.Tensor | None, kind: str, scale: str,
-                   d_latent: int, d_rope: int) -> None:
-    """Shape/dtype rules of one layer's latent pages (shared with the attention ops)."""
-    if kind not in KV_KINDS:
-        raise ValueError(f"kind: {kind!r} not in {KV_KINDS}")
-    if scale not in KV_SCALES:
-        raise ValueError(f"scale: {scale!r} not in {KV_SCALES}")
-    width = kv_row_width(kind, d_latent, d_rope)
-    check_tensor("data", data, dtype=kv_data_dtype(kind), ndim=3, contiguous=True)
-    if data.shape[-1] != width:
-        raise ValueError(f"data: rows of {data.shape[-1]} elements, {kind} with d_latent {d_latent} and "
-                         f"d_rope {d_rope} needs {width}")
-    if kind == "fp8_e4m3":
-        if scales is None:
-            raise ValueError("scales: fp8_e4m3 pages need scales")
-        check_tensor("scales", scales, dtype=torch.float32, contiguous=True)
-        want = tuple(data.shape[:2]) if scale == "token" else (1,)
-        if tuple(scales.shape) != want:
-            raise ValueError(f"scales: shape {tuple(scales.shape)}, per-{scale} scales need {want}")
-        check_same_device(data=data, scales=scales)
-    elif scales is not None:
-        raise ValueError(f"scales: {kind} pages take no separate scales")
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
@@ -72,7 +47,7 @@ def kv_append(rows: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor
     t, d = rows.shape
     if not 0 < d_latent < d:
         raise ValueError(f"d_latent: {d_latent} must lie in (0, {d}) for rows of {d} features")
-    check_kv_pages(data, scales, kind, scale, d_latent, d - d_latent)
+    check_kv_pages(data, scales, kind, d_latent, d - d_latent, scale, names=("data", "scales"))
     check_same_device(rows=rows, slot_mapping=slot_mapping, data=data)
     if slot_mapping.shape[0] != t:
         raise ValueError(f"slot_mapping: {slot_mapping.shape[0]} slots for {t} rows")

@@ -15,10 +15,10 @@ import triton
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from .._outputs import output_buffer
-from ..kv_layout import DS_MLA_TILE, KV_KINDS, kv_data_dtype, kv_row_width
+from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
-__all__ = ["mla_decode", "mla_decode_reference", "check_paged_kv", "choose_num_splits", "plan_num_splits",
+__all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
            "gather_kv_rows"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -28,30 +28,6 @@ FP8_DEQUANTS = ("convert", "bitcast")  # how FP8 tiles become dot operands (docs
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def check_paged_kv(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str, d_latent: int,
-                   d_rope: int) -> None:
-    """Shape / dtype checks of one layer's pages in the layout of ``kind`` (kv_layout.py)."""
-    if kind not in KV_KINDS:
-        raise ValueError(f"kind: {kind!r} not in {KV_KINDS}")
-    check_tensor("kv_data", kv_data, dtype=kv_data_dtype(kind), ndim=3)
-    width = kv_row_width(kind, d_latent, d_rope)
-    if kv_data.shape[2] != width:
-        raise ValueError(f"kv_data: rows of {kv_data.shape[2]} elements, but kind {kind!r} with "
-                         f"d_latent={d_latent}, d_rope={d_rope} needs {width}")
-    if kv_data.stride(2) != 1:
-        raise ValueError("kv_data: the row dimension must be contiguous")
-    if kind == "fp8_e4m3":
-        if kv_scales is None:
-            raise ValueError("kv_scales: fp8_e4m3 pages need scales ([num_pages, page_size] or [1])")
-        check_tensor("kv_scales", kv_scales, dtype=torch.float32)
-        per_token = tuple(kv_scales.shape) == tuple(kv_data.shape[:2])
-        if not per_token and kv_scales.numel() != 1:
-            raise ValueError(f"kv_scales: shape {tuple(kv_scales.shape)} is neither per token "
-                             f"{tuple(kv_data.shape[:2])} nor per tensor [1]")
-    elif kv_scales is not None:
-        raise ValueError(f"kv_scales: must be None for kind {kind!r} (bf16 has none, fp8_ds_mla keeps them in the row)")
 
 
 def _validate_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int,
@@ -165,7 +141,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     d_rope = d - d_latent
     if d_latent <= 0 or d_rope <= 0:
         raise ValueError(f"d_latent: {d_latent} must lie strictly inside q's last dimension {d}")
-    check_paged_kv(kv_data, kv_scales, kind, d_latent, d_rope)
+    check_kv_pages(kv_data, kv_scales, kind, d_latent, d_rope)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1)
     if block_table.shape[0] != bsz or seq_lens.shape[0] != bsz:

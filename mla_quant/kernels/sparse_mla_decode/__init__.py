@@ -19,37 +19,12 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
-from ..kv_layout import KV_KINDS, kv_data_dtype, kv_row_width
+from ..kv_layout import check_kv_pages
 from .reference import gather_kv_rows, sparse_mla_decode_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 __all__ = ["sparse_mla_decode", "sparse_mla_decode_reference", "gather_kv_rows", "check_kv_pages"]
-
-
-def check_kv_pages(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str, d_latent: int,
-                   d_rope: int) -> None:
-    """One layer's MLA pages: ``[num_pages, page_size, kv_row_width(kind)]`` and their scales."""
-    if kind not in KV_KINDS:
-        raise ValueError(f"kind: {kind!r} not in {KV_KINDS}")
-    check_tensor("kv_data", kv_data, dtype=kv_data_dtype(kind), ndim=3)
-    width = kv_row_width(kind, d_latent, d_rope)
-    if kv_data.shape[-1] != width:
-        raise ValueError(f"kv_data: rows of {kv_data.shape[-1]} elements, {kind} with latent {d_latent} + "
-                         f"rope {d_rope} needs {width}")
-    if not kv_data.is_contiguous():
-        raise ValueError("kv_data: pages must be one contiguous [num_pages, page_size, width] tensor")
-    if kind == "fp8_e4m3":
-        if kv_scales is None:
-            raise ValueError("kv_scales: fp8_e4m3 pages need scales ([num_pages, page_size] or [1])")
-        check_tensor("kv_scales", kv_scales, dtype=torch.float32)
-        if kv_scales.numel() != 1 and (tuple(kv_scales.shape) != tuple(kv_data.shape[:2])
-                                       or not kv_scales.is_contiguous()):
-            raise ValueError(f"kv_scales: shape {tuple(kv_scales.shape)}, expected [1] or a contiguous "
-                             f"{tuple(kv_data.shape[:2])}")
-        check_same_device(kv_data=kv_data, kv_scales=kv_scales)
-    elif kv_scales is not None:
-        raise ValueError(f"kv_scales: {kind} pages take no separate scales")
 
 
 def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens, req_ids, indices,
