@@ -279,6 +279,8 @@ def _smem_bytes(meta: dict, bn: int, bk: int, stages: int) -> int:
     """Pipelined operand tiles: an A tile and one (two when GATED) weight tiles per stage."""
     a_bytes = 1 if meta["W8A8"] else meta["a_ptr"].element_size()
     w_bits = {KIND_DENSE: 8 * meta["w1_ptr"].element_size(), KIND_FP8: 8, KIND_INT4: 4}[meta["KIND"]]
+    if meta["IEEE"]:  # fp32 compute: weight tiles are staged already widened to fp32 (256 KB seen on the H200)
+        w_bits = 32
     w_tiles = 2 if meta["GATED"] else 1
     return stages * (meta["BLOCK_M"] * bk * a_bytes + w_tiles * bn * bk * w_bits // 8)
 
@@ -292,7 +294,7 @@ def _prune(configs, named_args, **kwargs):
     out = []
     for c in configs:
         bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        if bm > 1 and _smem_bytes(meta, bn, bk, c.num_stages) > SMEM_BUDGET:
+        if _smem_bytes(meta, bn, bk, c.num_stages) > SMEM_BUDGET:
             continue
         if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
             continue
@@ -301,7 +303,22 @@ def _prune(configs, named_args, **kwargs):
         if 1 < bm <= 16 and bn > 64 or bm >= 64 and bn < 64:
             continue
         out.append(c)
-    return out or configs[:1]
+    return out or [_smallest_fitting(configs, meta)]
+
+
+def _smallest_fitting(configs, meta: dict) -> triton.Config:
+    """When every tile is pruned (fp32 activations with many rows per block, say): the config with the
+    least shared memory, its pipeline shortened until it fits, and a legal K tile for INT4 groups."""
+    def smem(c):
+        return _smem_bytes(meta, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
+    best = min(configs, key=smem)
+    kwargs = dict(best.kwargs)
+    if meta["KIND"] == KIND_INT4 and kwargs["BLOCK_K"] % meta["GROUP"]:
+        kwargs["BLOCK_K"] = meta["GROUP"]
+    stages = best.num_stages
+    while stages > 1 and _smem_bytes(meta, kwargs["BLOCK_N"], kwargs["BLOCK_K"], stages) > SMEM_BUDGET // 2:
+        stages -= 1
+    return triton.Config(kwargs, num_warps=best.num_warps, num_stages=stages)
 
 
 def _autotuned(configs):
