@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on nvidia-h200-x2 that keeps both GPUs busy (device time is the scarce resource):
+#   GPU 0: the fidelity pipeline (benchmarks/fidelity_session.sh, FID=1) or the NCCL parallel tests first
+#          (PARALLEL=1, both GPUs, before the split), then the GPU test suite (TESTS=1) beside it;
+#   GPU 1: the benchmarks alone, so their timings are not disturbed.
+# The device returns at most 8 files: everything lands in $OUT/session.tgz; the logs' tails go to stdout.
+# Usage: MLA_QUANT_COMMIT=<hash> bash benchmarks/h200x2_session.sh [benches, comma-separated] [pytest args]
+#   FID, TESTS, PARALLEL (0/1); STAGE_S bounds each parallel stage (seconds, default 540); BENCH_ARGS.
+#   Carry .whl (pytest-xdist, execnet) to spread the compile-bound test suite over the CPU cores.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+R=$(mktemp -d /tmp/session.XXXX)
+mkdir -p "$OUT" "$R/fid"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STAGE_S=${STAGE_S:-540}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$R/gpu.txt"
+XDIST=""
+if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site \
+    && XDIST="-n ${TEST_WORKERS:-12} --dist load"
+fi
+start=$(date +%s)
+if [ "${PARALLEL:-0}" = 1 ]; then
+  MLA_QUANT_DIST_BACKEND=nccl MLA_QUANT_SLOW=1 timeout 200 python -m pytest -q -p no:cacheprovider -rs tests/parallel \
+    >"$R/parallel_tests_nccl.log" 2>&1
+  echo "parallel tests: exit $? after $(( $(date +%s) - start ))s"; tail -2 "$R/parallel_tests_nccl.log"
+  STAGE_S=$(( STAGE_S - ($(date +%s) - start) ))
+fi
+pids=()
+if [ "${FID:-0}" = 1 ]; then
+  (CUDA_VISIBLE_DEVICES=0 OUT="$R/fid" timeout "$STAGE_S" bash benchmarks/fidelity_session.sh >"$R/fid/session.log" 2>&1) &
+  pids+=($!)
+fi
+if [ "${TESTS:-1}" = 1 ]; then
+  (CUDA_VISIBLE_DEVICES=0 timeout "$STAGE_S" python -m pytest -v -p no:cacheprovider $XDIST ${2:-tests} \
+    >"$R/gpu_tests.log" 2>&1) &
+  pids+=($!)
+fi
+CUDA_VISIBLE_DEVICES=1 timeout "$STAGE_S" python -m benchmarks ${1:+--only $1} ${BENCH_ARGS:-} --out "$R/h200.json" \
+  >"$R/bench.log" 2>&1
+echo "benches: exit $? after $(( $(date +%s) - start ))s"
+for p in "${pids[@]}"; do wait "$p"; done
+echo "all stages done after $(( $(date +%s) - start ))s"
+tar czf "$OUT/session.tgz" -C "$R" .
+grep -E "^\[|ceilings|wrote|Error|error" "$R/bench.log" | tail -30
+grep -E "passed|failed" "$R/gpu_tests.log" 2>/dev/null | tail -2
+grep -E "(FAILED|ERROR)" "$R/gpu_tests.log" 2>/dev/null | grep -v "^E " | head -30
+tail -6 "$R/fid/session.log" 2>/dev/null
