@@ -260,3 +260,24 @@ def test_gpu_fast_dequant_real_widths(t, block_m, level):
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=level, out=out)
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
     assert_rel_close(got.float(), ref.float(), 1e-2, f"fast {level} T={t} block_m={block_m}")
+
+
+@pytest.mark.parametrize("block_m", [1, 16, 64, 128])
+@pytest.mark.parametrize("kind, a_dtype, w8a8", [("bf16", torch.bfloat16, False), ("bf16", torch.float32, False),
+                                                 ("fp8_block", torch.bfloat16, False), ("fp8_block", torch.float32, False),
+                                                 ("fp8_block", torch.bfloat16, True), ("int4_group", torch.bfloat16, False)])
+def test_autotune_prune_keeps_a_fitting_tile(kind, a_dtype, w8a8, block_m):
+    """Shared memory on the H200 (OutOfResources seen for fp32 and bf16-upcast FP8 tiles): every pruned list
+    holds a tile the model says fits, and at least two tiles whenever the full list had a fitting one."""
+    from mla_quant.kernels.fused_moe import kernel as K
+
+    kind_id = {"bf16": K.KIND_DENSE, "fp8_block": K.KIND_FP8, "int4_group": K.KIND_INT4}[kind]
+    meta = dict(W8A8=w8a8, a_ptr=torch.empty(1, dtype=a_dtype), w1_ptr=torch.empty(1, dtype=torch.bfloat16),
+                KIND=kind_id, IEEE=a_dtype == torch.float32 and not w8a8, GATED=True, BLOCK_M=block_m, GROUP=32,
+                ACT_G=128, SBK=128)
+    configs = K.GEMV_CONFIGS if block_m == 1 else K.DOT_CONFIGS
+    kept = K._prune(configs, meta)
+    fits = [c for c in kept if K._smem_bytes(meta, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
+            <= K.SMEM_BUDGET]
+    assert fits, kept
+    assert all(c.kwargs["BLOCK_K"] % 32 == 0 for c in kept if kind == "int4_group")
