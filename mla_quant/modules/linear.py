@@ -132,9 +132,13 @@ class QuantLinear(nn.Module):
         return self.fmt.dequantize(self.tensors, dtype)
 
     def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize a dense [out, in] weight into this layer's format (in place)."""
+        """Quantize a dense [out, in] weight into this layer's format (in place), on the layer's device: a CPU
+        weight set on a CUDA layer is quantized by the CUDA kernels (also under ``MLA_QUANT_BACKEND=triton``)."""
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ValueError(f"set_weight: shape {tuple(w.shape)} != {(self.out_features, self.in_features)}")
+        device = next(iter(self.tensors.values())).device
+        if device.type != "meta":  # a meta layer keeps no values: quantize where the weight is
+            w = w.to(device)
         tensors = (self.fmt.quantize(w, self.dtype) if isinstance(self.fmt, BF16) else self.fmt.quantize(w))
         with torch.no_grad():
             for name, t in tensors.items():

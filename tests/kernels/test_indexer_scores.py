@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.indexer_k_append import quantize_indexer_keys_reference
@@ -109,18 +109,19 @@ def test_masked_positions_are_minus_inf_and_max_ctx_truncates(triton_backend):
         assert torch.isfinite(got[i, :p + 1]).all() and torch.all(got[i, p + 1:] == float("-inf"))
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=4), page_size=st.sampled_from([1, 8, 16, 64]),
        key_dtype=st.sampled_from([FP8, torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16), data=st.data())
-def test_hypothesis_ragged_steps_and_page_boundaries(lengths, page_size, key_dtype, seed, data):
-    tables = data.draw(page_tables(lengths, page_size, share_prefix=True))
-    k_cache, k_scale, table = make_keys(key_dtype, lengths, page_size, 32, seed, tables)
+def test_hypothesis_ragged_steps_and_page_boundaries(triton_backend, lengths, page_size, key_dtype, seed, data):
+    dev = triton_backend
+    tables = data.draw(page_tables(lengths, page_size, share_prefix=True))   # drawn on the CPU
+    k_cache, k_scale, table = make_keys(key_dtype, lengths, page_size, 32, seed, tables, device=dev)
     qlens = [data.draw(st.integers(1, n)) for n in lengths]
     req, pos = step_tokens(lengths, qlens)
-    q, w = torch.randn(len(req), 3, 32), torch.rand(len(req), 3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLA_QUANT_BACKEND", "triton")
-        got = indexer_scores(q, w, k_cache, k_scale, table, req, pos)
-    want = indexer_scores_reference(q, w, k_cache, k_scale, table, req, pos)
+    req, pos = req.to(dev), pos.to(dev)
+    q, w = torch.randn(len(req), 3, 32).to(dev), torch.rand(len(req), 3).to(dev)
+    got = indexer_scores(q, w, k_cache, k_scale, table, req, pos)
+    want = indexer_scores_reference(q, w, k_cache, k_scale, table, req, pos)   # pure torch on any device
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
     fin = torch.isfinite(want)
     assert rel_err(got[fin], want[fin]) < 1e-5

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.kv_layout import quantize_kv_rows
@@ -154,18 +154,20 @@ def test_indices_past_the_length_are_ignored():
     assert torch.equal(a[0], b[0]) and not torch.isnan(b[0]).any()
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(lengths=st.lists(st.integers(1, 80), min_size=1, max_size=4), page_size=st.sampled_from([1, 4, 16, 32]),
        k=st.sampled_from([15, 16, 17]), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16), draw=st.data())
-def test_hypothesis_ragged_batches_and_page_boundaries(lengths, page_size, k, kind, seed, draw):
+def test_hypothesis_ragged_batches_and_page_boundaries(triton_backend, lengths, page_size, k, kind, seed, draw):
+    dev = triton_backend
     dl, dr = 128, 32
-    tables = draw.draw(page_tables(lengths, page_size, share_prefix=True))
-    data, scales, table, seq_lens = make_pages(kind[0], kind[1], lengths, page_size, dl, dr, seed, tables)
+    tables = draw.draw(page_tables(lengths, page_size, share_prefix=True))   # drawn on the CPU
+    data, scales, table, seq_lens = make_pages(kind[0], kind[1], lengths, page_size, dl, dr, seed, tables,
+                                               device=dev)
     req_ids = torch.arange(len(lengths), dtype=torch.int32).repeat_interleave(2)
-    idx = random_indices(lengths, req_ids, k, seed)
-    q_nope, q_pe = torch.randn(len(req_ids), 2, dl), torch.randn(len(req_ids), 2, dr)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLA_QUANT_BACKEND", "triton")
-        out, lse = sparse_mla_decode(q_nope, q_pe, data, scales, kind[0], table, seq_lens, req_ids, idx, 0.1)
+    idx = random_indices(lengths, req_ids, k, seed).to(dev)
+    req_ids = req_ids.to(dev)
+    q_nope, q_pe = torch.randn(len(req_ids), 2, dl).to(dev), torch.randn(len(req_ids), 2, dr).to(dev)
+    out, lse = sparse_mla_decode(q_nope, q_pe, data, scales, kind[0], table, seq_lens, req_ids, idx, 0.1)
     ro, rl = sparse_mla_decode_reference(q_nope, q_pe, data, scales, kind[0], table, seq_lens, req_ids, idx, 0.1)
     assert rel_err(out, ro) < 1e-5
     finite = torch.isfinite(rl)

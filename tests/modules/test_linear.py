@@ -15,10 +15,11 @@ FORMATS = [BF16(), FP8Block(), FP8Block(act_quant=False), FP8Block(block=(64, 12
            Int4Group(64), Int4Group(128)]
 
 
-def _layer(fmt, n=70, k=256, dtype=torch.float32, bias=False, seed=0):
+def _layer(fmt, n=70, k=256, dtype=torch.float32, bias=False, seed=0, device="cpu"):
+    """A layer built on ``device`` (its weight quantized there) from CPU-seeded values; returns (layer, w)."""
     g = torch.Generator().manual_seed(seed)
-    layer = QuantLinear(k, n, bias=bias, fmt=fmt, dtype=dtype)
-    w = torch.randn(n, k, generator=g) * 0.05
+    layer = QuantLinear(k, n, bias=bias, fmt=fmt, dtype=dtype, device=device)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device)
     layer.set_weight(w)
     if bias:
         with torch.no_grad():
@@ -31,8 +32,7 @@ def _layer(fmt, n=70, k=256, dtype=torch.float32, bias=False, seed=0):
 def test_kernel_path_equals_reference_math(triton_backend, monkeypatch, fmt, dtype):
     if not HAS_CUDA:  # the interpreter's fp32 -> e4m3 cast rounds wrongly: quantize activations in torch
         monkeypatch.setattr(fp8_quant, "act_quant_fp8", fp8_quant.act_quant_fp8_reference)
-    layer, _ = _layer(fmt, dtype=dtype, bias=True)
-    layer.to(triton_backend)
+    layer, _ = _layer(fmt, dtype=dtype, bias=True, device=triton_backend)
     x = torch.randn(2, 5, 256, device=triton_backend).to(dtype)
     y = layer(x)
     ref = quant_linear_reference(x, layer.fmt, layer.tensors, layer.bias)
@@ -67,19 +67,32 @@ def test_weight_only_fp8_and_int4_use_the_dequantized_weight(torch_backend):
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(fmt=weight_formats(), m=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
 def test_quantized_output_tracks_the_dense_layer(triton_backend, fmt, m, seed):
-    layer, w = _layer(fmt, n=33, k=256, seed=seed)
-    layer.to(triton_backend)
+    layer, w = _layer(fmt, n=33, k=256, seed=seed, device=triton_backend)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(seed)).to(triton_backend)
     floor = {"bf16": 60, "fp8_block": 20, "int4_g": 10}[fmt.name]
-    assert sqnr_db((x @ w.to(x.device).T).cpu(), layer(x).cpu()) > floor
+    assert sqnr_db((x @ w.T).cpu(), layer(x).cpu()) > floor
 
 
 def test_forced_reference_kernel_field(triton_backend):
     fmt = Int4Group(32, kernel="torch")
-    layer, _ = _layer(fmt)
-    layer.to(triton_backend)
+    layer, _ = _layer(fmt, device=triton_backend)
     x = torch.randn(3, 256, device=triton_backend)
     assert torch.equal(layer(x), quant_linear_reference(x, fmt, layer.tensors))
+
+
+@pytest.mark.parametrize("fmt", [FP8Block(), Int4Group(32)], ids=repr)
+def test_a_cpu_weight_is_quantized_on_the_layers_device(triton_backend, fmt):
+    """set_weight moves the dense weight to the layer first: a CPU weight on a CUDA layer is quantized by the
+    CUDA kernel (bit-identical to quantizing a CUDA copy), not by the CPU path."""
+    w = torch.randn(33, 256) * 0.05
+    layer = QuantLinear(256, 33, fmt=fmt, device=triton_backend)
+    layer.set_weight(w)
+    same, _ = _layer(fmt, n=33, device=triton_backend)
+    same.set_weight(w.to(triton_backend))
+    for name, t in layer.tensors.items():
+        assert t.device.type == torch.device(triton_backend).type, name
+        assert_bitwise_equal(t, same.tensors[name], name)
+    assert sqnr_db(w, layer.weight_dequantized().cpu()) > 15
 
 
 def test_convert_between_storage_equal_formats_keeps_the_bits():
