@@ -9,7 +9,8 @@ combine kernel), so the Python launcher's overhead is not timed — as an engine
 
 FP8 cases also run with ``fp8_dequant="bitcast"`` (the kernel's FP8_BITCAST switch, docs/mla.md "FP8 fast
 dequant"): same case keys plus ``variant: "bitcast"``, peer = the BF16 case at the same shape, and
-``vs_convert`` = (default FP8 µs) / (bitcast µs). Default rows carry no ``variant`` key (unchanged).
+``vs_convert`` = (convert µs) / (bitcast µs). Rows without a ``variant`` key time ``fp8_dequant="convert"``;
+the library's default ``"auto"`` picks between the two by these rows (``mla_decode.BITCAST_MIN_ROWS``).
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);

@@ -447,7 +447,7 @@ def test_bitcast_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, l
                     for bm, bn, sp, w, st in BITCAST_CONFIGS]
     for splits, config in [(s, None) for s in (None, 1, 7)] + [(None, c) for c in configs[1:]]:
         out, lse = mla_decode(*args, num_splits=splits, fp8_dequant="bitcast", config=config)
-        o_conv, _ = mla_decode(*args, num_splits=splits)
+        o_conv, _ = mla_decode(*args, num_splits=splits, fp8_dequant="convert")
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
@@ -468,3 +468,15 @@ def test_bitcast_dequant_fp16_queries_gpu(kind, tensor_scale):
     o_ref, lse_ref = mla_decode_reference(*args)
     out, lse = mla_decode(*args, fp8_dequant="bitcast")
     assert rel_err(out.float(), o_ref.float()) < 1e-2 and torch.allclose(lse, lse_ref, atol=2e-2)
+
+
+def test_auto_fp8_dequant_rule():
+    """"auto": the bitcast only for fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS query rows and 4-byte aligned pages."""
+    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, _use_bitcast
+
+    pages = torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn)
+    assert _use_bitcast("auto", "fp8_e4m3", pages, BITCAST_MIN_ROWS)
+    assert not _use_bitcast("auto", "fp8_e4m3", pages, BITCAST_MIN_ROWS - 1)
+    assert not _use_bitcast("auto", "fp8_ds_mla", pages, 128) and not _use_bitcast("auto", "bf16", pages, 128)
+    assert not _use_bitcast("auto", "fp8_e4m3", torch.zeros(4, 16, 577, dtype=torch.float8_e4m3fn)[..., :576], 128)
+    assert _use_bitcast("bitcast", "fp8_ds_mla", pages, 1) and not _use_bitcast("convert", "fp8_e4m3", pages, 128)

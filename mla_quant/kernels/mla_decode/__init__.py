@@ -23,7 +23,11 @@ __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_s
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
-FP8_DEQUANTS = ("convert", "bitcast")  # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant")
+FP8_DEQUANTS = ("auto", "convert", "bitcast")  # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant")
+# "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
+# the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
+# conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
+BITCAST_MIN_ROWS = 64
 
 
 def _is_pow2(n: int) -> bool:
@@ -118,7 +122,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                seq_lens: torch.Tensor, softmax_scale: float, kind: str, d_latent: int, *,
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               config: dict | None = None, fp8_dequant: str = "convert") -> tuple[torch.Tensor, torch.Tensor]:
+               config: dict | None = None, fp8_dequant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -128,9 +132,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``out`` / ``lse``: optional preallocated outputs (contiguous, the shapes and dtypes above).
     ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
     ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``num_warps`` / ``num_stages`` (tests, tuning).
-    ``fp8_dequant``: ``"convert"`` (default: Triton's e4m3 conversion, ds_mla tile scales multiplied into the
-    tile) or ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within
-    rounding; docs/mla.md). Only the Triton path of FP8 pages is affected.
+    ``fp8_dequant``: ``"convert"`` (Triton's e4m3 conversion, ds_mla tile scales multiplied into the tile),
+    ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within rounding;
+    docs/mla.md) or ``"auto"`` (default: the bitcast for fp8_e4m3 pages with ≥ ``BITCAST_MIN_ROWS`` query rows
+    per request and 4-byte aligned pages, else the conversion). Only the Triton path of FP8 pages is affected.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -164,7 +169,18 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                              num_splits, max_seq_len, out, lse, config, fp8_dequant == "bitcast" and kind != "bf16")
+                              num_splits, max_seq_len, out, lse, config, _use_bitcast(fp8_dequant, kind, kv_data,
+                                                                                      s_q * heads))
+
+
+def _use_bitcast(fp8_dequant: str, kind: str, kv_data: torch.Tensor, rows: int) -> bool:
+    """The FP8_BITCAST switch for one call (see ``fp8_dequant`` in :func:`mla_decode`)."""
+    if kind == "bf16" or fp8_dequant == "convert":
+        return False
+    if fp8_dequant == "bitcast":
+        return True
+    aligned = not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
+    return kind == "fp8_e4m3" and rows >= BITCAST_MIN_ROWS and aligned
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
