@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mla_quant.kernels.fp8_quant import act_quant_fp8, kv_quant_fp8
 from mla_quant.kernels.fp8_quant.reference import FP8
 from mla_quant.kernels.kv_append import kv_append, kv_append_reference
 from mla_quant.kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width, quantize_kv_rows
@@ -137,6 +138,30 @@ def test_kernel_handles_non_finite_rows_like_the_reference(triton_backend, kind,
     kv_append(rows, slots, *got, kind, scale, 512)
     kv_append_reference(rows, slots, *want, kind, scale, 512)
     assert_pages_match(kind, scale, 512, got, want)
+
+
+@pytest.mark.parametrize("kind,scale", FORMATS[1:])
+def test_kernel_rounds_exactly_like_the_fp8_quant_kernels(triton_backend, kind, scale):
+    """The fp8_quant kernels are bit-exact with the shared references on the GPU; kv_append's kernel must do the
+    same fp32 ops (a once-rounded reciprocal times x, not a per-element division). Same fp32 values give the same
+    codes even through the interpreter's faulty e4m3 cast, so this comparison is exact on the CPU too."""
+    dev = triton_backend
+    torch.manual_seed(1)  # data on which a per-element division differs (checked on the interpreter too)
+    t = 64
+    rows = (torch.randn(t, 576) * torch.logspace(-2, 2, 576)).bfloat16().to(dev)
+    data, scales = make_pages(kind, scale, 4, 16, 512, 64, dev, 0.3)
+    slots = torch.arange(t, device=dev)
+    kv_append(rows, slots, data, scales, kind, scale, 512)
+    flat = data.view(-1, data.shape[-1])[:t]
+    if kind == "fp8_e4m3":
+        q, s = kv_quant_fp8(rows, scales if scale == "tensor" else None)
+        assert_bitwise_equal(flat, q, "e4m3 codes vs kv_quant_fp8")
+        assert_bitwise_equal(scales.view(-1)[:t] if scale == "token" else scales, s, "scales")
+    else:
+        q, s = act_quant_fp8(rows[:, :512].contiguous(), 128, ue8m0=True)
+        raw = flat.view(torch.uint8)
+        assert_bitwise_equal(raw[:, :512].contiguous().view(FP8), q, "latent codes vs act_quant_fp8")
+        assert_bitwise_equal(raw[:, 512:528].contiguous().view(torch.float32), s, "tile scales")
 
 
 def test_strided_rows_are_read_through_their_stride(triton_backend):

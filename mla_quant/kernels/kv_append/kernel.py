@@ -1,9 +1,11 @@
 """Triton kernel of ``kv_append``: each program quantizes BLOCK_T rows and stores them at their slots.
-Rounding follows ``kv_layout.quantize_kv_rows`` (``div_rn``, saturating e4m3 casts, ue8m0 tile scales)."""
+Rounding follows ``kv_layout.quantize_kv_rows`` op for op: the scale by ``div_rn``, then each value times the
+scale's reciprocal rounded once per row / tile (not a per-element division, which rounds differently), saturating
+e4m3 casts, ue8m0 tile scales."""
 import triton
 import triton.language as tl
 
-from .._triton_utils import cast_fp8_saturating, finite_abs, fp8_scale
+from .._triton_utils import cast_fp8_saturating, finite_abs, fp8_scale, reciprocal
 
 KIND_BF16 = tl.constexpr(0)  # index in kv_layout.KV_KINDS
 KIND_FP8_E4M3 = tl.constexpr(1)
@@ -35,16 +37,16 @@ def _kv_append_kernel(rows_ptr, slot_ptr, data_ptr, scale_ptr, T, stride_row, nu
             amax = tl.maximum(tl.max(finite_abs(lat), axis=1), tl.max(finite_abs(rope), axis=1))
             s = fp8_scale(amax, False)
             tl.store(scale_ptr + slot, s, mask=valid)
-            s = s[:, None]
+            r = reciprocal(s)[:, None]
         else:
-            s = tl.load(scale_ptr)
-        tl.store(dst + cl[None, :], cast_fp8_saturating(tl.div_rn(lat, s)), mask=m_lat)
-        tl.store(dst + D_LATENT + cr[None, :], cast_fp8_saturating(tl.div_rn(rope, s)), mask=m_rope)
+            r = reciprocal(tl.load(scale_ptr))
+        tl.store(dst + cl[None, :], cast_fp8_saturating(lat * r), mask=m_lat)
+        tl.store(dst + D_LATENT + cr[None, :], cast_fp8_saturating(rope * r), mask=m_rope)
     else:  # fp8_ds_mla: [e4m3 latent | fp32 ue8m0 tile scales | bf16 rope], bytes
         N_TILES: tl.constexpr = BLOCK_L // TILE
         tiles = tl.reshape(lat, (BLOCK_T, N_TILES, TILE))
         s = fp8_scale(tl.max(finite_abs(tiles), axis=2), True)                     # [BLOCK_T, N_TILES]
-        q = tl.reshape(cast_fp8_saturating(tl.div_rn(tiles, s[:, :, None])), (BLOCK_T, BLOCK_L))
+        q = tl.reshape(cast_fp8_saturating(tiles * reciprocal(s)[:, :, None]), (BLOCK_T, BLOCK_L))
         tl.store(dst + cl[None, :], q.to(tl.uint8, bitcast=True), mask=m_lat)
         ct = tl.arange(0, N_TILES)
         scale_dst = (dst + D_LATENT).to(tl.pointer_type(tl.float32))
