@@ -34,7 +34,7 @@ PATHS = [
     (1, 37, 256, 32, _cfg(1, 16, 64, 1)),
     (1, 50, 384, 128, _cfg(1, 32, 128, 3)),
     (5, 33, 256, 64, _cfg(16, 16, 128, 1)),
-    (16, 20, 96, 32, _cfg(16, 16, 64, 2)),
+    (16, 20, 288, 32, _cfg(16, 16, 128, 2)),  # split 1 gets the ragged last K block
     (70, 45, 192, 64, _cfg(32, 32, 128, 1)),
     (63, 17, 512, 32, _cfg(32, 16, 64, 4)),
 ]
@@ -59,9 +59,9 @@ def test_split_k_is_deterministic_and_agrees_with_one_split(triton_backend):
     dev = triton_backend
     packed, scale = _weights(40, 512, 32, dev)
     x = torch.randn(3, 512, device=dev)
-    a = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 4))
-    b = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 4))
-    c = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 1))
+    a = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 128, 4))
+    b = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 128, 4))
+    c = w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 128, 1))
     assert_bitwise_equal(a, b, "two split-K runs")
     assert_rel_close(a, c, 1e-6, "split 4 vs split 1")
 
@@ -72,7 +72,7 @@ def test_split_k_counters_are_reset_for_the_next_launch(triton_backend):
     from mla_quant.kernels.w4a16_gemm.kernel import _w4a16_gemm_kernel
 
     dev = triton_backend
-    m, n, k, split = 2, 32, 256, 4
+    m, n, k, split = 2, 32, 512, 4
     packed, scale = _weights(n, k, 32, dev)
     x = torch.randn(m, k, device=dev)
     part = torch.empty(split, m, n, device=dev)
@@ -81,10 +81,69 @@ def test_split_k_counters_are_reset_for_the_next_launch(triton_backend):
     for _ in range(2):
         y = poisoned_empty((m, n), torch.float32, dev)
         _w4a16_gemm_kernel[(2, split)](x, packed, scale, y, part, count, m, n, k, k, n, m * n, 2, 4, GROUP=32, BM=16,
-                                       BN=16, BK=64, SPLIT_K=split, GROUP_M=1, EVEN_K=True,
+                                       BN=16, BK=128, SPLIT_K=split, GROUP_M=1, EVEN_K=True,
                                        INTERPRET=not HAS_CUDA, DOT_PRECISION="ieee")
         assert_rel_close(y, ref, 1e-5, "reused workspace")
         assert count.tolist() == [0, 0]
+
+
+# tl.dot needs a K extent >= 16 on the GPU (the interpreter does not check it): the 16-row tile dots one nibble
+# plane, BK/8 long, so it needs BK >= 128. Guarded by the configs, the prune, the launcher and _dot itself.
+
+@pytest.mark.parametrize("fast", [0, 1, 2])
+def test_every_autotune_config_gives_tl_dot_a_k_extent_of_16(fast):
+    from mla_quant.kernels.w4a16_gemm.kernel import _configs, _prune, dot_k, dot_k_ok
+
+    for cfg in _configs(fast):
+        bm, bk = cfg.kwargs["BM"], cfg.kwargs["BK"]
+        for group in I.GROUP_SIZES:
+            if bk % group == 0:
+                assert dot_k_ok(bm, bk, group, fast), (cfg, group, dot_k(bm, bk, group, fast))
+    # the prune drops such a config (none above): a 16-row tile with BK = 64 dots 8-long planes
+    bad = triton.Config({"BM": 16, "BN": 16, "BK": 64, "GROUP_M": 1}, num_warps=4, num_stages=2)
+    assert dot_k(16, 64, 32) == 8 and _prune([bad], {"M_BUCKET": 16, "GROUP": 32}) == []
+    assert dot_k(16, 64, 32, fast=1) == 32 and dot_k(1, 64, 32) is None and dot_k(32, 64, 32) == 64
+
+
+@pytest.mark.parametrize("k", [32, 64, 96])
+def test_small_k_selects_legal_dots_and_matches_reference(triton_backend, k):
+    from mla_quant.kernels.w4a16_gemm import _interpreter_config
+    from mla_quant.kernels.w4a16_gemm.kernel import _configs, _prune, dot_k_ok, split_k
+
+    dev, m, n = triton_backend, 16, 24
+    auto = _interpreter_config(m, 32)
+    assert dot_k_ok(auto["BM"], auto["BK"], 32)
+    for cfg in _prune(_configs(0), {"M_BUCKET": m, "GROUP": 32}):  # the GPU autotuner's choices at 16 tokens
+        bm, bn, bk = cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.kwargs["BK"]
+        assert bm == 16 and dot_k_ok(bm, bk, 32) and split_k(m, n, k, bm, bn, bk, 132) == 1  # one K block
+    packed, scale = _weights(n, k, 32, dev, seed=k)
+    x = torch.randn(m, k, device=dev)
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    with pytest.raises(ValueError, match="config: BM=16, BK=64 gives tl.dot a K extent of 8"):
+        w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 64, 1))
+    for split in (1, 2):  # K < BK: the masked tail; split 2 leaves the second split empty (a zero partial)
+        y = w4a16_gemm(x, packed, scale, 32, out=poisoned_empty((m, n), torch.float32, dev),
+                       config=_cfg(16, 16, 128, split))
+        assert_rel_close(y, ref, 1e-5, f"K={k} split {split}")
+
+
+def test_kernel_refuses_a_short_dot_at_compile_time(triton_backend):
+    # the static_assert in _dot fails under the interpreter as the GPU compiler would
+    from mla_quant.kernels.w4a16_gemm.kernel import _w4a16_gemm_kernel
+
+    dev, m, n, k = triton_backend, 2, 16, 64
+    packed, scale = _weights(n, k, 32, dev)
+    x, y = torch.randn(m, k, device=dev), torch.empty(m, n, device=dev)
+    part, count = torch.empty(1, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    with pytest.raises(Exception) as info:  # InterpreterError on CPU, CompilationError on the GPU
+        _w4a16_gemm_kernel[(1, 1)](x, packed, scale, y, part, count, m, n, k, k, n, m * n, 2, 4, GROUP=32, BM=16,
+                                   BN=16, BK=64, SPLIT_K=1, GROUP_M=1, EVEN_K=True,
+                                   INTERPRET=not HAS_CUDA, DOT_PRECISION="ieee")
+    chain, err = [], info.value  # the compiler names the source line; the assertion's text is in its cause
+    while err is not None:
+        chain.append(str(err))
+        err = err.__cause__
+    assert any("K extent < 16" in text for text in chain), chain
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture],  # the fixture only sets the backend

@@ -80,7 +80,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
-    from .kernel import FAST_AUTOTUNED, _w4a16_gemm_kernel, split_k, w4a16_gemm_autotuned, workspace_bounds
+    from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, split_k, w4a16_gemm_autotuned,
+                         workspace_bounds)
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -98,6 +99,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
             raise ValueError(f"config: BK={bk} must be a multiple of group_size {group_size}")
         if bm == 1 and m != 1:
             raise ValueError(f"config: BM=1 is the one-token path, got {m} tokens")
+        if not dot_k_ok(bm, bk, group_size, fast_dequant):
+            kd = dot_k(bm, bk, group_size, fast_dequant)
+            raise ValueError(f"config: BM={bm}, BK={bk} gives tl.dot a K extent of {kd} < 16, which does not "
+                             f"compile on the GPU (the 16-row tile dots one nibble plane, BK/8: use BK >= 128)")
         split = cfg.pop("SPLIT_K", None) or split_k(m, n, k, bm, bn, bk, sms)
         max_split, max_tiles = split, triton.cdiv(m, bm) * triton.cdiv(n, bn)
     else:

@@ -13,7 +13,8 @@ One kernel, three shapes of work picked by constexprs:
   nibbles back into K order: no reshape, no layout shuffle. The one-token path accumulates
   ``codes · x`` in fp32 registers and applies the scale once per word (no tensor cores, no shared memory);
   the small-batch path scales, rounds to the activation dtype (as ``int4_dequantize`` stores the weight)
-  and runs ``mma`` on each plane.
+  and runs ``mma`` on each plane. A plane is BK/8 long and ``tl.dot`` needs K ≥ 16 on the GPU, so that
+  path takes BK ≥ 128 (``dot_k``; the launcher, the config prune and ``_dot`` check it).
 * ``BM >= 32`` (prefill): a tiled GEMM on the dequantized ``[BN, BK]`` tile, grouped tile order for L2 reuse.
 
 ``FAST_DEQUANT`` (0 = off, the default; ``w4a16_gemm(..., fast_dequant=1 or 2)`` or ``config["FAST_DEQUANT"]``)
@@ -57,8 +58,14 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0)
 
 
+# The shortest K extent a tensor-core tl.dot accepts on the GPU (16-bit and, in Triton 3.6, fp32 operands);
+# the interpreter does not check it, so _dot asserts it at compile time on both.
+MIN_DOT_K = tl.constexpr(16)
+
+
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tl.static_assert(a.shape[1] >= MIN_DOT_K, "tl.dot: K extent < 16 (the BM=16 nibble planes need BK >= 128)")
     if INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -208,13 +215,31 @@ def regime_bm(m_bucket: int) -> tuple[int, ...]:
     return (64, 128)
 
 
+def dot_k(bm: int, bk: int, group: int, fast: int = 0) -> int | None:
+    """The K extent of the kernel's ``tl.dot`` for a config (None: the one-token GEMV has no dot). The
+    FAST_DEQUANT tiles dot one group at a time, the 16-row tile one nibble plane (BK/8) at a time, the tiled
+    path the whole BK. It must be at least ``MIN_DOT_K`` for the kernel to compile on the GPU."""
+    if bm == 1:
+        return None
+    if fast:
+        return group
+    return bk // 8 if bm <= 16 else bk
+
+
+def dot_k_ok(bm: int, bk: int, group: int, fast: int = 0) -> bool:
+    kd = dot_k(bm, bk, group, fast)
+    return kd is None or kd >= MIN_DOT_K.value
+
+
 def _prune(configs, named_args, **kwargs):
     bucket = named_args["M_BUCKET"]
     group = named_args.get("GROUP", kwargs.get("GROUP"))
 
     def suits(cfg):
-        fast_tile_at_one = bucket == 1 and cfg.kwargs.get("FAST_DEQUANT") and cfg.kwargs["BM"] == 16
-        return (cfg.kwargs["BM"] in regime_bm(bucket) or fast_tile_at_one) and cfg.kwargs["BK"] % group == 0
+        kw = cfg.kwargs
+        fast_tile_at_one = bucket == 1 and kw.get("FAST_DEQUANT") and kw["BM"] == 16
+        return ((kw["BM"] in regime_bm(bucket) or fast_tile_at_one) and kw["BK"] % group == 0
+                and dot_k_ok(kw["BM"], kw["BK"], group, kw.get("FAST_DEQUANT", 0)))
 
     return [cfg for cfg in configs if suits(cfg)]
 
