@@ -184,7 +184,7 @@ def run(ctx: Context) -> list[dict]:
                 active = sum(ids.unique().numel() for _, ids in routings) / SETS
                 act_bytes = 2 * 2 * t * HIDDEN
                 flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
-                bm = choose_block_m(t * TOP_K, E)
+                bm = choose_block_m(t * TOP_K, E, args["kind"])
 
                 def routed(block_m=None, **fast):
                     return [fused_moe(x, w, ids, projs["gate_proj"], projs["up_proj"], projs["down_proj"],

@@ -161,6 +161,7 @@ def test_strided_experts_in_the_kernel(triton_backend):
 
 def test_block_m_heuristic():
     assert choose_block_m(8, 384) == 1 and choose_block_m(128, 384) == 1  # decode: one row per active expert
+    assert choose_block_m(8, 384, "fp8_block") == 16 and choose_block_m(8, 384, "bf16") == 16  # tensor cores
     assert choose_block_m(512, 384) == 16 and choose_block_m(8192, 384) == 32
     assert choose_block_m(131072, 256) == 128
 

@@ -25,12 +25,14 @@ WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
 __all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS"]
 
 
-def choose_block_m(num_assignments: int, num_experts: int) -> int:
-    """Rows per block. 1 (a GEMV per assignment) while nearly every active expert gets one row (decode at
-    a few tokens), then the smallest tensor-core tile (16), larger tiles as the rows per expert grow
-    (prefill), so each expert's weights are re-read less often."""
+def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_group") -> int:
+    """Rows per block. INT4 weights: 1 (a GEMV per assignment) while nearly every active expert gets one row
+    (decode at a few tokens); the tensor-core form dequantizes a whole tile per 16 rows there and was slower
+    on the H200 (283 vs 192 µs at one Kimi token). BF16 and FP8 weights feed the tensor cores directly, so
+    they take the smallest tensor-core tile (16) at once (FP8 at one token: 112 vs 254 µs as a GEMV). Larger
+    tiles follow as the rows per expert grow (prefill), so each expert's weights are re-read less often."""
     per_expert = num_assignments / max(num_experts, 1)
-    if per_expert <= 0.5:
+    if per_expert <= 0.5 and kind == "int4_group":
         return 1
     for bm in (16, 32, 64):
         if per_expert <= bm:
@@ -166,7 +168,7 @@ def fused_moe(
     if tokens == 0:
         return result
     num_assignments = tokens * top_k
-    bm = block_m or choose_block_m(num_assignments, num_experts)
+    bm = block_m or choose_block_m(num_assignments, num_experts, kind)
     topk_ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
