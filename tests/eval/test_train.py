@@ -63,8 +63,10 @@ def test_smoke_train_then_fidelity(tmp_path, one_thread):
     run = tmp_path / "run"
     assert train.main(["--out", str(run), "--smoke"]) == 0
     summary = json.loads((run / "train.json").read_text())
-    assert summary["train"]["steps"] == 6 and summary["qat"]["steps"] == 2
-    assert summary["val_loss_saved"] < summary["unigram_val_loss"]
+    assert summary["train"]["steps"] == 40 and summary["qat"]["steps"] == 2
+    # Beats the unigram baseline measured on the same validation bytes by a clear margin (>= 0.49 nats seen
+    # over five stdlib folders x two seeds; an untrained or broken model sits at or above the baseline).
+    assert summary["val_loss_saved"] < summary["unigram_val_windows_loss"] - 0.2
     assert (run / "model" / "config.json").is_file() and (run / "model_qat" / "config.json").is_file()
     qat_cfg = json.loads((run / "model_qat" / "config.json").read_text())["text_config"]["quantization_config"]
     assert qat_cfg["format"] == "pack-quantized"          # the QAT export holds real INT4 experts
