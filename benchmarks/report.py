@@ -1,7 +1,9 @@
 """Markdown tables from a results file, one per bench: ``python -m benchmarks.report [--results F]``.
 
 Columns: the case keys, our median, the peer and its median, the speed-up over the peer, and the achieved
-rate against the run's ceilings (copy bandwidth, bf16 matmul rate).
+rate against the run's ceilings (copy bandwidth, bf16 matmul rate); some benches add their own columns
+(:data:`EXTRA_COLUMNS`). A row without a time (``median_us`` None, e.g. ``e2e_decode``'s out-of-pages rows)
+shows "—"; a peer that has none shows its ``peer_status``.
 """
 from __future__ import annotations
 
@@ -19,6 +21,23 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _pages(r: dict) -> str:
+    return f"{r['pages_needed']} / {r['pages_held']}" if "pages_needed" in r else ""
+
+
+# bench -> (header, row -> cell) columns after the case keys' and µs
+EXTRA_COLUMNS = {
+    "e2e_decode": (("tokens/s", lambda r: _fmt(r["tokens_per_s"]) if r.get("tokens_per_s") else "—"),
+                   ("pages needed / held", _pages)),
+}
+
+
+def _peer_us(r: dict) -> str:
+    if r.get("peer_median_us"):
+        return _fmt(r["peer_median_us"])
+    return r.get("peer_status", "") if r.get("peer") and r.get("peer_status") != "ok" else ""
+
+
 def tables(results: dict) -> str:
     meta = results["meta"]
     copy, mm = meta["copy_tbps"], meta["bf16_tflops"]
@@ -29,16 +48,19 @@ def tables(results: dict) -> str:
            f"`{meta['commit'][:10]}`; ceilings measured in the run: copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s.\n"]
     for bench, rows in by_bench.items():
         keys = list(dict.fromkeys(k for r in rows for k in r["case"]))
-        head = keys + ["µs", "peer", "peer µs", "× peer", "% copy BW", "% bf16 MMA"]
+        extra = EXTRA_COLUMNS.get(bench, ())
+        head = keys + ["µs"] + [h for h, _ in extra] + ["peer", "peer µs", "× peer", "% copy BW", "% bf16 MMA"]
         out.append(f"### `{bench}`\n")
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
         for r in rows:
             tb = r.get("tbps")
             tf = r.get("tflops")
-            cells = [_fmt(r["case"].get(k, "")) for k in keys] + [
-                _fmt(r["median_us"]), r.get("peer") or "", _fmt(r.get("peer_median_us") or ""),
-                _fmt(r["peer_median_us"] / r["median_us"]) if r.get("peer_median_us") else "",
+            timed = r["median_us"] is not None
+            cells = [_fmt(r["case"].get(k, "")) for k in keys] + [_fmt(r["median_us"]) if timed else "—"] + [
+                cell(r) for _, cell in extra] + [
+                r.get("peer") or "", _peer_us(r),
+                _fmt(r["peer_median_us"] / r["median_us"]) if timed and r.get("peer_median_us") else "",
                 f"{100 * tb / copy:.0f}" if tb else "", f"{100 * tf / mm:.0f}" if tf else ""]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
