@@ -269,7 +269,7 @@ def test_gpu_fast_dequant_real_widths(t, block_m, level):
                                                  ("fp8_block", torch.bfloat16, True), ("int4_group", torch.bfloat16, False)])
 def test_autotune_prune_keeps_a_fitting_tile(kind, a_dtype, w8a8, block_m):
     """Shared memory on the H200 (OutOfResources seen for fp32 and bf16-upcast FP8 tiles): every pruned list
-    holds a tile the model says fits, and INT4 K tiles stay whole groups."""
+    holds a tile the model says fits, and every tile kept obeys the format's K rules."""
     from mla_quant.kernels.fused_moe import kernel as K
 
     kind_id = {"bf16": K.KIND_DENSE, "fp8_block": K.KIND_FP8, "int4_group": K.KIND_INT4}[kind]
@@ -281,4 +281,6 @@ def test_autotune_prune_keeps_a_fitting_tile(kind, a_dtype, w8a8, block_m):
     fits = [c for c in kept if K._smem_bytes(meta, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
             <= K.SMEM_BUDGET]
     assert fits, kept
-    assert all(c.kwargs["BLOCK_K"] % 32 == 0 for c in kept if kind == "int4_group")
+    assert all(K._legal(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], meta) for c in kept)
+    if w8a8 and block_m > 1:  # one scale pair per K tile
+        assert all(128 % c.kwargs["BLOCK_K"] == 0 for c in kept)

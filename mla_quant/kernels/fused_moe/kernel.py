@@ -289,20 +289,24 @@ def _smem_bytes(meta: dict, bn: int, bk: int, stages: int) -> int:
     return stages * (meta["BLOCK_M"] * bk * a_bytes + w_tiles * bn * bk * w_bits // 8)
 
 
+def _legal(bn: int, bk: int, meta: dict) -> bool:
+    """Format rules of a tile: INT4 K tiles hold whole groups; W8A8 dots keep each K tile inside one
+    activation group and one weight scale block (one scale pair per partial product)."""
+    if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
+        return False
+    return not (meta["W8A8"] and meta["BLOCK_M"] > 1 and (meta["ACT_G"] % bk or meta["SBK"] % bk))
+
+
 def _prune(configs, named_args, **kwargs):
-    """Keep the tiles the format can use: INT4 needs BLOCK_K ≥ its group; W8A8 dots need each K tile
-    inside one scale block; wide N tiles only pay off with many rows per block; the pipelined tiles must
-    fit in shared memory (Triton 3.6 raised OutOfResources at launch for a bf16 gate-up tile here)."""
+    """Keep the tiles the format can use (``_legal``); wide N tiles only pay off with many rows per block;
+    the pipelined tiles must fit in shared memory (Triton 3.6 raised OutOfResources at launch for a bf16
+    gate-up tile here)."""
     meta = {**named_args, **kwargs}
     bm = meta["BLOCK_M"]
     out = []
     for c in configs:
         bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        if _smem_bytes(meta, bn, bk, c.num_stages) > SMEM_BUDGET:
-            continue
-        if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
-            continue
-        if meta["W8A8"] and bm > 1 and (meta["ACT_G"] % bk or meta["SBK"] % bk):
+        if _smem_bytes(meta, bn, bk, c.num_stages) > SMEM_BUDGET or not _legal(bn, bk, meta):
             continue
         if 1 < bm <= 16 and bn > 64 or bm >= 64 and bn < 64:
             continue
@@ -316,14 +320,15 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _smallest_fitting(configs, meta: dict) -> triton.Config:
-    """When every tile is pruned (fp32 activations with many rows per block, say): the config with the
-    least shared memory, its pipeline shortened until it fits, and a legal K tile for INT4 groups."""
+    """The legal config with the least shared memory (K tile cut to a legal size where none is legal), its
+    pipeline shortened until it fits in 3/4 of the budget."""
     def smem(c):
         return _smem_bytes(meta, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
-    best = min(configs, key=smem)
+    legal = [c for c in configs if _legal(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], meta)]
+    best = min(legal or configs, key=smem)
     kwargs = dict(best.kwargs)
-    if meta["KIND"] == KIND_INT4 and kwargs["BLOCK_K"] % meta["GROUP"]:
-        kwargs["BLOCK_K"] = meta["GROUP"]
+    if not legal:  # the largest legal K tile: a group (INT4) or the scale block (W8A8)
+        kwargs["BLOCK_K"] = meta["GROUP"] if meta["KIND"] == KIND_INT4 else min(meta["ACT_G"], meta["SBK"])
     stages = best.num_stages
     while stages > 1 and _smem_bytes(meta, kwargs["BLOCK_N"], kwargs["BLOCK_K"], stages) > SMEM_BUDGET * 3 // 4:
         stages -= 1
