@@ -35,8 +35,10 @@ timeout 390 "$PY" -m mla_quant.eval.train --out "$RUN" $TRAIN_ARGS $SRC >"$OUT/t
 echo "train: exit $? after $(( $(date +%s) - start ))s"; grep -E "planning|saved|Error|error" "$OUT/train.log" | tail -8
 cp "$RUN/train.json" "$OUT/" 2>/dev/null || true
 QAT=""; [ -f "$RUN/model_qat/config.json" ] && QAT="--qat-checkpoint $RUN/model_qat"
+# The evaluation runs the ops' pure-torch references on the GPU (MLA_QUANT_BACKEND=torch): the formats' numerics
+# with no Triton compiles or autotuning in the way (the kernels equal these references: tests/kernels).
 # shellcheck disable=SC2086
-timeout 170 "$PY" -m mla_quant.eval.fidelity_run --checkpoint "$RUN/model" $QAT --out "$RUN/fidelity" $FID_ARGS $SRC \
+MLA_QUANT_BACKEND=${FID_BACKEND:-torch} timeout "${FID_TIMEOUT:-170}" "$PY" -m mla_quant.eval.fidelity_run --checkpoint "$RUN/model" $QAT --out "$RUN/fidelity" $FID_ARGS $SRC \
   >"$OUT/fidelity.log" 2>&1
 echo "fidelity: exit $? after $(( $(date +%s) - start ))s"; tail -4 "$OUT/fidelity.log"
 cp "$RUN"/fidelity/fidelity.{json,md,png} "$OUT/" 2>/dev/null || true

@@ -232,10 +232,13 @@ def main(argv=None) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     scales = None
+    print(f"[fidelity] {setting['parameters'] / 1e6:.1f} M parameters on {setting['device']}, contexts "
+          f"{args.contexts}, {len(args.variants)} variants ({time.time() - t0:.0f}s)", flush=True)
     if "kv fp8_e4m3 per-tensor" in args.variants:
         calib = windows(val, args.batch, max(args.contexts), gen).to(device)
         scales = calibrate_kv_scales(reference, calib, args.page_size)
         setting["kv_tensor_scales"] = scales
+        print(f"[fidelity] per-tensor KV scales calibrated ({time.time() - t0:.0f}s)", flush=True)
     models: dict[str, nn.Module | None] = {}
     for name in args.variants:
         if name in WEIGHT_VARIANTS:
@@ -247,6 +250,7 @@ def main(argv=None) -> int:
                 models[name] = None
                 result["skipped"].append(f"{name} (build failed: {type(e).__name__}: {e})")
             result["timings_s"][f"build {name}"] = time.time() - t
+            print(f"[fidelity] built {name} ({time.time() - t0:.0f}s)", flush=True)
             if models[name] is None and name == "experts int4 qat" and not args.qat_checkpoint:
                 result["skipped"].append(f"{name} (no --qat-checkpoint)")
     for ci, length in enumerate(args.contexts):
@@ -258,6 +262,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             ref = reference(ids).float()
         setting["nll_ref"].append(_nll(ref[:, length - args.eval_tokens:-1], ids[:, length - args.eval_tokens + 1:]))
+        print(f"[fidelity] context {length}: reference logits ({time.time() - t0:.0f}s)", flush=True)
         for name in args.variants:
             if name not in KV_VARIANTS and models.get(name) is None:
                 continue
