@@ -5,7 +5,8 @@
 #   GPU 1: the benchmarks alone, so their timings are not disturbed.
 # The device returns at most 8 files: everything lands in $OUT/session.tgz; the logs' tails go to stdout.
 # Usage: MLA_QUANT_COMMIT=<hash> bash benchmarks/h200x2_session.sh [benches, comma-separated] [pytest args]
-#   FID, TESTS, PARALLEL (0/1); STAGE_S bounds each parallel stage (seconds, default 540); BENCH_ARGS.
+#   FID, TESTS, PARALLEL (0/1); TEST_GPU=1 runs the tests on GPU 1 before the benches (TEST_TIMEOUT) instead of
+#   beside the fidelity run; STAGE_S bounds each parallel stage (seconds, default 540); BENCH_ARGS.
 #   Carry .whl (pytest-xdist, execnet) to spread the compile-bound test suite over the CPU cores.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -32,12 +33,20 @@ if [ "${FID:-0}" = 1 ]; then
   (CUDA_VISIBLE_DEVICES=0 OUT="$R/fid" timeout "$STAGE_S" bash benchmarks/fidelity_session.sh >"$R/fid/session.log" 2>&1) &
   pids+=($!)
 fi
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${TESTS:-1}" = 1 ] && [ "${TEST_GPU:-0}" = 0 ]; then
   (CUDA_VISIBLE_DEVICES=0 timeout "$STAGE_S" python -m pytest -v -p no:cacheprovider $XDIST ${2:-tests} \
     >"$R/gpu_tests.log" 2>&1) &
   pids+=($!)
 fi
-CUDA_VISIBLE_DEVICES=1 timeout "$STAGE_S" python -m benchmarks ${1:+--only $1} ${BENCH_ARGS:-} --out "$R/h200.json" \
+bench_s=$STAGE_S
+if [ "${TESTS:-1}" = 1 ] && [ "${TEST_GPU:-0}" = 1 ]; then  # tests first on GPU 1, then the benches alone there
+  t0=$(date +%s)
+  CUDA_VISIBLE_DEVICES=1 timeout "${TEST_TIMEOUT:-150}" python -m pytest -v -p no:cacheprovider --tb=short $XDIST \
+    ${2:-tests} >"$R/gpu_tests.log" 2>&1
+  echo "tests: exit $? after $(( $(date +%s) - start ))s"
+  bench_s=$(( STAGE_S - ($(date +%s) - t0) ))
+fi
+CUDA_VISIBLE_DEVICES=1 timeout "$bench_s" python -m benchmarks ${1:+--only $1} ${BENCH_ARGS:-} --out "$R/h200.json" \
   >"$R/bench.log" 2>&1
 echo "benches: exit $? after $(( $(date +%s) - start ))s"
 for p in "${pids[@]}"; do wait "$p"; done
