@@ -14,6 +14,10 @@ over the gathered rows (``sparse_mla_decode``) — timed as one CUDA-graph repla
 gathered rows, q and out (the least the step reads; the fp32 scores round trip is not counted);
 ``flops``: 2·ctx·32·128 (indexer) + 2·H·topk·(576 + 512) (attention) per request.
 
+``topk``: ``topk_indices`` on CUDA is the Triton radix select of ``kernels/topk`` (three 11/11/10-bit
+histogram rounds and a select pass, each spread over ~4 programs per SM across the rows; rows of N ≤ topk
+skip selection); ``topk_us`` times it alone over the step's fp32 scores [batch, ctx].
+
 ``dsa_prefill`` (one chunk of ``tokens`` new tokens closing a ``ctx``-token request, BF16 KV as the prefill
 recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
 attention (the same kernel, one program per token and head block), against H2's dense ``mla_prefill`` over the

@@ -1,20 +1,33 @@
+"""topk_indices: the Triton radix select against the torch.topk reference, compared as selections (sets of
+columns whose values are the k largest, ties in any order), on random rows, exact ties, -inf tails, NaN,
+lengths around k, tiny tiles with many programs per row (the atomics), and real sizes on the GPU."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_quant.kernels.topk import topk_indices, topk_indices_reference
+from mla_quant.kernels.topk import _radix_topk, topk_indices, topk_indices_reference
+from tests.conftest import HAS_CUDA
+
+NEG_INF = float("-inf")
+POISON = torch.iinfo(torch.int32).min
 
 
 def selection_is_valid(scores, idx, k):
     """idx selects min(k, N) entries of each row: all finite entries when there are ≤ k of them (-1 for the
-    rest), else k distinct entries whose values are the k largest (as a multiset: ties may pick any)."""
+    rest), else k distinct entries whose values are the k largest (as a multiset: ties may pick any).
+    NaN counts as the largest value (torch.topk's order); -inf entries must come out as -1."""
     n = scores.shape[-1]
     assert idx.dtype == torch.int32 and idx.shape == (scores.shape[0], min(k, n))
+    assert not (idx == POISON).any(), "a slot was not written"
+    scores, idx = scores.float().cpu(), idx.cpu()
     for row, sel in zip(scores, idx):
-        finite = torch.isfinite(row)
+        row = row.nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=NEG_INF)   # NaN ranks above everything
+        finite = row > NEG_INF
         picked = sel[sel >= 0].long()
+        assert ((sel >= 0) | (sel == -1)).all() and (sel < n).all()
         assert picked.unique().numel() == picked.numel()
+        assert (row[picked] > NEG_INF).all(), "a -inf column must come out as -1"
         if int(finite.sum()) <= k:
             assert set(picked.tolist()) == set(finite.nonzero().flatten().tolist())
         else:
@@ -22,8 +35,14 @@ def selection_is_valid(scores, idx, k):
             assert torch.equal(row[picked].sort().values, row.topk(min(k, n)).values.sort().values)
 
 
+def radix(scores, k, **kw):
+    """The Triton path into an output poisoned with int32 min, so a slot left unwritten fails the check."""
+    out = torch.full((scores.shape[0], min(k, scores.shape[1])), POISON, dtype=torch.int32, device=scores.device)
+    return _radix_topk(scores, k, out=out, **kw)
+
+
 def test_fewer_valid_than_k_pads_with_minus_one():
-    scores = torch.tensor([[3.0, float("-inf"), 1.0, float("-inf"), 2.0]])
+    scores = torch.tensor([[3.0, NEG_INF, 1.0, NEG_INF, 2.0]])
     idx = topk_indices(scores, 4)
     assert sorted(idx[0].tolist()) == [-1, 0, 2, 4]
     assert topk_indices(scores, 9).shape == (1, 5)
@@ -36,16 +55,97 @@ def test_ties_are_any_valid_choice():
 
 @given(k=st.integers(1, 20), n=st.integers(1, 40), rows=st.integers(1, 6), seed=st.integers(0, 2**16),
        causal=st.booleans(), ties=st.booleans())
-def test_selection_around_k(k, n, rows, seed, causal, ties):
+def test_reference_selection_around_k(k, n, rows, seed, causal, ties):
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(rows, n, generator=g)
     if ties:
         scores = scores.round()
     if causal:  # row r sees a prefix whose length straddles k: k-1, k, k+1, ...
         visible = torch.tensor([max(1, min(n, k - 1 + r)) for r in range(rows)])
-        scores = scores.masked_fill(torch.arange(n)[None, :] >= visible[:, None], float("-inf"))
-    selection_is_valid(scores, topk_indices(scores, k), k)
-    assert torch.equal(topk_indices(scores, k), topk_indices_reference(scores, k))
+        scores = scores.masked_fill(torch.arange(n)[None, :] >= visible[:, None], NEG_INF)
+    selection_is_valid(scores, topk_indices_reference(scores, k), k)
+
+
+@pytest.mark.parametrize("rows, n, k", [(3, 5000, 300), (2, 3001, 2048), (1, 2049, 2048), (4, 1025, 7)])
+def test_kernel_random_rows(triton_backend, rows, n, k):
+    """Default tiles (1024 columns), several programs per row; odd lengths and k = 2048 near the row length."""
+    scores = torch.randn(rows, n, device=triton_backend)
+    idx = topk_indices(scores, k)
+    selection_is_valid(scores, idx, k)
+    selection_is_valid(scores, radix(scores, k), k)
+
+
+def rows_of_kind(kind: str, rows: int, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, n, generator=g)
+    if kind == "binary":            # scores in {0, 1}: the threshold is an exact tie
+        return torch.randint(0, 2, (rows, n), generator=g).float()
+    if kind == "equal":
+        return torch.full((rows, n), 0.5)
+    if kind == "few_levels":        # ties at many values, negatives and zeros of both signs
+        return (x * 2).round() * torch.where(torch.rand(rows, n, generator=g) < 0.5, -1.0, 1.0)
+    if kind == "inf_tail":          # causal rows: k-1, k, k+1 and n visible columns
+        visible = torch.tensor([k - 1, k, k + 1, n])[:rows, None]
+        return x.masked_fill(torch.arange(n)[None, :] >= visible, NEG_INF)
+    if kind == "all_masked":
+        return torch.full((rows, n), NEG_INF)
+    if kind == "specials":          # NaN (torch.topk: the largest), ±inf, -0.0 ties +0.0, denormals
+        x[:, 3], x[:, 5], x[:, 7] = float("nan"), float("inf"), NEG_INF
+        x[:, 10:30], x[:, 30:50] = 0.0, -0.0
+        x[:, 50:60] = 1e-40
+        return x
+    if kind == "narrow":            # every key shares its top 22 bits: only the last radix round separates them
+        return 1.0 + torch.randint(0, 1024, (rows, n), generator=g).float() * 2.0 ** -23
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "inf_tail", "all_masked", "specials", "narrow"])
+def test_kernel_hard_rows(triton_backend, kind):
+    """Small tiles and many programs per row, so the histogram atomics and the slot counters are contended."""
+    g = torch.Generator().manual_seed(1)
+    k, n = 100, 777
+    scores = rows_of_kind(kind, 4, n, k, g).to(triton_backend)
+    selection_is_valid(scores, radix(scores, k, block=64, chunks=5), k)
+    selection_is_valid(scores, radix(scores, k, block=128, chunks=1), k)
+
+
+@pytest.mark.parametrize("n", [99, 100, 101])
+def test_kernel_lengths_around_k(triton_backend, n):
+    """N = k - 1 and k take the no-selection path (every column); k + 1 the radix select."""
+    scores = torch.randn(3, n, device=triton_backend)
+    scores[1, 50:] = NEG_INF
+    idx = radix(scores, 100, block=32, chunks=3)
+    assert idx.shape == (3, min(100, n))
+    selection_is_valid(scores, idx, 100)
+
+
+def test_kernel_half_precision_strided_rows(triton_backend):
+    """bf16/fp16 scores (exact in fp32) and rows that are a view of a wider buffer (row stride != N)."""
+    wide = torch.randn(3, 900, device=triton_backend)
+    view = wide[:, :700]
+    selection_is_valid(view, radix(view, 64, block=64, chunks=4), 64)
+    for dtype in (torch.bfloat16, torch.float16):
+        scores = wide.to(dtype)
+        selection_is_valid(scores, topk_indices(scores, 64), 64)
+    transposed = torch.randn(500, 2, device=triton_backend).t()          # column stride 2
+    selection_is_valid(transposed, topk_indices(transposed, 50), 50)
+
+
+def test_kernel_empty_batch(triton_backend):
+    assert topk_indices(torch.randn(0, 300, device=triton_backend), 10).shape == (0, 10)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
+@given(k=st.integers(1, 40), n=st.integers(1, 300), rows=st.integers(1, 4), seed=st.integers(0, 2**16),
+       kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow"]),
+       block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9))
+def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        scores = torch.randn(rows, n, generator=g)
+    else:
+        scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
+    scores = scores.to(triton_backend)
+    selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks), k)
 
 
 def test_bad_inputs():
@@ -55,3 +155,58 @@ def test_bad_inputs():
         topk_indices(torch.randn(2, 0), 3)
     with pytest.raises(ValueError, match="scores"):
         topk_indices(torch.randn(4), 3)
+    with pytest.raises(TypeError, match="scores"):
+        topk_indices(torch.randn(2, 4).double(), 3)
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+def realistic_scores(rows: int, n: int, seed: int) -> torch.Tensor:
+    """Indexer-like scores: Σ_h w_h·ReLU(·) is ≥ 0 with a long right tail; the last row is causal-masked."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, 32, n, device="cuda", generator=g).relu_().mul_(torch.rand(rows, 32, 1, device="cuda"))
+    s = x.sum(1)
+    s[-1, n // 3:] = NEG_INF
+    return s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("n", [8192, 65536, 131072])
+def test_gpu_real_sizes(rows, n):
+    k = 2048
+    scores = realistic_scores(rows, n, seed=n + rows)
+    idx = radix(scores, k)
+    selection_is_valid(scores, idx, k)
+    ref = topk_indices_reference(scores, k)
+    got_vals = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
+    want_vals = torch.where(ref >= 0, scores.gather(1, ref.clamp(min=0).long()), NEG_INF).sort(1).values
+    assert torch.equal(got_vals, want_vals)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "specials", "narrow"])
+def test_gpu_hard_rows_long(kind):
+    g = torch.Generator().manual_seed(2)
+    scores = rows_of_kind(kind, 3, 65536, 2048, g).cuda()
+    selection_is_valid(scores, radix(scores, 2048), 2048)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    """The op captures in a CUDA graph (no host sync) and selects correctly for new data on replay."""
+    scores = realistic_scores(2, 65536, seed=0)
+    topk_indices(scores, 2048)                          # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx = topk_indices(scores, 2048)
+    for seed in (1, 2):
+        scores.copy_(realistic_scores(2, 65536, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        selection_is_valid(scores, idx, 2048)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU only: the default backend there is the reference")
+def test_cpu_default_is_reference():
+    scores = torch.randn(2, 50)
+    assert torch.equal(topk_indices(scores, 7), topk_indices_reference(scores, 7))

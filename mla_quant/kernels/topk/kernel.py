@@ -1,0 +1,143 @@
+"""Triton radix select for ``topk_indices``: the k largest of each row of fp32 scores, exactly, as a set.
+
+Each score maps to an order-preserving 32-bit key (``_order_key``), and the k-th largest key of a row (the
+threshold) is found digit by digit, most significant first, with three histogram rounds of 11, 11 and 10
+bits. Round r counts, over the whole row split across many programs, the digit r of the keys that agree with
+the threshold's digits found so far (``tl.histogram`` per tile, summed per program, then one masked vector
+``tl.atomic_add`` into the row's zeroed global histogram). No round needs a separate scan kernel: every
+program of round r (and of the select pass) first re-derives the threshold's earlier digits from the earlier
+histograms (``_descend``: cumulative counts from the top bin, a few thousand int32 from L2).
+
+After the three rounds the threshold key ``thr`` is exact and ``need`` = how many keys equal to it belong to
+the selection (k − #keys > thr). The select pass writes the keys > thr to slots ``[0, k − need)`` and the
+first ``need`` keys == thr (in whatever order the programs claim them) to ``[k − need, k)``: each tile claims
+its slots with one scalar atomic per class and places its elements by an exclusive prefix sum. All buffers
+have sizes fixed by the shape (no host sync, CUDA-graph safe).
+
+Work buffer per row (int32, zeroed by the launcher): ``[HIST0 (2048) | HIST1 (2048) | HIST2 (1024) |
+count_gt | count_eq]``.
+"""
+import triton
+import triton.language as tl
+
+# radix digits, most significant first: (shift, bits) = (21, 11), (10, 11), (0, 10)
+BITS0 = tl.constexpr(11)
+BITS1 = tl.constexpr(11)
+BITS2 = tl.constexpr(10)
+BINS0 = tl.constexpr(2048)
+BINS1 = tl.constexpr(2048)
+BINS2 = tl.constexpr(1024)
+SHIFT0 = tl.constexpr(21)
+SHIFT1 = tl.constexpr(10)
+OFF_HIST0 = tl.constexpr(0)
+OFF_HIST1 = tl.constexpr(2048)
+OFF_HIST2 = tl.constexpr(4096)
+OFF_COUNT_GT = tl.constexpr(5120)
+OFF_COUNT_EQ = tl.constexpr(5121)
+WORK_INTS = 5122                            # host side: the width of the work buffer
+# host side: (SHIFT, BITS, HIST offset) of each histogram round, as the launcher passes them
+ROUNDS = ((21, 11, 0), (10, 11, 2048), (0, 10, 4096))
+SIGN = tl.constexpr(-2 ** 31)               # 0x80000000 as int32
+LOW31 = tl.constexpr(2 ** 31 - 1)           # 0x7FFFFFFF
+NEG_INF_KEY = tl.constexpr(-2 ** 31 + 0x7FFFFF)   # _order_key(-inf), signed form
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 key whose signed order is the order of the floats (torch.topk's: NaN above +inf, -0 == +0).
+    ``key ^ SIGN`` is the same order on the unsigned bit pattern (the radix digits are read from that)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = b            # -0.0 ties with +0.0
+    b = tl.where(x != x, LOW31, b)          # NaN: the largest key
+    return b ^ ((b >> 31) & LOW31)          # negatives: flip all bits but the sign
+
+
+@triton.jit
+def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
+    """The bin t holding the k-th largest of the counted keys (#keys in bins > t < k ≤ #keys in bins ≥ t)
+    and k minus the keys above it."""
+    b = tl.arange(0, BINS)
+    h = tl.load(hist_ptr + b)
+    at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
+    t = tl.max(tl.where(at_or_above >= k, b, -1), 0)
+    above = tl.sum(tl.where(b > t, h, 0), 0)
+    return t, k - above
+
+
+@triton.jit
+def _descend(work_ptr, k, ROUNDS: tl.constexpr):
+    """The threshold's digits found by the first ``ROUNDS`` histogram rounds (as one int32, most significant
+    first) and how many of the k are still to be found among keys with that prefix."""
+    prefix = tl.zeros([], dtype=tl.int32)
+    rem = k
+    if ROUNDS > 0:
+        t, rem = _threshold_bin(work_ptr + OFF_HIST0, rem, BINS0)
+        prefix = t
+    if ROUNDS > 1:
+        t, rem = _threshold_bin(work_ptr + OFF_HIST1, rem, BINS1)
+        prefix = (prefix << BITS1) | t
+    if ROUNDS > 2:
+        t, rem = _threshold_bin(work_ptr + OFF_HIST2, rem, BINS2)
+        prefix = (prefix << BITS2) | t      # all 32 bits (wraps to a negative int32 when the top bit is set)
+    return prefix, rem
+
+
+@triton.jit
+def _load_keys(row_ptr, start, n, BLOCK: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    valid = cols < n
+    x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    return cols, valid, _order_key(x)
+
+
+@triton.jit
+def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
+                            SHIFT: tl.constexpr, BITS: tl.constexpr, HIST: tl.constexpr,
+                            BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """Round ``ROUND`` (0, 1, 2; its digit is bits [SHIFT, SHIFT + BITS) of the key, counted at offset HIST of
+    the work row): histogram of that digit over the keys matching the digits found before.
+    Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles of BLOCK columns."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = scores_ptr + row * stride_row
+    work = work_ptr + row * WORK
+    prefix, rem = _descend(work, k, ROUND)
+    PREFIX_BITS: tl.constexpr = 32 - SHIFT - BITS
+    acc = tl.zeros([1 << BITS], dtype=tl.int32)
+    for i in range(0, tiles_per_chunk):
+        cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
+        u = key ^ SIGN                                   # unsigned-order bit pattern
+        digit = (u >> SHIFT) & ((1 << BITS) - 1)
+        if PREFIX_BITS > 0:
+            valid = valid & (((u >> (SHIFT + BITS)) & ((1 << PREFIX_BITS) - 1)) == prefix)
+        acc += tl.histogram(digit, 1 << BITS, mask=valid)
+    bins = tl.arange(0, 1 << BITS)
+    tl.atomic_add(work + HIST + bins, acc, mask=acc > 0, sem="relaxed")
+
+
+@triton.jit
+def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
+                         BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """Write the selection: keys > threshold to slots [0, k - need), ``need`` keys == threshold after them;
+    columns scoring -inf are written as -1."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = scores_ptr + row * stride_row
+    work = work_ptr + row * WORK
+    out = out_ptr + row * stride_out
+    thr_u, need = _descend(work, k, 3)
+    thr = thr_u ^ SIGN
+    n_above = k - need
+    for i in range(0, tiles_per_chunk):
+        cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
+        value = tl.where(key == NEG_INF_KEY, -1, cols)
+        above = (valid & (key > thr)).to(tl.int32)
+        n_tile = tl.sum(above, 0)
+        base = tl.atomic_add(work + OFF_COUNT_GT, n_tile, mask=n_tile > 0, sem="relaxed")
+        slot = base + tl.cumsum(above, 0) - above
+        tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
+        tied = (valid & (key == thr)).to(tl.int32)
+        n_tile = tl.sum(tied, 0)
+        base = tl.atomic_add(work + OFF_COUNT_EQ, n_tile, mask=n_tile > 0, sem="relaxed")
+        rank = base + tl.cumsum(tied, 0) - tied
+        tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
