@@ -283,8 +283,8 @@ def _smem_bytes(meta: dict, bn: int, bk: int, stages: int) -> int:
     w_bits = {KIND_DENSE: 8 * meta["w1_ptr"].element_size(), KIND_FP8: 8, KIND_INT4: 4}[meta["KIND"]]
     if meta["IEEE"]:  # fp32 compute: weight tiles are staged already widened to fp32 (256 KB seen on the H200)
         w_bits = 32
-    elif meta["KIND"] == KIND_FP8 and not meta["W8A8"]:  # e4m3 tiles plus their bf16 copies for the dot
-        w_bits = 8 + 8 * meta["a_ptr"].element_size()
+    elif meta["KIND"] == KIND_FP8 and not meta["W8A8"]:  # weight-only e4m3: staged as the scaled fp32 tile
+        w_bits = 32                                          # (245760 B at 64x128x128, 3 stages, Triton 3.6)
     w_tiles = 2 if meta["GATED"] else 1
     return stages * (meta["BLOCK_M"] * bk * a_bytes + w_tiles * bn * bk * w_bits // 8)
 
