@@ -44,10 +44,10 @@ NEG_INF_KEY = tl.constexpr(-2 ** 31 + 0x7FFFFF)   # _order_key(-inf), signed for
 
 @triton.jit
 def _order_key(x):
-    """fp32 -> int32 key whose signed order is the order of the floats (torch.topk's: NaN above +inf, -0 == +0).
-    ``key ^ SIGN`` is the same order on the unsigned bit pattern (the radix digits are read from that)."""
+    """fp32 -> int32 key whose signed order is the order of the floats (torch.topk's: NaN above +inf; -0 sorts
+    just below +0, one valid order of that tie). ``key ^ SIGN`` is the same order on the unsigned bit pattern
+    (the radix digits are read from that)."""
     b = x.to(tl.int32, bitcast=True)
-    b = b            # -0.0 ties with +0.0
     b = tl.where(x != x, LOW31, b)          # NaN: the largest key
     return b ^ ((b >> 31) & LOW31)          # negatives: flip all bits but the sign
 
