@@ -114,41 +114,6 @@ def test_kv_quant_kernel_matches_reference(triton_backend, per_tensor):
     _check_against_reference(q, s, qr, sr, x)
 
 
-def _pinned(configs):
-    return [pytest.param({**c.kwargs, "num_warps": c.num_warps}, id="-".join(map(str, c.kwargs.values())))
-            for c in configs]
-
-
-def _block_quant_configs():
-    from mla_quant.kernels.fp8_quant.kernel import _block_quant_configs as configs
-    return _pinned(configs())
-
-
-def _kv_configs():
-    from mla_quant.kernels.fp8_quant.kernel import _kv_configs as configs
-    return _pinned(configs())
-
-
-@pytest.mark.parametrize("config", _block_quant_configs())
-def test_every_block_quant_autotune_config_writes_the_same_bytes(triton_backend, config):
-    w = (torch.randn(200, 300) * 0.02).to(triton_backend)  # edge blocks in N and K, both program orders
-    q, s = F.block_quant_fp8(w, config=config)
-    qr, sr = F.block_quant_fp8_reference(w)
-    _check_against_reference(q, s, qr, sr, w)
-
-
-@pytest.mark.parametrize("config", _kv_configs())
-@pytest.mark.parametrize("d", [576, 512, 100, 7])
-def test_every_kv_quant_autotune_config_writes_the_same_bytes(triton_backend, config, d):
-    # T = 30 leaves a partial program; D = 100 / 7 read 4- / 1-wide chunks, wider than one tile's rows at 7.
-    x = torch.randn(30, d).to(triton_backend)
-    x[3, 5] = 1e4
-    for scale in (None, torch.tensor([0.02], device=triton_backend)):
-        q, s = F.kv_quant_fp8(x, scale, config=config)
-        qr, sr = F.kv_quant_fp8_reference(x, scale)
-        _check_against_reference(q, s, qr, sr, x)
-
-
 # ---------------------------------------------------------------------------------- bad input
 def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="group_size"):

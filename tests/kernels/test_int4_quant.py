@@ -90,31 +90,3 @@ def test_bad_inputs_name_the_argument():
         I.int4_dequantize(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         I.int4_pack(torch.full((1, 8), 9, dtype=torch.int8))
-
-
-def _pinned(configs):
-    return [pytest.param({**c.kwargs, "num_warps": c.num_warps}, id="-".join(map(str, c.kwargs.values())))
-            for c in configs]
-
-
-def _kernel_configs(name):
-    from mla_quant.kernels.int4_quant import kernel
-    return _pinned(getattr(kernel, name))
-
-
-@pytest.mark.parametrize("config", _kernel_configs("QUANT_CONFIGS"))
-def test_every_autotune_config_quantizes_the_same_bytes(triton_backend, config):
-    # Odd N and K cut the tiles at both edges, in both program orders; the autotuner may pick any config.
-    w = torch.randn(37, 1056).to(triton_backend)
-    packed, scale = I.int4_quantize(w, 32, torch.float32, config=config)
-    pr, sr = I.int4_quantize_reference(w, 32, torch.float32)
-    assert_bitwise_equal(scale, sr, "scale")
-    assert_bitwise_equal(packed, pr, "packed")
-
-
-@pytest.mark.parametrize("config", _kernel_configs("DEQUANT_CONFIGS"))
-def test_every_autotune_config_dequantizes_the_same_bytes(triton_backend, config):
-    pr, sr = I.int4_quantize_reference(torch.randn(37, 1056), 32, torch.float32)
-    pr, sr = pr.to(triton_backend), sr.to(triton_backend)
-    assert_bitwise_equal(I.int4_dequantize(pr, sr, 32, torch.float32, config=config),
-                         I.int4_dequantize_reference(pr, sr, 32, torch.float32), "dequant")

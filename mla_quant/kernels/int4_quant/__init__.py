@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import triton_interpreted, use_triton
+from .._backend import use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
-from .._gemm_utils import m_bucket
 from .reference import (
     QMAX,
     QMIN,
@@ -46,12 +45,9 @@ def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int4_quantize(
-    w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16, config: dict | None = None
+    w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``).
-
-    ``config`` (``BN``, ``BK``, ``K_FAST``, ``num_warps``) pins a kernel configuration instead of the autotuner
-    (GPU) or the interpreter's fixed one; every configuration writes the same bytes."""
+    """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``)."""
     check_tensor("w", w, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     _check_group(group_size)
     check_divisible("w.shape[1]", w.shape[1], group_size, "group_size")
@@ -61,37 +57,22 @@ def int4_quantize(
         raise ValueError("w: the last dimension must be contiguous")
     if not use_triton(w):
         return int4_quantize_reference(w, group_size, scale_dtype)
-    from .kernel import _int4_quant_pack_kernel, int4_quant_pack_autotuned
+    from .kernel import _int4_quant_pack_kernel
 
     n, k = w.shape
     packed = torch.empty((n, k // 8), dtype=torch.int32, device=w.device)
     scale = torch.empty((n, k // group_size), dtype=scale_dtype, device=w.device)
+    bn, bk = 1, 1024  # measured best on the H200 (docs/benchmarks.md); K is masked
     if n and k:
-        _launch(_int4_quant_pack_kernel, int4_quant_pack_autotuned, config, n, k,
-                (w, packed, scale, n, k, w.stride(0), m_bucket(n)), group_size)
+        _int4_quant_pack_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            w, packed, scale, n, k, w.stride(0), GROUP=group_size, BN=bn, BK=bk, num_warps=1)
     return packed, scale
 
 
-def _launch(kernel, autotuned, config, n, k, args, group_size):
-    """Run ``kernel`` with ``config``, the interpreter's fixed tile (K is masked), or the autotuner."""
-    if config is None and triton_interpreted():
-        config = {"BN": 4, "BK": 256, "K_FAST": True, "num_warps": 1}
-
-    def grid(c):
-        return (triton.cdiv(n, c["BN"]) * triton.cdiv(k, c["BK"]),)
-
-    if config is None:
-        autotuned[grid](*args, GROUP=group_size)
-    else:
-        kernel[grid(config)](*args, GROUP=group_size, **config)
-
-
 def int4_dequantize(
-    packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32, out_dtype: torch.dtype = torch.bfloat16,
-    config: dict | None = None,
+    packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``. ``config``: as in
-    :func:`int4_quantize`."""
+    """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``."""
     check_tensor("packed", packed, dtype=torch.int32, ndim=2, contiguous=True)
     check_tensor("scale", scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
     check_same_device(packed=packed, scale=scale)
@@ -103,10 +84,11 @@ def int4_dequantize(
                          f"with group {group_size} (expected {(n, k // group_size)})")
     if not use_triton(packed, scale):
         return int4_dequantize_reference(packed, scale, group_size, out_dtype)
-    from .kernel import _int4_dequant_kernel, int4_dequant_autotuned
+    from .kernel import _int4_dequant_kernel
 
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
+    bn, bk = 8, 1024
     if n and k:
-        _launch(_int4_dequant_kernel, int4_dequant_autotuned, config, n, k,
-                (packed, scale, out, n, k, m_bucket(n)), group_size)
+        _int4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            packed, scale, out, n, k, GROUP=group_size, BN=bn, BK=bk, num_warps=1)
     return out
