@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import triton_interpreted, use_triton
+from .._backend import use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .reference import (
     FP8,
@@ -57,35 +57,23 @@ def _check_block(block: tuple[int, int]) -> tuple[int, int]:
     return bn, bk
 
 
-def block_quant_fp8(
-    w: torch.Tensor, block: tuple[int, int] = (128, 128), config: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled weight quantization. w: [N, K] -> (q [N, K] e4m3, weight_scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32).
-
-    ``config`` (``ROWS``, ``K_FAST``, ``num_warps``) pins a kernel configuration instead of the autotuner (GPU)
-    or the interpreter's fixed one; every configuration writes the same bytes."""
+def block_quant_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled weight quantization. w: [N, K] -> (q [N, K] e4m3, weight_scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32)."""
     check_tensor("w", w, dtype=FLOATS, ndim=2)
     bn, bk = _check_block(block)
     if w.stride(-1) != 1:
         raise ValueError("w: the last dimension must be contiguous")
     if not use_triton(w):
         return block_quant_fp8_reference(w, (bn, bk))
-    from .._gemm_utils import m_bucket
-    from .kernel import _block_quant_fp8_kernel, block_quant_fp8_autotuned
+    from .kernel import _block_quant_fp8_kernel
 
     n, k = w.shape
     nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    if not (n and k):
-        return q, scale
-    if config is None and triton_interpreted():
-        config = {"ROWS": bn, "K_FAST": True, "num_warps": 4}
-    args = (w, q, scale, n, k, w.stride(0), q.stride(0), kb, m_bucket(n))
-    if config is None:
-        block_quant_fp8_autotuned[(nb * kb,)](*args, BN=bn, BK=bk)
-    else:
-        _block_quant_fp8_kernel[(nb * kb,)](*args, BN=bn, BK=bk, **config)
+    if n and k:
+        _block_quant_fp8_kernel[(nb, kb)](w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk,
+                                          num_warps=16)
     return q, scale
 
 
@@ -118,13 +106,8 @@ def block_dequant_fp8(
     return out
 
 
-def kv_quant_fp8(
-    x: torch.Tensor, scale: torch.Tensor | None = None, config: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 KV rows. x: [T, D]; scale None -> per-token scales [T]; scale [1] fp32 -> per-tensor.
-
-    ``config`` (``SUB``: tile rows of the largest power-of-two divisor of D up to 128, ``num_warps``) pins a
-    kernel configuration instead of the autotuner (GPU) or the interpreter's fixed one."""
+def kv_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 KV rows. x: [T, D]; scale None -> per-token scales [T]; scale [1] fp32 -> per-tensor."""
     check_tensor("x", x, dtype=FLOATS, ndim=2, contiguous=True)
     if scale is not None:
         check_tensor("scale", scale, dtype=torch.float32)
@@ -135,23 +118,15 @@ def kv_quant_fp8(
             raise ValueError("scale: must be positive")
     if not use_triton(x, *(s for s in (scale,) if s is not None)):
         return kv_quant_fp8_reference(x, scale)
-    from .._gemm_utils import m_bucket
-    from .kernel import _kv_quant_fp8_kernel, kv_quant_fp8_autotuned, kv_tile
+    from .kernel import _kv_quant_fp8_kernel
 
     t, d = x.shape
     q = torch.empty((t, d), dtype=FP8, device=x.device)
     s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
-    if not (t and d):
-        return q, (s if scale is None else scale)
-    chunk = min(d & -d, 128)  # rows are read as D / chunk contiguous chunks (576 = 9 · 64)
-    if config is None and triton_interpreted():
-        config = {"SUB": 32, "num_warps": 4}
-    args = (x, q, s, t, m_bucket(t))
-    meta = dict(PER_TOKEN=scale is None, CHUNK=chunk, N_CHUNKS=d // chunk)
-    if config is None:
-        kv_quant_fp8_autotuned[lambda c: (triton.cdiv(t, c["BLOCK_T"]),)](*args, **meta)
-    else:
-        config = dict(config)
-        tile = kv_tile(d // chunk, config.pop("SUB"))
-        _kv_quant_fp8_kernel[(triton.cdiv(t, tile["BLOCK_T"]),)](*args, **meta, **tile, **config)
+    d_head = 1 << (max(d, 1).bit_length() - 1)
+    d_tail = triton.next_power_of_2(max(d - d_head, 1))
+    block_t = max(1, 1024 // d_head)
+    if t and d:
+        _kv_quant_fp8_kernel[(triton.cdiv(t, block_t),)](x, q, s, t, d, PER_TOKEN=scale is None, BLOCK_T=block_t,
+                                                         D_HEAD=d_head, D_TAIL=d_tail, num_warps=2)
     return q, (s if scale is None else scale)
