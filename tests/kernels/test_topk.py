@@ -210,3 +210,15 @@ def test_gpu_cuda_graph_replay():
 def test_cpu_default_is_reference():
     scores = torch.randn(2, 50)
     assert torch.equal(topk_indices(scores, 7), topk_indices_reference(scores, 7))
+
+
+def test_many_rows_take_torch_topk(triton_backend, monkeypatch):
+    """Above RADIX_MAX_ROWS rows the op is torch.topk (faster there on the H200); at or below, the radix select."""
+    from mla_quant.kernels import topk as topk_mod
+
+    calls = []
+    monkeypatch.setattr(topk_mod, "_radix_topk", lambda s, k: calls.append(s.shape[0]) or topk_indices_reference(s, k))
+    for rows in (1, topk_mod.RADIX_MAX_ROWS, topk_mod.RADIX_MAX_ROWS + 1, 64):
+        scores = torch.randn(rows, 300, device=triton_backend)
+        selection_is_valid(scores, topk_mod.topk_indices(scores, 40), 40)
+    assert calls == [1, topk_mod.RADIX_MAX_ROWS]

@@ -7,8 +7,13 @@ and 10 bits over the order-preserving integer keys of the scores, then one selec
 row of 64k with k = 2048 on the H200, 40 µs at 8k). Five launches (one memset, four kernels), no host sync.
 
 Length threshold: a row with N ≤ k columns needs no selection (all of it is the answer) and takes one
-``where`` over an ``arange``; every longer row takes the radix select — torch.topk's cost with k = 2048 is
-no lower at 8k than the four launches (``benchmarks/bench_dsa.py`` reports it as ``topk_us``).
+``where`` over an ``arange``.
+
+Row threshold: the radix select serves at most ``RADIX_MAX_ROWS`` rows (decode at small batch); more rows
+take ``torch.topk`` (the reference). Measured on the H200 with k = 2048 (``benchmarks/bench_dsa.py``,
+``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of 64k 492 µs (113), of 8k
+79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs per 64k row (its
+histogram atomics), torch.topk's by ~1 µs: they cross near 4-5 rows at 64k and ~20 at 8k.
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ from .._checks import check_tensor
 from .._gemm_utils import num_sms
 from .reference import topk_indices_reference
 
-__all__ = ["topk_indices", "topk_indices_reference"]
+__all__ = ["topk_indices", "topk_indices_reference", "RADIX_MAX_ROWS"]
+
+RADIX_MAX_ROWS = 4  # rows served by the radix select; more take torch.topk (measured crossover, docstring)
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -30,7 +37,7 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"k: {k!r} must be a positive int")
     if scores.shape[-1] == 0:
         raise ValueError("scores: needs at least one column")
-    if not use_triton(scores):
+    if not use_triton(scores) or scores.shape[0] > RADIX_MAX_ROWS:
         return topk_indices_reference(scores, k)
     return _radix_topk(scores, k)
 
