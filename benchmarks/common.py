@@ -121,11 +121,15 @@ def case(bench: str, case: dict, median_us: float, bytes: int = 0, flops: int = 
 
 
 def _git_commit() -> str:
+    """MLA_QUANT_COMMIT first: the device's copy of the tree has no .git of its own (a rev-parse there found
+    an unrelated repository's HEAD)."""
+    if os.environ.get("MLA_QUANT_COMMIT"):
+        return os.environ["MLA_QUANT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("MLA_QUANT_COMMIT", "unknown")
+        return "unknown"
 
 
 def meta(ctx: Context) -> dict:
