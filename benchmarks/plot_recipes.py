@@ -3,7 +3,9 @@
 * ``docs/img/recipes_roofline.png`` — the model: time of a GEMM per format against tokens, bounded by
   HBM bytes (weights dominate at small T) and by the tensor-core rate (FP8 runs at twice bf16);
 * ``docs/img/gemm_speedup.png`` — measured ``gemm`` rows: each format's speedup over bf16 cuBLAS against M;
-* ``docs/img/prefill_decode.png`` — measured ``prefill`` rows: tokens/s of the layer stack per format.
+* ``docs/img/prefill_decode.png`` — measured ``prefill`` rows: tokens/s of the layer stack per format;
+* ``docs/img/e2e_concurrency.png`` — measured ``e2e_decode`` rows (one KV budget for every format): decode
+  tokens/s against concurrency, where BF16 KV runs out of pages, and the two ratios beside the seed's figures.
 
 The measured plots are skipped when the results file has no such rows.
 """
@@ -107,6 +109,64 @@ def plot_prefill(plt, cases: list[dict], path: Path) -> bool:
     return True
 
 
+SEED_INT4_OVER_FP8_AT_1 = 1.55  # Cloudflare: INT4 experts decode +55 % at one request (GLM 5.2)
+SEED_FP8_KV_OVER_BF16 = 0.97    # Cloudflare: FP8 KV "a few %" slower per step than BF16 KV
+
+
+def plot_e2e(plt, cases: list[dict], path: Path) -> bool:
+    rows = [c for c in cases if c["bench"] == "e2e_decode" and "experts" in c["case"]]
+    if not rows:
+        return False
+
+    def series(kv, experts):
+        pts = sorted((c["case"]["concurrency"], c) for c in rows
+                     if c["case"]["kv"] == kv and c["case"]["experts"] == experts)
+        return [(n, c) for n, c in pts]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    styles = {("bf16", "fp8_block"): ("tab:gray", "BF16 KV, FP8 experts"),
+              ("fp8_e4m3", "fp8_block"): ("tab:blue", "FP8 KV, FP8 experts"),
+              ("fp8_e4m3", "int4_g32"): ("tab:orange", "FP8 KV, INT4 experts"),
+              ("bf16", "int4_g32"): ("tab:brown", "BF16 KV, INT4 experts")}
+    for (kv, experts), (color, label) in styles.items():
+        pts = series(kv, experts)
+        if not pts:
+            continue
+        ok = [(n, c["tokens_per_s"]) for n, c in pts if c["case"].get("status", "ok") == "ok"]
+        ax1.plot(*zip(*ok), "-o", ms=4, color=color, label=label)
+        for n, c in pts:
+            if c["case"].get("status") == "out_of_pages":
+                ax1.plot([n], [0], "x", ms=10, mew=2, color=color)
+                ax1.annotate(f"{label.split(',')[0]}: out of pages\n({c['pages_needed']} needed, "
+                             f"{c['pages_held']} held)", (n, 0), textcoords="offset points", xytext=(-120, 12),
+                             fontsize=7, color=color)
+    budget = rows[0]["case"].get("budget_gb")
+    ctx = rows[0]["case"].get("ctx")
+    ax1.set(xlabel="concurrency (requests decoding)", ylabel="decode tokens/s (3-layer slice)",
+            title=f"one KV budget ({budget} GB), {ctx} tokens each")
+    for (kv_a, ex_a), (kv_b, ex_b), color, label, seed in (
+            (("fp8_e4m3", "fp8_block"), ("bf16", "fp8_block"), "tab:blue", "FP8 / BF16 KV", SEED_FP8_KV_OVER_BF16),
+            (("fp8_e4m3", "int4_g32"), ("fp8_e4m3", "fp8_block"), "tab:orange", "INT4 / FP8 experts",
+             SEED_INT4_OVER_FP8_AT_1)):
+        a = {n: c for n, c in series(kv_a, ex_a) if c.get("median_us")}
+        b = {n: c for n, c in series(kv_b, ex_b) if c.get("median_us")}
+        common = sorted(set(a) & set(b))
+        if common:
+            ax2.plot(common, [b[n]["median_us"] / a[n]["median_us"] for n in common], "-o", ms=4, color=color,
+                     label=f"{label} (measured)")
+            ax2.axhline(seed, color=color, ls=":", lw=1.2, label=f"{label} (seed: {seed:.2f}×)")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set(xlabel="concurrency", ylabel="speed-up (step time ratio)", title="beside the seed's figures")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.plot_recipes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
@@ -119,7 +179,8 @@ def main(argv=None) -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     plot_roofline(plt, IMG / "recipes_roofline.png")
     cases = json.loads(args.results.read_text())["cases"] if args.results.is_file() else []
-    for name, fn in (("gemm_speedup.png", plot_gemm), ("prefill_decode.png", plot_prefill)):
+    for name, fn in (("gemm_speedup.png", plot_gemm), ("prefill_decode.png", plot_prefill),
+                     ("e2e_concurrency.png", plot_e2e)):
         print(("wrote " if fn(plt, cases, IMG / name) else "no rows for ") + str(IMG / name))
     print(f"wrote {IMG / 'recipes_roofline.png'}")
     return 0

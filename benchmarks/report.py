@@ -38,6 +38,13 @@ def _peer_us(r: dict) -> str:
     return r.get("peer_status", "") if r.get("peer") and r.get("peer_status") != "ok" else ""
 
 
+def _pct(r: dict, key: str, rate, ceiling) -> str:
+    """The row's own fraction of its run's ceiling when it carries one, else against the file's ceiling."""
+    if key in r:
+        return f"{100 * r[key]:.0f}"
+    return f"{100 * rate / ceiling:.0f}" if rate else ""
+
+
 def tables(results: dict) -> str:
     meta = results["meta"]
     copy, mm = meta["copy_tbps"], meta["bf16_tflops"]
@@ -46,10 +53,13 @@ def tables(results: dict) -> str:
         by_bench[c["bench"]].append(c)
     out = [f"Run: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, commit "
            f"`{meta['commit'][:10]}`; ceilings measured in the run: copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s.\n"]
+    out += [f"- {note}" for note in meta.get("notes", [])] + ([""] if meta.get("notes") else [])
     for bench, rows in by_bench.items():
         keys = list(dict.fromkeys(k for r in rows for k in r["case"]))
         extra = EXTRA_COLUMNS.get(bench, ())
+        runs = any("commit" in r for r in rows)  # rows merged from several runs name their commit
         head = keys + ["µs"] + [h for h, _ in extra] + ["peer", "peer µs", "× peer", "% copy BW", "% bf16 MMA"]
+        head += ["commit"] if runs else []
         out.append(f"### `{bench}`\n")
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
@@ -61,7 +71,8 @@ def tables(results: dict) -> str:
                 cell(r) for _, cell in extra] + [
                 r.get("peer") or "", _peer_us(r),
                 _fmt(r["peer_median_us"] / r["median_us"]) if timed and r.get("peer_median_us") else "",
-                f"{100 * tb / copy:.0f}" if tb else "", f"{100 * tf / mm:.0f}" if tf else ""]
+                _pct(r, "frac_of_copy", tb, copy), _pct(r, "frac_of_matmul", tf, mm)]
+            cells += [f"`{r.get('commit', '')[:7]}`"] if runs else []
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
