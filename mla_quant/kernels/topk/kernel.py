@@ -20,23 +20,16 @@ count_gt | count_eq]``.
 import triton
 import triton.language as tl
 
-# radix digits, most significant first: (shift, bits) = (21, 11), (10, 11), (0, 10)
-BITS0 = tl.constexpr(11)
-BITS1 = tl.constexpr(11)
-BITS2 = tl.constexpr(10)
-BINS0 = tl.constexpr(2048)
-BINS1 = tl.constexpr(2048)
-BINS2 = tl.constexpr(1024)
-SHIFT0 = tl.constexpr(21)
-SHIFT1 = tl.constexpr(10)
-OFF_HIST0 = tl.constexpr(0)
-OFF_HIST1 = tl.constexpr(2048)
-OFF_HIST2 = tl.constexpr(4096)
-OFF_COUNT_GT = tl.constexpr(5120)
-OFF_COUNT_EQ = tl.constexpr(5121)
-WORK_INTS = 5122                            # host side: the width of the work buffer
-# host side: (SHIFT, BITS, HIST offset) of each histogram round, as the launcher passes them
-ROUNDS = ((21, 11, 0), (10, 11, 2048), (0, 10, 4096))
+# radix digits, most significant first: (shift, bits) = (21, 11), (10, 11), (0, 10); the histograms sit one
+# after the other in the work buffer, then the two slot counters. Host side: ROUNDS (as the launcher passes
+# them) and WORK_INTS; in the kernels the same numbers as constexpr globals (Triton 3.6 reads no plain ones).
+ROUNDS = ((21, 11, 0), (10, 11, 2048), (0, 10, 4096))     # (SHIFT, BITS, HIST offset) of each round
+WORK_INTS = ROUNDS[-1][2] + (1 << ROUNDS[-1][1]) + 2      # the histograms, count_gt, count_eq
+(SHIFT0, BITS0, OFF_HIST0), (SHIFT1, BITS1, OFF_HIST1), (_, BITS2, OFF_HIST2) = (
+    tuple(tl.constexpr(v) for v in r) for r in ROUNDS)
+BINS0, BINS1, BINS2 = (tl.constexpr(1 << bits) for _, bits, _ in ROUNDS)
+OFF_COUNT_GT = tl.constexpr(WORK_INTS - 2)
+OFF_COUNT_EQ = tl.constexpr(WORK_INTS - 1)
 SIGN = tl.constexpr(-2 ** 31)               # 0x80000000 as int32
 LOW31 = tl.constexpr(2 ** 31 - 1)           # 0x7FFFFFFF
 NEG_INF_KEY = tl.constexpr(-2 ** 31 + 0x7FFFFF)   # _order_key(-inf), signed form
