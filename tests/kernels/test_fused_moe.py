@@ -75,6 +75,30 @@ def test_kernel_matches_reference(triton_backend, kind, act_quant, block_m):
     assert_rel_close(got.cpu(), ref, 1e-5, f"{kind} act_quant={act_quant} block_m={block_m}")
 
 
+# Every K-masked load path (kind, act_quant, fast_dequant) at (hidden, intermediate) both multiples of the K
+# block (EVEN_K: the K masks are dropped) and both not (ragged last blocks, masked). W8A8 only the former: its K
+# (both hidden and intermediate) is a multiple of act_group, which the K block divides.
+EVEN_K_CASES = [(*path, shape) for path in [("bf16", False, 0), ("fp8_block", False, 0), ("fp8_block", True, 0),
+                                            ("int4_group", False, 0), ("int4_group", False, 1)]
+                for shape in [(128, 128), (160, 96)] if not (path[1] and shape[1] % 128)]
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+@pytest.mark.parametrize("kind,act_quant,fast,shape", EVEN_K_CASES)
+def test_even_and_ragged_k(triton_backend, kind, act_quant, fast, shape, block_m):
+    dev, (hidden, inter) = triton_backend, shape
+    gate, up, down = experts(kind, 3, hidden, inter, seed=5, device=dev)
+    x = torch.randn(2, hidden, device=dev)
+    w, ids = routing(2, 3, 2, seed=5, device=dev)
+    out = poisoned_empty((2, hidden), torch.float32, dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant, block_m=block_m, fast_dequant=fast,
+                    out=out)
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind=kind,
+                              act_quant=act_quant)
+    assert_rel_close(got.cpu(), ref, 1e-5, f"{kind} act_quant={act_quant} fast={fast} {shape} block_m={block_m}")
+
+
 @pytest.mark.parametrize("case", ["one_token", "all_on_one_expert", "odd_63", "empty_experts", "dropped",
                                   "no_tokens", "shared_out"])
 def test_edge_cases(triton_backend, case):

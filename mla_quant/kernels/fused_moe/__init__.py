@@ -191,7 +191,8 @@ def fused_moe(
         if interpret:  # one small tile: the interpreter is slow and has nothing to tune
             bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
             grid = (expert_ids.numel(), triton.cdiv(n, 32))
-            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, FAST_DEQUANT=fast)
+            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                                   FAST_DEQUANT=fast)
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             if fast:

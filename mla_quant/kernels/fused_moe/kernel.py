@@ -40,58 +40,68 @@ KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
 
 @triton.jit
+def _load(ptrs, ok, k_ok, EVEN_K: tl.constexpr):
+    """``ptrs`` masked by ``ok`` (rows / columns of N) and, unless every K block is whole (``EVEN_K``: K % BLOCK_K
+    == 0), by ``k_ok``; masked elements read 0. Without the K mask the loads vectorise fully (LDG.E.128)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=ok, other=0.0)
+    return tl.load(ptrs, mask=ok & k_ok, other=0.0)  # 0.0: also for e4m3 (an int constant does not cast to it)
+
+
+@triton.jit
 def _weight_tile(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn,
                  KIND: tl.constexpr, W8A8: tl.constexpr, GROUP: tl.constexpr, SBN: tl.constexpr,
-                 SBK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SBK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Rows ``rn`` ([BLOCK_N]) and columns k0..k0+BLOCK_K of one expert's [N, K] weight: fp32 values,
     or the raw tile for KIND_DENSE and for W8A8 (whose scales the caller applies after the dot)."""
     n_ok = rn < N
     if KIND == 2:
         rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :],
-                        mask=n_ok[:, None] & (rw[None, :] < K // 8), other=0)
+        words = _load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], n_ok[:, None],
+                      (rw < K // 8)[None, :], EVEN_K)
         shifts = tl.arange(0, 8) * 4
         nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF
         q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # (2^23 + nib) - (2^23 + 8)
         rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + rg[None, :],
-                    mask=n_ok[:, None] & (rg[None, :] < K // GROUP), other=0.0).to(tl.float32)
+        s = _load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + rg[None, :], n_ok[:, None],
+                  (rg < K // GROUP)[None, :], EVEN_K).to(tl.float32)
         w = tl.reshape(tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
     else:
         rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+        w = _load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], n_ok[:, None], (rk < K)[None, :],
+                  EVEN_K)
         if KIND == 1:
             if not W8A8:
-                s = tl.load(s_ptr + (rn // SBN)[:, None].to(tl.int64) * stride_sn + (rk // SBK)[None, :],
-                            mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+                s = _load(s_ptr + (rn // SBN)[:, None].to(tl.int64) * stride_sn + (rk // SBK)[None, :],
+                          n_ok[:, None], (rk < K)[None, :], EVEN_K)
                 w = w.to(tl.float32) * s
     return w
 
 
 @triton.jit
 def _int4_group_codes(w_ptr, s_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr, BIASED: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr, BIASED: tl.constexpr,
+                      EVEN_K: tl.constexpr):
     """FAST_DEQUANT: the group starting at column kg of rows ``rn`` of one expert's INT4 weight: codes
     [BLOCK_N, GROUP] in DT, in K order (word w, nibble i -> column kg + 8w + i), and the fp32 scales [BLOCK_N]."""
-    ok = (rn < N) & (kg + rn * 0 < K)  # the group exists (K need not be a multiple of BLOCK_K)
     rw = kg // 8 + tl.arange(0, GROUP // 8)
-    words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :],
-                    mask=(rn < N)[:, None] & (rw[None, :] < K // 8), other=0)
+    words = _load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], (rn < N)[:, None],
+                  (rw < K // 8)[None, :], EVEN_K)
     nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
     q = tl.reshape(int4_codes(nib, DT, INTERPRET, BIASED), (BLOCK_N, GROUP))
-    s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + kg // GROUP, mask=ok, other=0.0).to(tl.float32)
+    # the group exists (K need not be a multiple of BLOCK_K)
+    s = _load(s_ptr + rn.to(tl.int64) * stride_sn + kg // GROUP, rn < N, kg + rn * 0 < K, EVEN_K).to(tl.float32)
     return q, s
 
 
 @triton.jit
 def _int4_planes(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """FAST_DEQUANT GEMV: the words [BLOCK_N, BLOCK_K/8] of columns k0..k0+BLOCK_K and each word's fp32 scale."""
     rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    ok = (rn < N)[:, None] & (rw < K // 8)[None, :]
-    words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], mask=ok, other=0)
-    sw = tl.load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + (8 * rw // GROUP)[None, :], mask=ok, other=0.0)
+    n_ok, k_ok = (rn < N)[:, None], (rw < K // 8)[None, :]
+    words = _load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], n_ok, k_ok, EVEN_K)
+    sw = _load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + (8 * rw // GROUP)[None, :], n_ok, k_ok, EVEN_K)
     return words, sw.to(tl.float32)
 
 
@@ -111,21 +121,23 @@ def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
                     stride_at, stride_wn, stride_sn, acc1, acc3, GATED: tl.constexpr, GROUP: tl.constexpr,
                     IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BIASED: tl.constexpr):
+                    BLOCK_K: tl.constexpr, BIASED: tl.constexpr, EVEN_K: tl.constexpr):
     """One K block k0..k0+BLOCK_K of the FAST_DEQUANT INT4 path (see the module docstring). GEMV: acc
     [BLOCK_N, BLOCK_K/8] per-word sums; tiles: acc [BLOCK_M, BLOCK_N]. BIASED (FAST_DEQUANT=2, tiles
     only): codes q + bias in the 16-bit lanes, bias · Σ a subtracted from each group's partial."""
     if BLOCK_M == 1:
         rw = tl.arange(0, BLOCK_K // 8)
-        words1, sw1 = _int4_planes(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K)
+        words1, sw1 = _int4_planes(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K,
+                                  EVEN_K)
         if GATED:
-            words3, sw3 = _int4_planes(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K)
+            words3, sw3 = _int4_planes(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K,
+                                       EVEN_K)
         inner1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         inner3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         a_row = a_ptr + a_rows[:, None] * stride_at  # [1, 1]
         for i in tl.static_range(8):  # plane i: the elements k0 + 8w + i, the activation read in that order
             rk = k0 + 8 * rw + i
-            a = tl.load(a_row + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < K), other=0.0).to(tl.float32)
+            a = _load(a_row + rk[None, :], row_ok[:, None], (rk < K)[None, :], EVEN_K).to(tl.float32)
             inner1 += int4_codes((words1 >> (4 * i)) & 0xF, tl.float32, INTERPRET, False) * a
             if GATED:
                 inner3 += int4_codes((words3 >> (4 * i)) & 0xF, tl.float32, INTERPRET, False) * a
@@ -138,18 +150,18 @@ def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k
         for g in tl.static_range(BLOCK_K // GROUP):
             kg = k0 + g * GROUP
             rk = kg + tl.arange(0, GROUP)
-            a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :],
-                        mask=row_ok[:, None] & (rk[None, :] < K), other=0.0)  # [BLOCK_M, GROUP]
+            a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], (rk < K)[None, :],
+                      EVEN_K)  # [BLOCK_M, GROUP]
             if BIASED:  # Σ a over the group, times the code bias: subtracted from each partial
                 corr = tl.sum(a.to(tl.float32), axis=1)[:, None] * bias[None, :]
             else:
                 corr = zero
             q1, s1 = _int4_group_codes(w1_ptr, s1_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                                       a_ptr.dtype.element_ty, INTERPRET, BIASED)
+                                       a_ptr.dtype.element_ty, INTERPRET, BIASED, EVEN_K)
             acc1 += (_mma(a, q1, zero, IEEE, INTERPRET) - corr) * s1[None, :]
             if GATED:
                 q3, s3 = _int4_group_codes(w3_ptr, s3_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                                           a_ptr.dtype.element_ty, INTERPRET, BIASED)
+                                           a_ptr.dtype.element_ty, INTERPRET, BIASED, EVEN_K)
                 acc3 += (_mma(a, q3, zero, IEEE, INTERPRET) - corr) * s3[None, :]
     return acc1, acc3
 
@@ -163,7 +175,8 @@ def _moe_gemm_kernel(
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_DEQUANT: tl.constexpr = False):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        FAST_DEQUANT: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     pid_m = tl.program_id(0)
@@ -192,29 +205,29 @@ def _moe_gemm_kernel(
         if FAST_DEQUANT and KIND == 2:
             acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
                                          stride_at, stride_wn, stride_sn, acc1, acc3, GATED, GROUP, IEEE, INTERPRET,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, FAST_DEQUANT == 2)
+                                         BLOCK_M, BLOCK_N, BLOCK_K, FAST_DEQUANT == 2, EVEN_K)
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
-            a_mask = row_ok[:, None] & (rk[None, :] < K)
-            a = tl.load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], mask=a_mask, other=0.0)
+            k_ok = (rk < K)[None, :]
+            a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], k_ok, EVEN_K)
             if BLOCK_M == 1:
                 a = a.to(tl.float32)
                 if W8A8:
-                    a *= tl.load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], mask=a_mask,
-                                 other=0.0)
+                    a *= _load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], row_ok[:, None], k_ok,
+                               EVEN_K)
                 w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
                 acc1 += w1.to(tl.float32) * a
                 if GATED:
                     w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                      KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                                      KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
                     acc3 += w3.to(tl.float32) * a
             else:
                 w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
                 if GATED:
                     w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                      KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K)
+                                      KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
                 if W8A8:
                     # e4m3 × e4m3 -> fp32 per K block, then × activation scale (row) × weight block scale (column)
                     a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
@@ -337,7 +350,8 @@ def _smallest_fitting(configs, meta: dict) -> triton.Config:
 
 def _autotuned(configs):
     return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M"],
-                           prune_configs_by={"early_config_prune": _prune})(_moe_gemm_kernel)
+                           prune_configs_by={"early_config_prune": _prune})(
+        triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_moe_gemm_kernel))
 
 
 # FAST_DEQUANT (INT4): the GEMV keeps one accumulator per word, so longer K blocks fit; narrow N tiles give
