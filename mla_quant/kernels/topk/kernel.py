@@ -25,8 +25,8 @@ import triton.language as tl
 # them) and WORK_INTS; in the kernels the same numbers as constexpr globals (Triton 3.6 reads no plain ones).
 ROUNDS = ((21, 11, 0), (10, 11, 2048), (0, 10, 4096))     # (SHIFT, BITS, HIST offset) of each round
 WORK_INTS = ROUNDS[-1][2] + (1 << ROUNDS[-1][1]) + 2      # the histograms, count_gt, count_eq
-(SHIFT0, BITS0, OFF_HIST0), (SHIFT1, BITS1, OFF_HIST1), (_, BITS2, OFF_HIST2) = (
-    tuple(tl.constexpr(v) for v in r) for r in ROUNDS)
+(SHIFT0, BITS0, OFF_HIST0), (SHIFT1, BITS1, OFF_HIST1) = (tuple(tl.constexpr(v) for v in r) for r in ROUNDS[:2])
+BITS2, OFF_HIST2 = (tl.constexpr(v) for v in ROUNDS[2][1:])  # the last round's shift is 0
 BINS0, BINS1, BINS2 = (tl.constexpr(1 << bits) for _, bits, _ in ROUNDS)
 OFF_COUNT_GT = tl.constexpr(WORK_INTS - 2)
 OFF_COUNT_EQ = tl.constexpr(WORK_INTS - 1)
