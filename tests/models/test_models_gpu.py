@@ -8,8 +8,10 @@ errors count flips. Measured on the CPU, pure torch: bf16 vs fp32 forward 0.015-
 0.015-0.19 (GLM); bf16 cached vs full 0.007-0.09 (Kimi) and 0.14-0.26 (GLM, mean KL 0.01-0.034; fp8 pages
 up to 0.05); the Triton kernels (interpreted, fp32) equal the references to ~2e-6. So each check measures
 the same statistic on the CPU reference path (same weights, same tokens) and allows the GPU twice that plus
-a slack: the median per-token error (flips touch a minority of tokens, a kernel bug most; a 10% error in
-the cached latents fails every case) and the mean KL.
+a slack: the lower quartile of the per-token errors (flips touch some tokens, a kernel bug all of them; a 10%
+error in the cached latents fails every case) and the mean KL. Not the median: the per-token errors are bimodal
+(≈ 0.01 unflipped, 0.1-0.3 flipped) and GLM flips a quarter to half of its tokens on the CPU path itself (DSA
+top-k 8 of 24), so a median sits on the edge between the modes.
 """
 from __future__ import annotations
 
@@ -39,11 +41,11 @@ def _mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def _assert_within_reference_noise(err: torch.Tensor, ref_err: torch.Tensor) -> None:
     """GPU per-token errors vs the CPU bf16 reference path's on the same comparison (module docstring)."""
-    bound = 2 * ref_err.median().item() + 2e-2
+    low, ref_low = err.quantile(0.25).item(), ref_err.quantile(0.25).item()
+    bound = 2 * ref_low + 2e-2
     q = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9])
-    assert err.median().item() <= bound, (f"median per-token error {err.median():.4f} > {bound:.4f} "
-                                          f"(reference path: {ref_err.median():.4f}); quantiles 10-90 %: "
-                                          f"{err.quantile(q).tolist()} vs {ref_err.quantile(q).tolist()}")
+    assert low <= bound, (f"lower-quartile per-token error {low:.4f} > {bound:.4f} (reference path: {ref_low:.4f}); "
+                          f"quantiles 10-90 %: {err.quantile(q).tolist()} vs {ref_err.quantile(q).tolist()}")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
