@@ -18,6 +18,16 @@ weights in fp32, no KV rounding) and through each variant:
   128×128 block weights with 1×128 FP8 activations (W8A8) on every linear layer but ``lm_head``. Plain
   forward (no KV rounding): the weight format alone.
 
+A DSA model (GLM 5.2-shaped, ``eval.train --arch glm``) has two references: **dense** (every visible
+token attended: ``sparse.dense_attention``) and **sparse** (the checkpoint as served: each query attends to
+the ``index_topk`` tokens its full-precision indexer selects). Its variants: ``indexer bf16 sparse`` (the
+sparse reference itself, against the dense one: what the selection costs), ``indexer fp8 sparse`` (the
+FP8 indexer — Hadamard-rotated e4m3 q and k — against the sparse reference, and against the dense one; plus
+the overlap of its top-k with the full-precision indexer's, per full layer), and the KV and weight formats
+against the sparse reference. ``--max-tokens`` caps the windows per context (batch · L), so long contexts
+(16k, 32k) run one window; the plain forwards' attention runs in query chunks there
+(``sparse.chunked_prefill``).
+
 Per (variant, L): KL(reference ‖ variant) and top-1 agreement over the decoded tail and over all positions,
 the variant's and the reference's next-byte cross-entropy on the tail (nats/byte), KL against position
 (bins of ``--bin`` positions), and per-layer SQNR of the hidden states (weight variants, first context).
@@ -34,6 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -42,8 +53,9 @@ from torch import nn
 
 from ..formats import FP8Block, Int4Group, KVFormat
 from ..formats.plan import QuantPlan, quantize_
-from .layers import calibrate_kv_scales, layer_errors, paged_logits
+from .layers import calibrate_kv_scales, capture, layer_errors, paged_logits
 from .metrics import error_by_position, kl_divergence, top1_agreement
+from .sparse import SELECTION, chunked_prefill, dense_attention, is_dsa, selection_overlap
 from .table import EXPERTS
 
 KV_VARIANTS = {
@@ -53,6 +65,10 @@ KV_VARIANTS = {
     "kv fp8_ds_mla": KVFormat("fp8_ds_mla"),
 }
 WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 qat", "weights fp8 block w8a8")
+INDEXER_VARIANTS = ("indexer bf16 sparse", "indexer fp8 sparse")   # DSA models only
+DSA_DEFAULT = INDEXER_VARIANTS + ("experts int4 rtn", "weights fp8 block w8a8", "kv fp8_ds_mla", "kv fp8_e4m3 per-token",
+                                  "kv bf16")   # run in this order (under a time budget the last ones may not)
+ALL_VARIANTS = list(INDEXER_VARIANTS) + list(KV_VARIANTS) + list(WEIGHT_VARIANTS)   # the tables' row order
 
 
 def _load(path, device: torch.device) -> nn.Module:
@@ -65,8 +81,9 @@ def weight_variant(name: str, reference: nn.Module, args, device: torch.device) 
     """The model of one weight variant (None: not available, e.g. no QAT checkpoint)."""
     if name == "experts int4 rtn":
         return quantize_(copy.deepcopy(reference), QuantPlan({EXPERTS: Int4Group(32)})).eval()
-    if name == "weights fp8 block w8a8":
-        return quantize_(copy.deepcopy(reference), QuantPlan({"lm_head": None, "_default": FP8Block()})).eval()
+    if name == "weights fp8 block w8a8":   # a DSA indexer (its precision, its projections) stays as it is
+        plan = QuantPlan({"lm_head": None, r"re:.*indexer(\..*)?": None, "_default": FP8Block()})
+        return quantize_(copy.deepcopy(reference), plan).eval()
     if name == "experts int4 mse":
         from ..convert import convert_checkpoint
         from ..models import save_pretrained
@@ -77,6 +94,10 @@ def weight_variant(name: str, reference: nn.Module, args, device: torch.device) 
             return _load(f"{tmp}/dst", device)
     if name == "experts int4 qat":
         return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
+    if name == "indexer fp8 sparse":
+        return quantize_(copy.deepcopy(reference), QuantPlan({r"re:.*indexer$": FP8Block()})).eval()
+    if name == "indexer bf16 sparse":
+        return reference     # the sparse reference itself (compared with the dense one)
     raise ValueError(f"variants: unknown {name!r}")
 
 
@@ -119,11 +140,31 @@ def markdown(result: dict) -> str:
              f"KL and top-1 over the last {s['eval_tokens']} positions of each context (decoded one byte per "
              f"step for KV formats), all positions too; NLL: next-byte cross-entropy on the tail "
              f"(reference {'/'.join(f'{r:.3f}' for r in s.get('nll_ref', []))} by context). Device: {s['device']}.",
-             "", "| variant | context | KL tail (nats) | top-1 tail | NLL tail (nats/byte) | KL all | top-1 all |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['context']} | {r['kl']:.3g} | {100 * r['top1']:.2f}% | {r['nll']:.4f} | "
+             "", "| variant | against | context | windows | KL tail (nats) | top-1 tail | NLL tail (nats/byte) | "
+             "KL all | top-1 all |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = sorted(result["rows"], key=lambda r: (ALL_VARIANTS.index(r["variant"]) if r["variant"] in ALL_VARIANTS
+                                                 else len(ALL_VARIANTS), r["context"]))
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r.get('reference', 'fp32')} | {r['context']} | {r.get('windows', s['batch'])} "
+                     f"| {r['kl']:.3g} | {100 * r['top1']:.2f}% | {r['nll']:.4f} | "
                      f"{r['kl_all']:.3g} | {100 * r['top1_all']:.2f}% |")
+    if s.get("nll_ref_by_context"):
+        lines += ["", "Reference NLL tail (nats/byte) by context: " + "; ".join(
+            f"{c}: " + ", ".join(f"{k} {v:.4f}" for k, v in d.items()) for c, d in s["nll_ref_by_context"].items())]
+    extra = [r for r in rows if "vs_dense" in r]
+    if extra:
+        n = max(len(r.get("selection_overlap", [])) for r in extra)
+        lines += ["", "FP8 indexer against the **dense** reference, and the overlap of its top-k with the "
+                  "full-precision indexer's (per full layer: the fraction of its selected keys that the "
+                  "full-precision indexer selects too, mean over queries):", "",
+                  "| variant | context | KL tail vs dense | top-1 tail vs dense | KL all vs dense | "
+                  + " | ".join(f"overlap layer {i}" for i, _ in (extra[0].get("selection_overlap") or [])) + " |",
+                  "|---|---:|---:|---:|---:|" + "---:|" * n]
+        for r in extra:
+            d = r["vs_dense"]
+            lines.append(f"| {r['variant']} | {r['context']} | {d['kl']:.3g} | {100 * d['top1']:.2f}% | "
+                         f"{d['kl_all']:.3g} | " + " | ".join(f"{100 * o:.2f}%" for _, o in r.get("selection_overlap", []))
+                         + " |")
     layered = [r for r in result["rows"] if r.get("layers")]
     if layered:
         n = len(layered[0]["layers"])
@@ -172,8 +213,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--eval-tokens", type=int, default=128, help="tail positions decoded one per step")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--variants", nargs="+", default=list(KV_VARIANTS) + list(WEIGHT_VARIANTS),
-                   choices=list(KV_VARIANTS) + list(WEIGHT_VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=ALL_VARIANTS,
+                   help="default: every KV and weight variant; on a DSA model " + ", ".join(DSA_DEFAULT))
+    p.add_argument("--kv-contexts", type=int, nargs="+", help="contexts of the KV variants (default: --contexts)")
+    p.add_argument("--max-tokens", type=int, default=1 << 62,
+                   help="windows per context: min(--batch, max-tokens // L), at least 1 (long contexts)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read quantized pages)")
     p.add_argument("--bin", type=int, default=128, help="positions per bin of the KL-against-position curve")
@@ -187,9 +231,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.contexts = [c for c in args.contexts if c <= 96] or [48, 96]
+        args.kv_contexts = [c for c in (args.kv_contexts or args.contexts) if c <= 96] or None
         args.eval_tokens, args.batch, args.page_size, args.chunk, args.bin = 8, 1, 16, 32, 16
         args.max_files, args.val_every, args.device = args.max_files or 60, min(args.val_every, 5), "cpu"
     return args
+
+
+def references(reference: nn.Module, ids: torch.Tensor, dsa: bool) -> dict:
+    """The reference logits of ids [B, L]: ``"exact"`` (the plain fp32 forward; for a DSA model the sparse
+    one, with each full layer's top-k in ``"selection"``) and, for a DSA model, ``"dense"``."""
+    out = {"ids": ids}
+    with torch.no_grad():
+        if not dsa:
+            out["exact"] = reference(ids).float()
+            return out
+        with capture(reference, SELECTION) as sel:
+            out["exact"] = reference(ids).float()
+        out["selection"] = dict(sel)
+        with dense_attention(reference):
+            out["dense"] = reference(ids).float()
+    return out
+
+
+def run_job(name: str, reference: nn.Module, model: nn.Module | None, refs: dict, args, scales, dsa: bool) -> dict:
+    """One (variant, context) row against its reference (module docstring)."""
+    ids = refs["ids"]
+    against = "sparse" if dsa else "fp32"
+    selection = None
+    if name == "indexer bf16 sparse":
+        q, ref, against = refs["exact"], refs["dense"], "dense"
+    elif name in KV_VARIANTS:
+        q, ref = run_variant(name, reference, None, ids, args, scales), refs["exact"]
+    else:
+        with torch.no_grad(), (capture(model, SELECTION) if name in INDEXER_VARIANTS else nullcontext({})) as sel:
+            q = model(ids).float()
+        selection, ref = dict(sel), refs["exact"]
+    row = score(name, ref, q.to(ref.device), ids, args.eval_tokens, args.bin)
+    row.update(reference=against, windows=ids.shape[0])
+    if name == "indexer fp8 sparse":
+        dense = score(name, refs["dense"], q.to(ref.device), ids, args.eval_tokens, args.bin)
+        row["vs_dense"] = {k: dense[k] for k in ("kl", "top1", "kl_all", "top1_all", "nll")}
+        row["vs_dense"]["by_position"] = dense["by_position"]
+        row["selection_overlap"] = [(int(k.split(".")[2]), selection_overlap(refs["selection"][k], v))
+                                    for k, v in sorted(selection.items(), key=lambda kv: int(kv[0].split(".")[2]))
+                                    if k in refs["selection"]]
+    return row
 
 
 def main(argv=None) -> int:
@@ -206,9 +292,14 @@ def main(argv=None) -> int:
         reference = build_model("smoke", args.seed, device).eval()
     else:
         raise ValueError("--checkpoint: required (eval.train's model/ folder) unless --smoke")
+    dsa = is_dsa(reference)
+    variants = args.variants or (list(DSA_DEFAULT) if dsa else list(KV_VARIANTS) + list(WEIGHT_VARIANTS))
+    if not dsa and set(variants) & set(INDEXER_VARIANTS):
+        raise ValueError(f"--variants: {sorted(set(variants) & set(INDEXER_VARIANTS))} need a DSA model (GLM 5.2)")
     corpus = load_corpus(args.stdlib, args.val_every, args.max_files)
     val = corpus.val
-    for length in args.contexts:
+    kv_contexts = args.kv_contexts or args.contexts
+    for length in sorted(set(args.contexts) | set(kv_contexts)):
         if length <= args.eval_tokens:
             raise ValueError(f"--contexts: {length} must exceed --eval-tokens {args.eval_tokens}")
     trained = ""
@@ -220,10 +311,15 @@ def main(argv=None) -> int:
                    f"(unigram {t['unigram_val_loss']:.3f})")
     setting = {"checkpoint": args.checkpoint or "random smoke model", "trained": trained,
                "parameters": sum(p.numel() for p in reference.parameters()), "batch": args.batch,
-               "eval_tokens": args.eval_tokens, "page_size": args.page_size, "chunk": args.chunk,
+               "max_tokens": args.max_tokens, "eval_tokens": args.eval_tokens, "page_size": args.page_size,
+               "chunk": args.chunk, "bin": args.bin,
                "data": f"{corpus.info['val_files']} files of {corpus.info['root']}, {corpus.info['val_bytes']} "
                        f"bytes, Python {corpus.info['python']}", "device": torch.cuda.get_device_name(device)
-               if device.type == "cuda" else "cpu", "nll_ref": []}
+               if device.type == "cuda" else "cpu", "nll_ref": [], "nll_ref_by_context": {}}
+    if dsa:
+        c = reference.config
+        setting["dsa"] = {"index_topk": c.index_topk, "index_n_heads": c.index_n_heads,
+                          "index_head_dim": c.index_head_dim, "indexer_types": list(c.indexer_types)}
     result = {"setting": setting, "rows": [], "skipped": [], "timings_s": {}}
 
     def save() -> None:
@@ -232,16 +328,19 @@ def main(argv=None) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     scales = None
-    print(f"[fidelity] {setting['parameters'] / 1e6:.1f} M parameters on {setting['device']}, contexts "
-          f"{args.contexts}, {len(args.variants)} variants ({time.time() - t0:.0f}s)", flush=True)
-    if "kv fp8_e4m3 per-tensor" in args.variants:
-        calib = windows(val, args.batch, max(args.contexts), gen).to(device)
-        scales = calibrate_kv_scales(reference, calib, args.page_size)
-        setting["kv_tensor_scales"] = scales
-        print(f"[fidelity] per-tensor KV scales calibrated ({time.time() - t0:.0f}s)", flush=True)
-    models: dict[str, nn.Module | None] = {}
-    for name in args.variants:
-        if name in WEIGHT_VARIANTS:
+    print(f"[fidelity] {setting['parameters'] / 1e6:.1f} M parameters on {setting['device']}"
+          f"{' (DSA, top-k %d)' % reference.config.index_topk if dsa else ''}, contexts {args.contexts}, "
+          f"{len(variants)} variants ({time.time() - t0:.0f}s)", flush=True)
+    with chunked_prefill():
+        if "kv fp8_e4m3 per-tensor" in variants:
+            calib = windows(val, args.batch, max(kv_contexts), gen).to(device)
+            scales = calibrate_kv_scales(reference, calib, args.page_size)
+            setting["kv_tensor_scales"] = scales
+            print(f"[fidelity] per-tensor KV scales calibrated ({time.time() - t0:.0f}s)", flush=True)
+        models: dict[str, nn.Module | None] = {}
+        for name in variants:
+            if name in KV_VARIANTS:
+                continue
             t = time.time()
             try:
                 models[name] = weight_variant(name, reference, args, device)
@@ -250,36 +349,50 @@ def main(argv=None) -> int:
                 models[name] = None
                 result["skipped"].append(f"{name} (build failed: {type(e).__name__}: {e})")
             result["timings_s"][f"build {name}"] = time.time() - t
-            print(f"[fidelity] built {name} ({time.time() - t0:.0f}s)", flush=True)
             if models[name] is None and name == "experts int4 qat" and not args.qat_checkpoint:
                 result["skipped"].append(f"{name} (no --qat-checkpoint)")
-    for ci, length in enumerate(args.contexts):
-        if time.time() - t0 > args.time_budget:
-            result["skipped"].append(f"contexts {args.contexts[ci:]} (time budget {args.time_budget:.0f}s)")
-            break
-        t = time.time()
-        ids = windows(val, args.batch, length, gen).to(device)
-        with torch.no_grad():
-            ref = reference(ids).float()
-        setting["nll_ref"].append(_nll(ref[:, length - args.eval_tokens:-1], ids[:, length - args.eval_tokens + 1:]))
-        print(f"[fidelity] context {length}: reference logits ({time.time() - t0:.0f}s)", flush=True)
-        for name in args.variants:
+        print(f"[fidelity] variants built ({time.time() - t0:.0f}s)", flush=True)
+        # Plain variants first over every context (the indexer's rows first), then the slower paged KV ones.
+        ordered = [v for v in variants if v not in KV_VARIANTS] + [v for v in variants if v in KV_VARIANTS]
+        jobs = [(v, c) for v in ordered for c in (kv_contexts if v in KV_VARIANTS else args.contexts)]
+        refs: dict[int, dict] = {}
+        for ji, (name, length) in enumerate(jobs):
+            if time.time() - t0 > args.time_budget:
+                result["skipped"].append("; ".join(f"{v} at {c}" for v, c in jobs[ji:])
+                                         + f" (time budget {args.time_budget:.0f}s)")
+                break
             if name not in KV_VARIANTS and models.get(name) is None:
                 continue
+            t = time.time()
             try:
-                q = run_variant(name, reference, models.get(name), ids, args, scales)
-            except Exception as e:   # recorded in the output; the other formats still run
+                if length not in refs:
+                    batch = max(1, min(args.batch, args.max_tokens // length))
+                    refs[length] = references(reference, windows(val, batch, length, gen).to(device), dsa)
+                    r = refs[length]
+                    tail = slice(length - args.eval_tokens, length - 1)
+                    nll = {k: _nll(r[k][:, tail], r["ids"][:, tail.start + 1:]) for k in ("exact", "dense") if k in r}
+                    setting["nll_ref"].append(nll["exact"])
+                    setting["nll_ref_by_context"][str(length)] = nll
+                    result["timings_s"][f"references {length}"] = time.time() - t
+                    print(f"[fidelity] context {length}: {batch} windows, reference logits, NLL tail "
+                          f"{nll} ({time.time() - t0:.0f}s)", flush=True)
+                row = run_job(name, reference, models.get(name), refs[length], args, scales, dsa)
+                if length == args.contexts[0] and name in models and name not in INDEXER_VARIANTS:
+                    row["layers"] = layer_errors(reference, models[name], refs[length]["ids"][:1], what=("hidden",))
+            except Exception as e:   # recorded in the output; the other jobs still run
                 traceback.print_exc()
                 result["skipped"].append(f"{name} at {length} ({type(e).__name__}: {e})")
                 continue
-            row = score(name, ref, q.to(ref.device), ids, args.eval_tokens, args.bin)
-            if ci == 0 and name in models:
-                row["layers"] = layer_errors(reference, models[name], ids[:1], what=("hidden",))
+            row["seconds"] = time.time() - t
             result["rows"].append(row)
-            print(f"| {name} | {length} | KL {row['kl']:.3g} | top-1 {100 * row['top1']:.2f}% | NLL {row['nll']:.4f} "
-                  f"(ref {row['nll_ref']:.4f}) | {time.time() - t0:.0f}s", flush=True)
-        result["timings_s"][f"context {length}"] = time.time() - t
-        save()
+            print(f"| {name} | vs {row['reference']} | {length} | KL {row['kl']:.3g} | top-1 {100 * row['top1']:.2f}% "
+                  f"| KL all {row['kl_all']:.3g} | NLL {row['nll']:.4f} (ref {row['nll_ref']:.4f}) | "
+                  f"{time.time() - t0:.0f}s", flush=True)
+            if "selection_overlap" in row:
+                print(f"    vs dense: KL {row['vs_dense']['kl']:.3g}, top-1 {100 * row['vs_dense']['top1']:.2f}%; top-k "
+                      f"overlap {[(i, round(o, 4)) for i, o in row['selection_overlap']]}", flush=True)
+            save()
+    result["timings_s"]["total"] = time.time() - t0
     save()
     png = plot(result, out / "fidelity.png") if result["rows"] else None
     print(f"wrote {out / 'fidelity.md'}, {out / 'fidelity.json'}" + (f", {png}" if png else " (no matplotlib: no plot)"),

@@ -58,18 +58,29 @@ SIZES = {
                   num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=128,
                   kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64),
 }
+# GLM 5.2-shaped (MLA + DSA lightning indexer, IndexShare): the "small" Kimi widths plus an indexer of 4 heads
+# x 128 (rope on its first 64 dims, as GLM), top-k 256 so that the sparse selection acts from context 257 on,
+# and GLM's indexer schedule (freq 4, offset 2: layers full, full, shared, shared, shared, full).
+GLM_INDEXER = {"glm-small": dict(index_n_heads=4, index_head_dim=128, index_topk=256),
+               "glm-smoke": dict(index_n_heads=4, index_head_dim=32, index_topk=16)}
+SIZES.update({"glm-small": dict(SIZES["small"], **GLM_INDEXER["glm-small"]),
+              "glm-smoke": dict(SIZES["smoke"], num_hidden_layers=3, **GLM_INDEXER["glm-smoke"])})
+ARCHS = ("kimi", "glm")
 
 
 def model_config(size: str):
-    """A ``KimiK26Config`` of the given size with a byte vocabulary (Kimi's other settings kept)."""
-    from ..models import KimiK26Config
+    """A ``KimiK26Config`` (or, for the ``glm-*`` sizes, a ``Glm52Config``: DSA with GLM's indexer schedule)
+    of the given size with a byte vocabulary (the family's other settings kept)."""
+    from ..models import Glm52Config, KimiK26Config
 
     if size not in SIZES:
         raise ValueError(f"size: {size!r} not in {sorted(SIZES)}")
     sizes = SIZES[size]
-    return KimiK26Config(vocab_size=VOCAB, first_k_dense_replace=1, n_shared_experts=1,
-                         num_key_value_heads=sizes["num_attention_heads"], bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None, **sizes)
+    common = dict(vocab_size=VOCAB, first_k_dense_replace=1, n_shared_experts=1,
+                  num_key_value_heads=sizes["num_attention_heads"], eos_token_id=None, pad_token_id=None, **sizes)
+    if size.startswith("glm-"):
+        return Glm52Config(quantization_config=None, max_position_embeddings=1 << 20, **common)
+    return KimiK26Config(bos_token_id=None, **common)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -139,6 +150,12 @@ def unigram_loss(train: torch.Tensor, val: torch.Tensor) -> float:
 def sdpa_attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``MLAttention.forward`` (plain causal, naive form) with the attention itself through
     ``F.scaled_dot_product_attention`` so that it has a backward: x [B, T, hidden] -> [B, T, hidden]."""
+    return _sdpa(attn, x, positions)[0]
+
+
+def _sdpa(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sdpa_attention` that also returns q, k [B, T, H, nope + rope] (for the indexer's target)."""
     bsz, t, _ = x.shape
     pos = positions.expand(bsz, t)
     q_nope, q_pe = attn.project_q(x, pos)                                     # [B, T, H, dn], [B, T, H, dr]
@@ -148,39 +165,101 @@ def sdpa_attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor) ->
     k = torch.cat([k_nope, k_pe[..., None, :].expand(*k_nope.shape[:-1], k_pe.shape[-1])], dim=-1)
     d_qk, d_v = q.shape[-1], v.shape[-1]
     vp = F.pad(v, (0, d_qk - d_v)) if d_v < d_qk else v                      # same head dim: fused kernels
-    q, k, v = q.to(vp.dtype), k.to(vp.dtype), vp
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+    qc, kc = q.to(vp.dtype), k.to(vp.dtype)
+    o = F.scaled_dot_product_attention(qc.transpose(1, 2), kc.transpose(1, 2), vp.transpose(1, 2), is_causal=True,
                                        scale=attn.softmax_scale).transpose(1, 2)[..., :d_v]
-    return attn.output(o)
+    return attn.output(o), q, k
 
 
-def train_forward(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def train_forward(model: nn.Module, input_ids: torch.Tensor, observe=None) -> torch.Tensor:
     """The plain causal forward of a ``KimiK26ForCausalLM`` (``model(input_ids)``), differentiable:
-    input_ids [B, T] -> logits [B, T, vocab]."""
+    input_ids [B, T] -> logits [B, T, vocab]. A ``Glm52ForCausalLM`` runs it *dense* (every visible token
+    attended, as ``model(ids)`` does up to ``index_topk`` tokens): DSA's dense warm-up, the indexer trained
+    beside it (:class:`IndexerDistillation`, passed as ``observe``: called with each layer, its normalised
+    input and its q, k)."""
     from ..modules.attention import MLAttention
 
     x = model.model.embed_tokens(input_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     for layer in model.model.layers:
-        if type(layer.self_attn) is not MLAttention:
+        if not isinstance(layer.self_attn, MLAttention):
             raise TypeError(f"train_forward: layer {layer.layer_idx} has {type(layer.self_attn).__name__}; "
-                            "only MLA (Kimi K2.6) models train here")
-        x = x + sdpa_attention(layer.self_attn, layer.input_layernorm(x), positions)
+                            "only MLA / DSA (Kimi K2.6, GLM 5.2) models train here")
+        h = layer.input_layernorm(x)
+        o, q, k = _sdpa(layer.self_attn, h, positions)
+        if observe is not None:
+            observe(layer, h, q, k)
+        x = x + o
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x))
+
+
+class IndexerDistillation:
+    """DeepSeek V3.2's dense warm-up of the lightning indexer, as an auxiliary loss beside the LM loss.
+
+    For the first ``rows`` sequences of a batch, the target of each full layer's indexer is the dense
+    attention distribution of its layer group (the full layer and the shared layers after it, which reuse
+    its top-k): softmax(q·kᵀ · scale) averaged over heads and layers (detached), and the loss is
+    KL(target ‖ softmax(index scores)) per query, mean over queries. The indexer's inputs (the layer's
+    normalised input and its q latent) are detached, so it trains apart from the model (as DeepSeek V3.2).
+    Use: ``d = IndexerDistillation(rows)``; ``train_forward(model, ids, d)``; ``d.loss()``.
+    """
+
+    def __init__(self, rows: int):
+        if rows < 1:
+            raise ValueError(f"rows: {rows} must be >= 1")
+        self.rows = rows
+        self.groups: list[dict] = []
+
+    def __call__(self, layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        from ..modules.dsa import DSAttention
+
+        attn = layer.self_attn
+        if not isinstance(attn, DSAttention):
+            return
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            qf, kf = q[:self.rows].float(), k[:self.rows].float()               # [b, T, H, D]
+            logits = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * attn.softmax_scale
+            t = logits.shape[-1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).mean(1)   # [b, T, T]
+        if attn.indexer is not None:
+            self.groups.append({"attn": attn, "h": h[:self.rows].detach(), "probs": [probs]})
+        elif self.groups:
+            self.groups[-1]["probs"].append(probs)
+
+    def loss(self) -> torch.Tensor:
+        """Mean KL (nats) over the full layers and the queries; clears the collected targets."""
+        if not self.groups:
+            raise ValueError("IndexerDistillation: no DSA layer seen (call train_forward with it first)")
+        total, groups = 0.0, self.groups
+        self.groups = []
+        for g in groups:
+            attn, h = g["attn"], g["h"]
+            with torch.no_grad():
+                q_latent = attn.q_latent(h)
+            index = attn.indexer.scores(h, q_latent).float()                     # [b, T, T], -inf above
+            target = torch.stack(g["probs"]).mean(0)
+            logq = torch.log_softmax(index, dim=-1)
+            visible = torch.isfinite(index)
+            ce = -(target * torch.where(visible, logq, 0.0)).sum(-1)
+            entropy = -(target * torch.where(target > 0, target.log(), 0.0)).sum(-1)
+            total = total + (ce - entropy).mean()
+        return total / len(groups)
 
 
 @torch.no_grad()
 def init_weights_(model: nn.Module, seed: int) -> nn.Module:
     """Random weights for training from scratch: ``init_random_weights_`` (std K^-0.5), then unit norm gains,
-    zero routing biases, and the residual branches' output projections scaled by (2 · layers)^-0.5."""
+    zero norm biases (the indexer's LayerNorm) and routing biases, and the residual branches' output
+    projections scaled by (2 · layers)^-0.5."""
     from ..models import init_random_weights_
 
     init_random_weights_(model, seed)
     depth = (2 * model.config.num_hidden_layers) ** -0.5
     for name, p in model.named_parameters():
         if p.dim() == 1:
-            p.fill_(1.0)
+            p.fill_(0.0 if name.endswith(".bias") else 1.0)
         elif name.endswith(("o_proj.weight", "down_proj.weight", "down_proj_weight")):
             p.mul_(depth)
     for name, b in model.named_buffers():
@@ -224,10 +303,11 @@ class LoadBalancer:
 
 
 def build_model(size: str, seed: int, device: torch.device):
-    from ..models import KimiK26ForCausalLM
+    from ..models import Glm52Config, Glm52ForCausalLM, KimiK26ForCausalLM
 
-    model = KimiK26ForCausalLM(model_config(size), dtype=torch.float32, device=device)
-    return init_weights_(model, seed)
+    config = model_config(size)
+    cls = Glm52ForCausalLM if isinstance(config, Glm52Config) else KimiK26ForCausalLM
+    return init_weights_(cls(config, dtype=torch.float32, device=device), seed)
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -293,9 +373,13 @@ def run_phase(args, name: str, model: nn.Module, loss_fn, params, corpus_train: 
         w = windows(corpus_train, args.batch, args.context + 1, gen)
         with _autocast(device):
             loss = loss_fn(w)
+        loss, extra = loss if isinstance(loss, tuple) else (loss, {})     # extra: more figures to log
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in params], args.clip))
+        # the DSA indexer trains on its own loss (detached inputs): clipped apart from the model
+        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for n, p in params if ".indexer." not in n], args.clip))
+        if any(".indexer." in n for n, _ in params):
+            torch.nn.utils.clip_grad_norm_([p for n, p in params if ".indexer." in n], args.clip)
         opt.step()
         imbalance = balancer.step() if balancer is not None else float("nan")
         step += 1
@@ -307,7 +391,7 @@ def run_phase(args, name: str, model: nn.Module, loss_fn, params, corpus_train: 
                       flush=True)
         last = {"phase": name, "step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": tokens * max(step - 2, 1) / max(elapsed - t_first, 1e-9) if step > 2 else None,
-                "elapsed_s": elapsed, "max_load_ratio": imbalance}
+                "elapsed_s": elapsed, "max_load_ratio": imbalance, **extra}
         done = total is not None and step >= total
         if step % args.eval_every == 0 or done:
             model.eval()
@@ -317,6 +401,7 @@ def run_phase(args, name: str, model: nn.Module, loss_fn, params, corpus_train: 
             log.append(dict(last))
             tps = f"{last['tokens_per_s']:.3g} tok/s" if last["tokens_per_s"] else "-"
             val = f" val {last['val_loss']:.4f}" if "val_loss" in last else ""
+            val += "".join(f" {k} {v:.4f}" for k, v in extra.items())
             print(f"[{name}] step {step}/{total or '?'} loss {last['loss']:.4f}{val} lr {lr:.2e} "
                   f"|g| {grad_norm:.2f} load {imbalance:.2f} {tps} {elapsed:.0f}s", flush=True)
     return {"steps": step, "seconds": time.time() - t0, "final_loss": last.get("loss"),
@@ -353,7 +438,7 @@ def train(args) -> dict:
 
 
 def _train(args) -> dict:
-    from ..models import KimiK26ForCausalLM, from_pretrained, save_pretrained
+    from ..models import from_pretrained, save_pretrained
     from ..modules import qat
 
     torch.manual_seed(args.seed)
@@ -378,14 +463,22 @@ def _train(args) -> dict:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     balancer = LoadBalancer(model, args.balance_gamma)
 
-    def lm_loss(w: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(train_forward(model, w[:, :-1]).float().reshape(-1, VOCAB), w[:, 1:].reshape(-1))
+    has_indexer = any(".indexer." in n for n, _ in params)
+    indexer_kl = IndexerDistillation(min(args.indexer_rows, args.batch)) if has_indexer else None
+
+    def lm_loss(w: torch.Tensor):
+        logits = train_forward(model, w[:, :-1], indexer_kl)
+        lm = F.cross_entropy(logits.float().reshape(-1, VOCAB), w[:, 1:].reshape(-1))
+        if indexer_kl is None:
+            return lm
+        kl = indexer_kl.loss()
+        return lm + args.indexer_weight * kl, {"indexer_kl": float(kl.detach())}
 
     summary["train"] = run_phase(args, "train", model, lm_loss, params, train_data, val_windows, args.steps,
                                  args.time_budget, args.lr, summary["log"], balancer)
     balancer.remove()
     # the checkpoint: bf16 weights in the real Kimi K2.6 layout (the fp32 reference is this, loaded in fp32)
-    bf16 = KimiK26ForCausalLM(model.config, dtype=torch.bfloat16, device=device)
+    bf16 = type(model)(model.config, dtype=torch.bfloat16, device=device)
     bf16.load_state_dict(model.state_dict())
     save_pretrained(bf16, out / "model")
     del bf16, model
@@ -427,7 +520,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_quant.eval.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output folder (model/, model_qat/, train.json)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 40 steps on the CPU (a test runs it)")
+    p.add_argument("--arch", default="kimi", choices=ARCHS,
+                   help="kimi: Kimi K2.6-shaped (MLA); glm: GLM 5.2-shaped (MLA + DSA indexer, size glm-<size>)")
     p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--indexer-rows", type=int, default=4,
+                   help="GLM: sequences of each batch whose dense attention distils the indexer")
+    p.add_argument("--indexer-weight", type=float, default=1.0, help="GLM: weight of the indexer KL loss")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=2048, help="training context (bytes)")
     p.add_argument("--steps", type=int, help="fixed step count (default: from --time-budget)")
@@ -457,6 +555,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.qat_steps, args.max_files = args.qat_steps or 2, args.max_files or 60
         args.val_windows, args.eval_every, args.log_every, args.device = 32, 20, 10, "cpu"
         args.val_every = min(args.val_every, 5)
+    if args.arch == "glm" and not args.size.startswith("glm-"):
+        args.size = f"glm-{args.size}"
     return args
 
 

@@ -86,7 +86,7 @@ def test_smoke_train_then_fidelity(tmp_path, one_thread):
             assert 0 < rows[w, c]["kl"] < 0.2 and math.isfinite(rows[w, c]["nll"])
         assert rows["kv bf16", c]["by_position"][-1][1] == c          # the curve spans the whole context
     md = (out / "fidelity.md").read_text()
-    assert "| kv fp8_ds_mla | 96 |" in md and "Per-layer SQNR" in md
+    assert "| kv fp8_ds_mla | fp32 | 96 | 1 |" in md and "Per-layer SQNR" in md
 
 
 def test_fidelity_reports_what_did_not_run(tmp_path, one_thread):
