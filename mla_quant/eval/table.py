@@ -8,7 +8,9 @@ and through the variant; the last ``--eval-tokens`` positions are compared. KV v
 ``L - eval_tokens`` tokens into pages of their format, then decode the rest one token per step (teacher
 forcing) — the error that accumulates over a long context shows up here. Weight and indexer variants change
 only that format (fp32 compute otherwise) and run the plain forward. Without ``--checkpoint``, a tiny random
-Kimi K2.6-shaped model (a smoke run: random weights say little about real fidelity).
+Kimi K2.6-shaped model, or GLM 5.2-shaped with ``--arch glm`` (a smoke run: random weights say little about
+real fidelity). ``fidelity_run`` is the full pipeline on a trained model (dense and sparse references of a
+DSA model, top-k overlap, KL against position).
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ VARIANTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_quant.eval.table", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="model folder (from_pretrained); default: a tiny random Kimi K2.6")
+    p.add_argument("--checkpoint", help="model folder (from_pretrained); default: a tiny random model (--arch)")
+    p.add_argument("--arch", default="kimi", choices=("kimi", "glm"), help="the tiny random model's family")
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 512])
     p.add_argument("--eval-tokens", type=int, default=64, help="positions compared at the end of each context")
     p.add_argument("--batch", type=int, default=2)
@@ -99,11 +102,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_reference(args, device: torch.device) -> torch.nn.Module:
-    from ..models import KimiK26Config, KimiK26ForCausalLM, init_random_weights_
+    from ..models import Glm52Config, Glm52ForCausalLM, KimiK26Config, KimiK26ForCausalLM, init_random_weights_
 
     if args.checkpoint:
         return _load(args.checkpoint, device)
-    model = KimiK26ForCausalLM(KimiK26Config.tiny(), dtype=torch.float32, device=device)
+    if getattr(args, "arch", "kimi") == "glm":
+        model = Glm52ForCausalLM(Glm52Config.tiny(), dtype=torch.float32, device=device)
+    else:
+        model = KimiK26ForCausalLM(KimiK26Config.tiny(), dtype=torch.float32, device=device)
     return init_random_weights_(model, args.seed).eval()
 
 

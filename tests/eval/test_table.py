@@ -36,3 +36,16 @@ def test_table_extra_checkpoint(tmp_path, capsys):
           "--extra", f"same={tmp_path / 'same'}", "--json", str(tmp_path / "t.json")])
     rows = {r["variant"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
     assert rows["same"]["kl"] == 0.0 and rows["same"]["top1"] == 1.0
+
+
+def test_table_glm_indexer_fp8(tmp_path):
+    """--arch glm: the FP8 indexer row on a tiny random GLM 5.2 (top-k 8 < context 24: the selection acts)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        main(["--arch", "glm", "--contexts", "24", "--eval-tokens", "8", "--page-size", "8", "--batch", "1",
+              "--device", "cpu", "--variants", "indexer fp8", "kv bf16", "--json", str(tmp_path / "t.json")])
+    finally:
+        torch.set_num_threads(before)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert 0 <= rows["indexer fp8"]["kl"] < 0.5 and rows["kv bf16"]["kl"] < 1e-3
