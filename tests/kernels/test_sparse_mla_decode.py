@@ -116,6 +116,24 @@ def test_kernel_matches_reference(triton_backend, kind, scale_mode, num_splits):
     assert rel_err(out, ro) < 1e-5 and rel_err(lse, rl) < 1e-6
 
 
+def test_kernel_many_splits_combine_in_column_blocks(triton_backend):
+    """Batch-1 decode shape: one token, a long top-k list split 128 ways (the combine kernel then holds the
+    partials in several column blocks), some splits empty."""
+    dev = triton_backend
+    lengths, ps, dl, dr = [2100], 64, 128, 64
+    data, scales, table, seq_lens = make_pages("bf16", "token", lengths, ps, dl, dr, device=dev)
+    req_ids = torch.zeros(1, dtype=torch.int32, device=dev)
+    idx = random_indices(lengths, req_ids.cpu(), 2048, seed=5)
+    idx[:, 16:48] = -1                                   # two whole splits select nothing
+    idx = idx.to(dev)
+    q_nope, q_pe = torch.randn(1, 2, dl, device=dev), torch.randn(1, 2, dr, device=dev)
+    out, lse = sparse_mla_decode(q_nope, q_pe, data, scales, "bf16", table, seq_lens, req_ids, idx, 0.1,
+                                 num_splits=128)
+    ro, rl = sparse_mla_decode_reference(q_nope, q_pe, data, scales, "bf16", table, seq_lens, req_ids, idx, 0.1)
+    assert_all_written(out, "out")
+    assert rel_err(out, ro) < 1e-5 and rel_err(lse, rl) < 1e-6
+
+
 def test_kernel_ds_mla_with_several_scale_tiles(triton_backend):
     dev = triton_backend
     lengths, ps, dl, dr = [45, 20], 16, 256, 32

@@ -23,6 +23,7 @@ from ..kv_layout import check_kv_pages
 from .reference import gather_kv_rows, sparse_mla_decode_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+MAX_SPLITS = 256  # the combine kernel holds every split's partial of a column block at once
 
 __all__ = ["sparse_mla_decode", "sparse_mla_decode_reference", "gather_kv_rows", "check_kv_pages"]
 
@@ -101,7 +102,7 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
     block_h = 16 if h <= 16 else 32
     block_n = 16 if interpreted else 32
     head_blocks = triton.cdiv(h, block_h)
-    splits = num_splits or _num_splits(t, head_blocks, k, block_n, q_nope.device)
+    splits = min(num_splits or _num_splits(t, head_blocks, k, block_n, q_nope.device), MAX_SPLITS)
     chunk = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
     splits = triton.cdiv(k, chunk)
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
@@ -134,8 +135,10 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         DL=d_latent, DR=d_rope, PAGE_SIZE=kv_data.shape[1], KIND=code, DOT_BF16=dot_bf16,
         SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else 8)
     if splits > 1:
-        _combine_splits_kernel[(t, h)](
+        block_s = triton.next_power_of_2(splits)
+        block_d = min(d_latent, max(16, 8192 // block_s))        # ≤ 8k fp32 partials per program
+        _combine_splits_kernel[(t, h, d_latent // block_d)](
             o_buf, l_buf, out, lse, h, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
             l_buf.stride(0), l_buf.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            DL=d_latent, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4)
     return out, lse

@@ -111,23 +111,25 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
 def _combine_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, H, S,
                            stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h,
                            stride_o_t, stride_o_h, stride_l_t, stride_l_h,
-                           DL: tl.constexpr, BLOCK_S: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program = one (token, head) × BLOCK_D latent columns. All S partial outputs are loaded as one
+    [BLOCK_S, BLOCK_D] tile (no loop over splits: at batch 1 there are up to 64 splits, and a loop would
+    chain one L2 round trip per split)."""
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_l = tl.arange(0, DL)
-    lse_s = tl.load(plse_ptr + tok * stride_pl_t + h * stride_pl_h + offs_s, mask=offs_s < S,
-                    other=float("-inf"))
+    smask = offs_s < S
+    lse_s = tl.load(plse_ptr + tok * stride_pl_t + h * stride_pl_h + offs_s, mask=smask, other=float("-inf"))
+    part = tl.load(po_ptr + tok * stride_po_t + h * stride_po_h + offs_s[:, None] * stride_po_s + offs_d[None, :],
+                   mask=smask[:, None], other=0.0)                                  # [BLOCK_S, BLOCK_D]
     mx = tl.max(lse_s, axis=0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.sum(tl.exp2(lse_s - mx_safe), axis=0)
-    acc = tl.zeros((DL,), tl.float32)
-    base = po_ptr + tok * stride_po_t + h * stride_po_h
-    for s in range(0, S):
-        w = tl.exp2(tl.load(plse_ptr + tok * stride_pl_t + h * stride_pl_h + s) - mx_safe)
-        acc += w * tl.load(base + s * stride_po_s + offs_l)
+    w = tl.exp2(lse_s - mx_safe)                                                    # 0 for empty splits
+    total = tl.sum(w, axis=0)
     has = total > 0.0
-    out = acc / tl.where(has, total, 1.0)
-    tl.store(o_ptr + tok * stride_o_t + h * stride_o_h + offs_l, out.to(o_ptr.dtype.element_ty))
-    lse = tl.where(has, (mx + tl.log2(tl.where(has, total, 1.0))) * LN2, float("-inf"))
-    tl.store(lse_ptr + tok * stride_l_t + h * stride_l_h, lse)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(has, total, 1.0)
+    tl.store(o_ptr + tok * stride_o_t + h * stride_o_h + offs_d, out.to(o_ptr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        lse = tl.where(has, (mx + tl.log2(tl.where(has, total, 1.0))) * LN2, float("-inf"))
+        tl.store(lse_ptr + tok * stride_l_t + h * stride_l_h, lse)
