@@ -6,17 +6,18 @@ Every request's pages are scattered over one pool; inputs rotate over several bl
 until one pass reads more than 3× the L2 cache.
 
 ``dsa_decode`` (one query token per request): the whole attention step after the projections — indexer
-scores over the ``ctx`` cached keys (``indexer_scores``), top-k (``topk_indices``), sparse absorbed attention
-over the gathered rows (``sparse_mla_decode``) — timed as one CUDA-graph replay, against the dense
-``mla_decode`` (peer) at the same ``kv``, heads, batch and context. Extra fields: ``indexer_us``, ``topk_us``,
-``sparse_us`` (each part alone), ``indexer_share`` ((indexer + top-k) / step), ``ratio_vs_dense``
-(step / dense; the goal at 64k is ≤ 0.35). ``bytes``: indexer keys + scales of the context, the top-k
-gathered rows, q and out (the least the step reads; the fp32 scores round trip is not counted);
-``flops``: 2·ctx·32·128 (indexer) + 2·H·topk·(576 + 512) (attention) per request.
-
-``topk``: ``topk_indices`` on CUDA is the Triton radix select of ``kernels/topk`` (three 11/11/10-bit
-histogram rounds and a select pass, each spread over ~4 programs per SM across the rows; rows of N ≤ topk
-skip selection); ``topk_us`` times it alone over the step's fp32 scores [batch, ctx].
+scores over the ``ctx`` cached keys and top-k (``indexer_topk``: at ≤ 4 rows the scores kernel also counts the
+radix select's first digit), sparse absorbed attention over the gathered rows (``sparse_mla_decode``) — timed
+as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``kv``, heads, batch and context.
+Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer_us`` (indexer_scores only),
+``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
+``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
+RADIX_BITS), ``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal
+at 64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices →
+sparse: the previous path), ``step_device_ops`` (kernels + memsets of one step, torch profiler),
+``graph_captured`` (the step captured in a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the
+context, the top-k gathered rows, q and out (the least the step reads; the fp32 scores round trip is not
+counted); ``flops``: 2·ctx·32·128 (indexer) + 2·H·topk·(576 + 512) (attention) per request.
 
 ``dsa_prefill`` (one chunk of ``tokens`` new tokens closing a ``ctx``-token request, BF16 KV as the prefill
 recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
@@ -31,7 +32,7 @@ import math
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.indexer_scores import indexer_scores
+from mla_quant.kernels.indexer_scores import indexer_scores, indexer_topk
 from mla_quant.kernels.mla_decode import mla_decode
 from mla_quant.kernels.mla_prefill import mla_prefill
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
@@ -45,6 +46,8 @@ IDX_HEADS, IDX_DIM, TOPK = 32, 128, 2048
 NOPE, V = 192, 256                    # GLM 5.2 qk_nope_head_dim / v_head_dim (the prefill peer's expanded form)
 SCALE = 256 ** -0.5                   # GLM 5.2 softmax scale (no YaRN)
 INDEX_KEY_BYTES = IDX_DIM + 4         # e4m3 key + fp32 scale
+TOPK_VARIANTS = (("radix8", {"method": "radix", "radix_bits": 8}), ("radix11", {"method": "radix", "radix_bits": 11}),
+                 ("torch", {"method": "torch"}))   # top-k paths timed alone on the step's scores
 
 
 def _fill_pools(kind: str, num_pages: int, dev: str):
@@ -72,6 +75,23 @@ def _graph_us(fn, reps: int) -> float:
     return graph_us(fn, reps)[0]
 
 
+def _device_ops(fn) -> int | None:
+    """Kernels (and memsets / copies) one eager call of ``fn`` puts on the GPU, from the torch profiler (None if
+    the profiler is unavailable): each costs ~1-2 µs of launch gap even inside a CUDA graph."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 - a missing profiler only loses this field
+        return None
+
+
 def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[dict]:
     dev = ctx.device
     num_pages = max(batches) * max(contexts) // PAGE
@@ -88,8 +108,11 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             w_idx = torch.rand(batch, IDX_HEADS, device=dev)
             q = torch.randn(batch, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
             q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
-            top = [topk_indices(indexer_scores(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, n), TOPK)
-                   for tb in tables]
+
+            def index_topk(tb):
+                return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n)
+
+            top = [index_topk(tb) for tb in tables]
             scores = indexer_scores(q_idx, w_idx, keys, key_scales, tables[0], req_ids, positions, n)
 
             def index(tb):
@@ -99,6 +122,9 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                 return sparse_mla_decode(q_nope, q_pe, pool, scales, kind, tb, seq_lens, req_ids, idx, SCALE)
 
             def step(tb):
+                return attend(tb, index_topk(tb))
+
+            def step_unfused(tb):
                 return attend(tb, topk_indices(index(tb), TOPK))
 
             def dense(tb):
@@ -106,9 +132,14 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                                   validate=False)
 
             reps = len(tables)
-            t_step = _graph_us(lambda: [step(tb) for tb in tables], reps)
+            t_step, captured = graph_us(lambda: [step(tb) for tb in tables], reps)
+            t_unfused = _graph_us(lambda: [step_unfused(tb) for tb in tables], reps)
             t_index = _graph_us(lambda: [index(tb) for tb in tables], reps)
+            t_index_topk = _graph_us(lambda: [index_topk(tb) for tb in tables], reps)
             t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
+            t_topk_alt = {f"topk_{name}_us": round(_graph_us(lambda: [topk_indices(scores, TOPK, **kw)
+                                                                        for _ in tables], reps), 3)
+                          for name, kw in TOPK_VARIANTS}
             t_sparse = _graph_us(lambda: [attend(tb, idx) for tb, idx in zip(tables, top)], reps)
             t_dense = _graph_us(lambda: [dense(tb) for tb in tables], reps)
             moved = batch * (n * INDEX_KEY_BYTES + min(TOPK, n) * row_bytes
@@ -117,9 +148,11 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             cases.append(case(
                 "dsa_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "topk": TOPK}, t_step,
                 bytes=moved, flops=flops, peer=f"mla_decode_{kind}", peer_median_us=t_dense,
-                indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), sparse_us=round(t_sparse, 3),
-                indexer_share=round((t_index + t_topk) / t_step, 3), ratio_vs_dense=round(t_step / t_dense, 3),
-                input_sets=reps))
+                indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), index_topk_us=round(t_index_topk, 3),
+                sparse_us=round(t_sparse, 3), indexer_share=round(t_index_topk / t_step, 3),
+                ratio_vs_dense=round(t_step / t_dense, 3), unfused_step_us=round(t_unfused, 3),
+                unfused_ratio_vs_dense=round(t_unfused / t_dense, 3), **t_topk_alt,
+                step_device_ops=_device_ops(lambda: step(tables[0])), graph_captured=captured, input_sets=reps))
             del tables, top, scores
         del pool, scales, keys, key_scales
         torch.cuda.empty_cache()

@@ -27,8 +27,7 @@ from ..formats import BF16, WeightFormat
 from ..kernels.fp8_quant import act_quant_fp8
 from ..kernels.hadamard import hadamard_transform
 from ..kernels.indexer_k_append import quantize_indexer_keys_reference
-from ..kernels.indexer_scores import indexer_scores, req_ids_from_cu_seqlens
-from ..kernels.topk import topk_indices
+from ..kernels.indexer_scores import indexer_topk, req_ids_from_cu_seqlens
 from .linear import QuantLinear
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -229,9 +228,8 @@ class LightningIndexer(nn.Module):
         out = []
         for s in range(0, t, chunk):
             part = slice(s, min(t, s + chunk))
-            scores = indexer_scores(q[part], w[part], keys.k, keys.scale, batch.block_table, req_ids[part],
-                                    batch.positions[part], max_ctx, validate=validate)
-            out.append(topk_indices(scores, self.topk))
+            out.append(indexer_topk(q[part], w[part], keys.k, keys.scale, batch.block_table, req_ids[part],
+                                    batch.positions[part], self.topk, max_ctx, validate=validate))
         if not out:
             return torch.empty((0, min(self.topk, max_ctx)), dtype=torch.int32, device=x.device)
         return out[0] if len(out) == 1 else torch.cat(out)

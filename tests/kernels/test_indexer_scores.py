@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.indexer_k_append import quantize_indexer_keys_reference
-from mla_quant.kernels.indexer_scores import indexer_scores, indexer_scores_reference, req_ids_from_cu_seqlens
+from mla_quant.kernels.indexer_scores import (indexer_scores, indexer_scores_reference, indexer_topk,
+                                             req_ids_from_cu_seqlens)
 from mla_quant.testing import page_tables, rel_err
 from tests.conftest import HAS_CUDA
 
@@ -178,3 +179,73 @@ def test_gpu_glm_shapes_scores_and_selection(q_dtype):
         a, b = sel[row][sel[row] >= 0].long(), ref[row][ref[row] >= 0].long()
         assert a.numel() == b.numel()
         assert torch.allclose(want[row, a].sort().values, want[row, b].sort().values, rtol=2e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------ indexer_topk: scores + selection, fused
+def decode_step(lengths, page_size, key_dtype, seed, dev, heads=3, d=32, tables=None):
+    k_cache, k_scale, table = make_keys(key_dtype, lengths, page_size, d, seed, tables, device=dev)
+    req, pos = step_tokens(lengths, [1] * len(lengths))
+    g = torch.Generator().manual_seed(seed)
+    q, w = torch.randn(len(req), heads, d, generator=g), torch.rand(len(req), heads, generator=g)
+    return q.to(dev), w.to(dev), k_cache, k_scale, table, req.to(dev), pos.to(dev)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_indexer_topk_selects_the_top_k_of_the_scores(triton_backend, fused):
+    """Fused (the scores kernel counts the radix select's first digit) and unfused: a valid top-k of the very
+    scores the kernel computes (as sets), -1 padding for a request shorter than k."""
+    from tests.kernels.test_topk import selection_is_valid
+
+    args = decode_step([130, 7, 64, 65], 16, FP8, 0, triton_backend)
+    scores = indexer_scores(*args)
+    idx = indexer_topk(*args, 20, fused=fused)
+    assert idx.shape == (4, 20)
+    selection_is_valid(scores, idx, 20)
+    assert (idx[1] == -1).sum() == 20 - 7
+
+
+def test_indexer_topk_all_ties_and_max_ctx(triton_backend):
+    """q = 0: every visible score is exactly 0 (one radix bin), -inf past each position; max_ctx truncates."""
+    from tests.kernels.test_topk import selection_is_valid
+
+    q, w, k_cache, k_scale, table, req, pos = decode_step([90, 40], 8, torch.float32, 1, triton_backend)
+    q = torch.zeros_like(q)
+    idx = indexer_topk(q, w, k_cache, k_scale, table, req, pos, 33, max_ctx=91)
+    selection_is_valid(indexer_scores(q, w, k_cache, k_scale, table, req, pos, 91), idx, 33)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
+@given(n=st.integers(20, 90), dk=st.sampled_from([-1, 0, 1]), rows=st.integers(1, 5),
+       page_size=st.sampled_from([1, 8, 16]), key_dtype=st.sampled_from([FP8, torch.float32]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_indexer_topk_hypothesis_lengths_around_k(triton_backend, n, dk, rows, page_size, key_dtype, seed, data):
+    """Ragged decode batches whose longest request holds k - 1, k or k + 1 tokens (so the block table holds a
+    little more than k: the radix path), page boundaries; 5 rows take the unfused path."""
+    from tests.kernels.test_topk import selection_is_valid
+
+    lengths = [n] + [data.draw(st.integers(1, n)) for _ in range(rows - 1)]
+    tables = data.draw(page_tables(lengths, page_size, share_prefix=True))
+    args = decode_step(lengths, page_size, key_dtype, seed, triton_backend, tables=tables)
+    k = n - dk
+    idx = indexer_topk(*args, k)
+    selection_is_valid(indexer_scores(*args), idx, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8192, 65536])
+def test_gpu_indexer_topk_fused_glm_decode(n):
+    """GLM 5.2 decode at batch 1: the fused path selects a valid top-2048 of the kernel's scores, also when
+    replayed from a CUDA graph with new queries."""
+    from tests.kernels.test_topk import selection_is_valid
+
+    q, w, k_cache, k_scale, table, req, pos = decode_step([n], 64, FP8, 0, "cuda", heads=32, d=128)
+    q = (q * 20).clamp(-448, 448).to(FP8)
+    args = (q, w, k_cache, k_scale, table, req, pos)
+    selection_is_valid(indexer_scores(*args), indexer_topk(*args, 2048), 2048)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx = indexer_topk(*args, 2048)
+    q.copy_((torch.randn(q.shape, device="cuda") * 20).clamp(-448, 448).to(FP8))
+    graph.replay()
+    torch.cuda.synchronize()
+    selection_is_valid(indexer_scores(*args), idx, 2048)

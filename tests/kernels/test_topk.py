@@ -104,8 +104,8 @@ def test_kernel_hard_rows(triton_backend, kind):
     g = torch.Generator().manual_seed(1)
     k, n = 100, 777
     scores = rows_of_kind(kind, 4, n, k, g).to(triton_backend)
-    selection_is_valid(scores, radix(scores, k, block=64, chunks=5), k)
-    selection_is_valid(scores, radix(scores, k, block=128, chunks=1), k)
+    selection_is_valid(scores, radix(scores, k, block=64, chunks=5), k)               # 8-bit digits
+    selection_is_valid(scores, radix(scores, k, block=128, chunks=1, radix_bits=11), k)
 
 
 @pytest.mark.parametrize("n", [99, 100, 101])
@@ -137,15 +137,15 @@ def test_kernel_empty_batch(triton_backend):
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(k=st.integers(1, 40), n=st.integers(1, 300), rows=st.integers(1, 4), seed=st.integers(0, 2**16),
        kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow"]),
-       block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9))
-def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks):
+       block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]))
+def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits):
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         scores = torch.randn(rows, n, generator=g)
     else:
         scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
     scores = scores.to(triton_backend)
-    selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks), k)
+    selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits), k)
 
 
 def test_bad_inputs():
@@ -157,6 +157,10 @@ def test_bad_inputs():
         topk_indices(torch.randn(4), 3)
     with pytest.raises(TypeError, match="scores"):
         topk_indices(torch.randn(2, 4).double(), 3)
+    with pytest.raises(ValueError, match="method"):
+        topk_indices(torch.randn(2, 4), 3, method="sort")
+    with pytest.raises(ValueError, match="radix_bits"):
+        topk_indices(torch.randn(2, 4), 3, radix_bits=5)
 
 
 # ------------------------------------------------------------------------------------------------ GPU only
@@ -172,10 +176,11 @@ def realistic_scores(rows: int, n: int, seed: int) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64])
 @pytest.mark.parametrize("n", [8192, 65536, 131072])
-def test_gpu_real_sizes(rows, n):
+@pytest.mark.parametrize("bits", [8, 11])
+def test_gpu_real_sizes(rows, n, bits):
     k = 2048
     scores = realistic_scores(rows, n, seed=n + rows)
-    idx = radix(scores, k)
+    idx = radix(scores, k, radix_bits=bits)
     selection_is_valid(scores, idx, k)
     ref = topk_indices_reference(scores, k)
     got_vals = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
@@ -185,10 +190,11 @@ def test_gpu_real_sizes(rows, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "specials", "narrow"])
-def test_gpu_hard_rows_long(kind):
+@pytest.mark.parametrize("bits", [8, 11])
+def test_gpu_hard_rows_long(kind, bits):
     g = torch.Generator().manual_seed(2)
     scores = rows_of_kind(kind, 3, 65536, 2048, g).cuda()
-    selection_is_valid(scores, radix(scores, 2048), 2048)
+    selection_is_valid(scores, radix(scores, 2048, radix_bits=bits), 2048)
 
 
 @pytest.mark.gpu
@@ -217,8 +223,23 @@ def test_many_rows_take_torch_topk(triton_backend, monkeypatch):
     from mla_quant.kernels import topk as topk_mod
 
     calls = []
-    monkeypatch.setattr(topk_mod, "_radix_topk", lambda s, k: calls.append(s.shape[0]) or topk_indices_reference(s, k))
+    monkeypatch.setattr(topk_mod, "_radix_topk",
+                        lambda s, k, **kw: calls.append(s.shape[0]) or topk_indices_reference(s, k))
     for rows in (1, topk_mod.RADIX_MAX_ROWS, topk_mod.RADIX_MAX_ROWS + 1, 64):
         scores = torch.randn(rows, 300, device=triton_backend)
         selection_is_valid(scores, topk_mod.topk_indices(scores, 40), 40)
     assert calls == [1, topk_mod.RADIX_MAX_ROWS]
+    scores = torch.randn(9, 300, device=triton_backend)                  # forced methods
+    selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method="radix"), 40)
+    selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method="torch"), 40)
+    assert calls == [1, topk_mod.RADIX_MAX_ROWS, 9]
+
+
+def test_radix_many_rows_both_digit_widths(triton_backend):
+    """The radix select forced on more rows than RADIX_MAX_ROWS (several programs per row), 8- and 11-bit."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(9, 1500, generator=g).to(triton_backend)
+    scores[2, 700:] = NEG_INF
+    for bits in (8, 11):
+        selection_is_valid(scores, radix(scores, 130, block=256, chunks=3, radix_bits=bits), 130)
+        selection_is_valid(scores, topk_indices(scores, 130, method="radix", radix_bits=bits), 130)

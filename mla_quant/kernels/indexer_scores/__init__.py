@@ -16,13 +16,15 @@ import triton
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from ..indexer_k_append import check_key_pages
+from ..topk import RADIX_BITS, RADIX_MAX_ROWS, radix_topk_from, topk_indices
+from ..topk.kernel import rounds, work_ints
 from .reference import indexer_scores_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
 INT = (torch.int32, torch.int64)
 
-__all__ = ["indexer_scores", "indexer_scores_reference", "req_ids_from_cu_seqlens"]
+__all__ = ["indexer_scores", "indexer_topk", "indexer_scores_reference", "req_ids_from_cu_seqlens"]
 
 
 def req_ids_from_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -81,6 +83,33 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate)
     if not use_triton(q, k_cache):
         return indexer_scores_reference(q, weights, k_cache, k_scale, block_table, req_ids, positions, n)
+    return _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor, topk: int,
+                 max_ctx: int | None = None, validate: bool = False, fused: bool = True) -> torch.Tensor:
+    """``topk_indices(indexer_scores(...), topk)``: int32 [T, min(topk, max_ctx)] logical key positions (-1
+    unused, unordered). ``fused`` (Triton backend, rows the radix select serves under ``topk_indices``'s
+    "auto", ``max_ctx > topk``): the scores kernel also counts the radix select's first digit, so the select
+    runs one histogram launch and one pass over the scores fewer (decode at small batch)."""
+    n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate)
+    t = q.shape[0]
+    if not (fused and use_triton(q, k_cache) and 0 < t <= RADIX_MAX_ROWS and n > topk):
+        return topk_indices(indexer_scores(q, weights, k_cache, k_scale, block_table, req_ids, positions, n),
+                            topk)
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk: {topk!r} must be a positive int")
+    work = torch.zeros(t, work_ints(RADIX_BITS), dtype=torch.int32, device=q.device)
+    shift, bits = rounds(RADIX_BITS)[0]
+    scores = _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, work, shift, bits)
+    return radix_topk_from(scores, topk, work, rounds_done=1)
+
+
+def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hist=None, hist_shift=0,
+            hist_bits=1) -> torch.Tensor:
+    """The Triton kernel; ``hist`` (int32 [T, ≥ 2^hist_bits], zeroed): add each token's histogram of the
+    scores' key bits [hist_shift, hist_shift + hist_bits) (``topk.kernel``'s order-preserving keys)."""
     from .kernel import _indexer_scores_kernel
 
     t, h, d = q.shape
@@ -102,7 +131,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
     grid = (t, triton.cdiv(n, block_n))
     _indexer_scores_kernel[grid](
         q, weights, k_cache, k_scale if k_scale is not None else weights, block_table, req_ids, positions, out,
-        h, n, q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
+        hist if hist is not None else out, h, n, q.stride(0), q.stride(1), weights.stride(0),
+        block_table.stride(0), out.stride(0), hist.stride(0) if hist is not None else 0,
         D=d, PAGE_SIZE=k_cache.shape[1], HAS_SCALE=k_scale is not None, DOT=dot,
-        BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if block_h * block_n <= 4096 else 8)
+        BLOCK_H=block_h, BLOCK_N=block_n, HIST=hist is not None, HIST_SHIFT=hist_shift, HIST_BITS=hist_bits,
+        num_warps=4 if block_h * block_n <= 4096 else 8)
     return out

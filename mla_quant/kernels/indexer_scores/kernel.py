@@ -4,16 +4,22 @@ One program = one query token × BLOCK_N key positions: the [H, D] query (all in
 M = heads) against BLOCK_N keys gathered through the block table, ReLU, the per-head weights summed in
 registers, times the per-token key scale. Programs past the token's causal limit only write -inf. Consecutive
 programs (axis 0 = token) read the same key block, so prefill tokens of one request share it through L2.
+With ``HIST`` the program also adds its block's histogram of the scores' top radix digit (the top-k radix
+select's first round, ``topk/kernel.py``) into the token's row of the zeroed top-k work buffer, so the select
+needs neither that launch nor that pass over the scores.
 """
 import triton
 import triton.language as tl
 
+from ..topk.kernel import SIGN, _order_key
+
 
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr,
-                           H, max_ctx, stride_qt, stride_qh, stride_wt, stride_bt, stride_ot,
+def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, hist_ptr,
+                           H, max_ctx, stride_qt, stride_qh, stride_wt, stride_bt, stride_ot, stride_hist,
                            D: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                           DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HIST: tl.constexpr, HIST_SHIFT: tl.constexpr, HIST_BITS: tl.constexpr):
     tok = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_N
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -41,6 +47,12 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr
         if HAS_SCALE:
             score = score * tl.load(ks_ptr + row, mask=visible, other=0.0)
         score = tl.where(visible, score, float("-inf"))
-        tl.store(out, score, mask=offs_n < max_ctx)
     else:
-        tl.store(out, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=offs_n < max_ctx)
+        score = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    tl.store(out, score, mask=offs_n < max_ctx)
+    if HIST:  # the top-k radix select's first round, fused: histogram of the keys' top HIST_BITS bits
+        u = _order_key(score) ^ SIGN
+        digit = (u >> HIST_SHIFT) & ((1 << HIST_BITS) - 1)
+        acc = tl.histogram(digit, 1 << HIST_BITS, mask=offs_n < max_ctx)
+        bins = tl.arange(0, 1 << HIST_BITS)
+        tl.atomic_add(hist_ptr + tok.to(tl.int64) * stride_hist + bins, acc, mask=acc > 0, sem="relaxed")

@@ -23,29 +23,53 @@ import triton
 from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
+from .kernel import rounds, work_ints
 from .reference import topk_indices_reference
 
-__all__ = ["topk_indices", "topk_indices_reference", "RADIX_MAX_ROWS"]
+__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_MAX_ROWS", "RADIX_BITS"]
 
-RADIX_MAX_ROWS = 4  # rows served by the radix select; more take torch.topk (measured crossover, docstring)
+RADIX_MAX_ROWS = 4  # rows served by the radix select under "auto"; more take torch.topk (measured, docstring)
+RADIX_BITS = 11     # default digit width of the radix select: fewest launches (8: less work per element)
+RADIX_CHOICES = (8, 11)
+METHODS = ("auto", "radix", "torch")
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [T, N] float -> int32 [T, min(k, N)] (unordered; -1 where the score is -inf)."""
+def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS) -> torch.Tensor:
+    """scores [T, N] float -> int32 [T, min(k, N)] (unordered; -1 where the score is -inf). ``method``:
+    ``"auto"`` (the radix select for at most ``RADIX_MAX_ROWS`` rows on the Triton backend, else torch.topk),
+    ``"radix"`` (the Triton radix select whenever the backend is Triton) or ``"torch"``; ``radix_bits``: the
+    radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024)."""
     check_tensor("scores", scores, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k: {k!r} must be a positive int")
     if scores.shape[-1] == 0:
         raise ValueError("scores: needs at least one column")
-    if not use_triton(scores) or scores.shape[0] > RADIX_MAX_ROWS:
+    if method not in METHODS:
+        raise ValueError(f"method: {method!r} not in {METHODS}")
+    if radix_bits not in RADIX_CHOICES:
+        raise ValueError(f"radix_bits: {radix_bits!r} not in {RADIX_CHOICES}")
+    radix = method == "radix" or (method == "auto" and scores.shape[0] <= RADIX_MAX_ROWS)
+    if not use_triton(scores) or not radix:
         return topk_indices_reference(scores, k)
-    return _radix_topk(scores, k)
+    return _radix_topk(scores, k, radix_bits=radix_bits)
+
+
+def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int) -> torch.Tensor:
+    """The radix select (``RADIX_BITS`` digits) of rows of N > k scores whose first ``rounds_done`` histogram
+    rounds another kernel already counted into ``work`` (int32 [T, kernel.work_ints(RADIX_BITS)], zeroed before
+    it counted; ``indexer_topk`` fuses round 0 into the scores kernel). Triton backend only."""
+    rows, n = scores.shape
+    if n <= k or tuple(work.shape) != (rows, work_ints(RADIX_BITS)) or work.dtype != torch.int32:
+        raise ValueError(f"work: int32 {(rows, work_ints(RADIX_BITS))} for N > k expected, got "
+                         f"{work.dtype} {tuple(work.shape)} at N={n}, k={k}")
+    return _radix_topk(scores, k, work=work, rounds_done=rounds_done)
 
 
 def _radix_topk(scores: torch.Tensor, k: int, block: int = 1024, chunks: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
+                rounds_done: int = 0) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two), ``chunks`` (programs per row) and ``out``
-    (int32 [T, min(k, N)], contiguous) are exposed for tests."""
+    (int32 [T, min(k, N)], contiguous) are exposed for tests; ``work``/``rounds_done``: see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
     if out is None:
@@ -57,18 +81,21 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int = 1024, chunks: int | N
         return out
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    from .kernel import ROUNDS, WORK_INTS, _radix_histogram_kernel, _radix_select_kernel
+    from .kernel import _radix_histogram_kernel, _radix_select_kernel
 
     tiles = triton.cdiv(n, block)
     if chunks is None:                           # about four programs per SM over all rows
         chunks = triton.cdiv(4 * num_sms(scores.device), rows)
     tiles_per_chunk = triton.cdiv(tiles, max(1, min(chunks, tiles)))
     grid = (rows, triton.cdiv(tiles, tiles_per_chunk))
-    work = torch.zeros(rows, WORK_INTS, dtype=torch.int32, device=scores.device)
-    for r, (shift, bits, hist) in enumerate(ROUNDS):
+    digits = rounds(radix_bits)
+    width = work_ints(radix_bits)
+    if work is None:
+        work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
+    for r, (shift, bits) in list(enumerate(digits))[rounds_done:]:
         _radix_histogram_kernel[grid](scores, scores.stride(0), work, n, kk, tiles_per_chunk, ROUND=r,
-                                      SHIFT=shift, BITS=bits, HIST=hist, BLOCK=block, WORK=WORK_INTS,
-                                      num_warps=4)
+                                      SHIFT=shift, BITS=bits, RADIX=radix_bits, NR=len(digits), BLOCK=block,
+                                      WORK=width, num_warps=4)
     _radix_select_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
-                               BLOCK=block, WORK=WORK_INTS, num_warps=4)
+                               RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
     return out

@@ -1,38 +1,48 @@
 """Triton radix select for ``topk_indices``: the k largest of each row of fp32 scores, exactly, as a set.
 
 Each score maps to an order-preserving 32-bit key (``_order_key``), and the k-th largest key of a row (the
-threshold) is found digit by digit, most significant first, with three histogram rounds of 11, 11 and 10
-bits. Round r counts, over the whole row split across many programs, the digit r of the keys that agree with
-the threshold's digits found so far (``tl.histogram`` per tile, summed per program, then one masked vector
-``tl.atomic_add`` into the row's zeroed global histogram). No round needs a separate scan kernel: every
-program of round r (and of the select pass) first re-derives the threshold's earlier digits from the earlier
-histograms (``_descend``: cumulative counts from the top bin, a few thousand int32 from L2).
+threshold) is found digit by digit, most significant first, in ``NR = ceil(32 / RADIX)`` histogram rounds of
+``RADIX`` bits (the last round takes the bits left over): RADIX = 8 gives four rounds of 8 bits, RADIX = 11
+three rounds of 11, 11 and 10. Round r counts, over the whole row split across many programs, the digit r of
+the keys that agree with the threshold's digits found so far (``tl.histogram`` per tile, summed per program,
+then one masked vector ``tl.atomic_add`` into the row's zeroed global histogram). No round needs a separate
+scan kernel: every program of round r (and of the select pass) first re-derives the threshold's earlier digits
+from the earlier histograms (``_descend``: cumulative counts from the top bin, a few hundred int32 from L2).
 
-After the three rounds the threshold key ``thr`` is exact and ``need`` = how many keys equal to it belong to
+The digit width trades launches against work per element: ``tl.histogram`` over B bins costs each thread about
+B / 32 popcount steps per element it holds (a ballot per digit bit, then one mask per owned bin), so a 2048-bin
+round is ~8x the instructions of a 256-bin one, while 8-bit digits need one launch more.
+
+After the last round the threshold key ``thr`` is exact and ``need`` = how many keys equal to it belong to
 the selection (k − #keys > thr). The select pass writes the keys > thr to slots ``[0, k − need)`` and the
 first ``need`` keys == thr (in whatever order the programs claim them) to ``[k − need, k)``: each tile claims
 its slots with one scalar atomic per class and places its elements by an exclusive prefix sum. All buffers
 have sizes fixed by the shape (no host sync, CUDA-graph safe).
 
-Work buffer per row (int32, zeroed by the launcher): ``[HIST0 (2048) | HIST1 (2048) | HIST2 (1024) |
-count_gt | count_eq]``.
+Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
+each) | count_gt | count_eq]``.
 """
 import triton
 import triton.language as tl
 
-# radix digits, most significant first: (shift, bits) = (21, 11), (10, 11), (0, 10); the histograms sit one
-# after the other in the work buffer, then the two slot counters. Host side: ROUNDS (as the launcher passes
-# them) and WORK_INTS; in the kernels the same numbers as constexpr globals (Triton 3.6 reads no plain ones).
-ROUNDS = ((21, 11, 0), (10, 11, 2048), (0, 10, 4096))     # (SHIFT, BITS, HIST offset) of each round
-WORK_INTS = ROUNDS[-1][2] + (1 << ROUNDS[-1][1]) + 2      # the histograms, count_gt, count_eq
-(SHIFT0, BITS0, OFF_HIST0), (SHIFT1, BITS1, OFF_HIST1) = (tuple(tl.constexpr(v) for v in r) for r in ROUNDS[:2])
-BITS2, OFF_HIST2 = (tl.constexpr(v) for v in ROUNDS[2][1:])  # the last round's shift is 0
-BINS0, BINS1, BINS2 = (tl.constexpr(1 << bits) for _, bits, _ in ROUNDS)
-OFF_COUNT_GT = tl.constexpr(WORK_INTS - 2)
-OFF_COUNT_EQ = tl.constexpr(WORK_INTS - 1)
 SIGN = tl.constexpr(-2 ** 31)               # 0x80000000 as int32
 LOW31 = tl.constexpr(2 ** 31 - 1)           # 0x7FFFFFFF
 NEG_INF_KEY = tl.constexpr(-2 ** 31 + 0x7FFFFF)   # _order_key(-inf), signed form
+
+
+def rounds(radix: int) -> tuple[tuple[int, int], ...]:
+    """(shift, bits) of each histogram round for ``radix``-bit digits, most significant first (host side)."""
+    out, top = [], 32
+    while top > 0:
+        bits = min(radix, top)
+        out.append((top - bits, bits))
+        top -= bits
+    return tuple(out)
+
+
+def work_ints(radix: int) -> int:
+    """int32 per row of the work buffer: one 2^radix histogram per round, count_gt, count_eq."""
+    return len(rounds(radix)) * (1 << radix) + 2
 
 
 @triton.jit
@@ -58,20 +68,18 @@ def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
 
 
 @triton.jit
-def _descend(work_ptr, k, ROUNDS: tl.constexpr):
-    """The threshold's digits found by the first ``ROUNDS`` histogram rounds (as one int32, most significant
-    first) and how many of the k are still to be found among keys with that prefix."""
+def _descend(work_ptr, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr):
+    """The threshold's digits found by the first ``ROUNDS`` of the ``NR`` histogram rounds (as one int32, most
+    significant first) and how many of the k are still to be found among keys with that prefix."""
     prefix = tl.zeros([], dtype=tl.int32)
     rem = k
-    if ROUNDS > 0:
-        t, rem = _threshold_bin(work_ptr + OFF_HIST0, rem, BINS0)
-        prefix = t
-    if ROUNDS > 1:
-        t, rem = _threshold_bin(work_ptr + OFF_HIST1, rem, BINS1)
-        prefix = (prefix << BITS1) | t
-    if ROUNDS > 2:
-        t, rem = _threshold_bin(work_ptr + OFF_HIST2, rem, BINS2)
-        prefix = (prefix << BITS2) | t      # all 32 bits (wraps to a negative int32 when the top bit is set)
+    for r in tl.static_range(ROUNDS):
+        if r == NR - 1:     # the last digit: the bits left over
+            t, rem = _threshold_bin(work_ptr + r * (1 << RADIX), rem, 1 << (32 - r * RADIX))
+            prefix = (prefix << (32 - r * RADIX)) | t   # all 32 bits (wraps negative when the top bit is set)
+        else:
+            t, rem = _threshold_bin(work_ptr + r * (1 << RADIX), rem, 1 << RADIX)
+            prefix = (prefix << RADIX) | t
     return prefix, rem
 
 
@@ -85,16 +93,16 @@ def _load_keys(row_ptr, start, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
-                            SHIFT: tl.constexpr, BITS: tl.constexpr, HIST: tl.constexpr,
+                            SHIFT: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
                             BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """Round ``ROUND`` (0, 1, 2; its digit is bits [SHIFT, SHIFT + BITS) of the key, counted at offset HIST of
-    the work row): histogram of that digit over the keys matching the digits found before.
+    """Round ``ROUND`` of ``NR`` (its digit is bits [SHIFT, SHIFT + BITS) of the key, counted in the round's
+    histogram of the work row): histogram of that digit over the keys matching the digits found before.
     Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles of BLOCK columns."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row_ptr = scores_ptr + row * stride_row
     work = work_ptr + row * WORK
-    prefix, rem = _descend(work, k, ROUND)
+    prefix, rem = _descend(work, k, ROUND, RADIX, NR)
     PREFIX_BITS: tl.constexpr = 32 - SHIFT - BITS
     acc = tl.zeros([1 << BITS], dtype=tl.int32)
     for i in range(0, tiles_per_chunk):
@@ -105,12 +113,12 @@ def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_ch
             valid = valid & (((u >> (SHIFT + BITS)) & ((1 << PREFIX_BITS) - 1)) == prefix)
         acc += tl.histogram(digit, 1 << BITS, mask=valid)
     bins = tl.arange(0, 1 << BITS)
-    tl.atomic_add(work + HIST + bins, acc, mask=acc > 0, sem="relaxed")
+    tl.atomic_add(work + ROUND * (1 << RADIX) + bins, acc, mask=acc > 0, sem="relaxed")
 
 
 @triton.jit
 def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
-                         BLOCK: tl.constexpr, WORK: tl.constexpr):
+                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
     """Write the selection: keys > threshold to slots [0, k - need), ``need`` keys == threshold after them;
     columns scoring -inf are written as -1."""
     row = tl.program_id(0).to(tl.int64)
@@ -118,7 +126,7 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
     row_ptr = scores_ptr + row * stride_row
     work = work_ptr + row * WORK
     out = out_ptr + row * stride_out
-    thr_u, need = _descend(work, k, 3)
+    thr_u, need = _descend(work, k, NR, RADIX, NR)
     thr = thr_u ^ SIGN
     n_above = k - need
     for i in range(0, tiles_per_chunk):
@@ -126,11 +134,11 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
         value = tl.where(key == NEG_INF_KEY, -1, cols)
         above = (valid & (key > thr)).to(tl.int32)
         n_tile = tl.sum(above, 0)
-        base = tl.atomic_add(work + OFF_COUNT_GT, n_tile, mask=n_tile > 0, sem="relaxed")
+        base = tl.atomic_add(work + (WORK - 2), n_tile, mask=n_tile > 0, sem="relaxed")
         slot = base + tl.cumsum(above, 0) - above
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
         tied = (valid & (key == thr)).to(tl.int32)
         n_tile = tl.sum(tied, 0)
-        base = tl.atomic_add(work + OFF_COUNT_EQ, n_tile, mask=n_tile > 0, sem="relaxed")
+        base = tl.atomic_add(work + (WORK - 1), n_tile, mask=n_tile > 0, sem="relaxed")
         rank = base + tl.cumsum(tied, 0) - tied
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
