@@ -114,6 +114,50 @@ def test_kv_quant_kernel_matches_reference(triton_backend, per_tensor):
     _check_against_reference(q, s, qr, sr, x)
 
 
+@pytest.mark.parametrize("op", ["act", "act_ue8m0", "block", "kv"])
+def test_kernels_take_the_scale_from_finite_values_only(triton_backend, op):
+    # The kernels take a plain max |x| and recompute over the finite values only in a program that met a
+    # non-finite amax: inf / NaN in one group, a group of NaN only, and clean groups in the same program.
+    x = torch.randn(40, 576) * 3
+    x[0, 3], x[1, 500], x[2, 570] = float("inf"), -float("inf"), float("nan")
+    x[3, :128] = float("nan")
+    x[5, 7] = float("inf")
+    x[5, 9] = float("nan")
+    x = x.to(triton_backend)
+    if op == "kv":
+        q, s = F.kv_quant_fp8(x)
+        qr, sr = F.kv_quant_fp8_reference(x)
+    elif op == "block":
+        w = x[:, :512].contiguous()
+        q, s = F.block_quant_fp8(w, (32, 128))
+        qr, sr = F.block_quant_fp8_reference(w, (32, 128))
+    else:
+        q, s = F.act_quant_fp8(x, 64, op == "act_ue8m0")
+        qr, sr = F.act_quant_fp8_reference(x, 64, op == "act_ue8m0")
+    assert torch.isfinite(s).all()
+    if not HAS_CUDA:  # the interpreter casts NaN to e4m3 as a number; the GPU's cvt keeps it (checked there)
+        keep = ~torch.isnan(qr.float())
+        q, qr = torch.where(keep, q.float(), 0.0).to(F.FP8), torch.where(keep, qr.float(), 0.0).to(F.FP8)
+    _check_against_reference(q, s, qr, sr, x)
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_T": 1, "num_warps": 1}, {"BLOCK_T": 16, "num_warps": 8}])
+def test_kv_quant_launch_configs_agree(triton_backend, config):
+    x = torch.randn(37, 576).to(triton_backend)
+    q, s = F.kv_quant_fp8(x)
+    q2, s2 = F.kv_quant_fp8(x, config=config)
+    assert_bitwise_equal(q2.view(torch.uint8), q.view(torch.uint8), "q")
+    assert_bitwise_equal(s2, s, "scale")
+
+
+def test_launch_config_is_checked():
+    x = torch.randn(4, 576)
+    with pytest.raises(ValueError, match="config: unknown"):
+        F.kv_quant_fp8(x, config={"BLOCK_D": 4})
+    with pytest.raises(ValueError, match="config: BLOCK_T=3"):
+        F.kv_quant_fp8(x, config={"BLOCK_T": 3})
+
+
 # ---------------------------------------------------------------------------------- bad input
 def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="group_size"):

@@ -22,20 +22,41 @@ from .reference import (
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 __all__ = [
-    "FP8", "FP8_MAX", "act_quant_fp8", "block_quant_fp8", "block_dequant_fp8", "kv_quant_fp8",
+    "FP8", "FP8_MAX", "launch_config", "act_quant_fp8", "block_quant_fp8", "block_dequant_fp8", "kv_quant_fp8",
     "act_quant_fp8_reference", "block_quant_fp8_reference", "block_dequant_fp8_reference",
     "kv_quant_fp8_reference",
 ]
 
 
-def act_quant_fp8(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token 1×group FP8 quantization. x: [..., K] -> (q [..., K] e4m3, scale [..., K/group] fp32)."""
+def launch_config(config: dict | None, defaults: dict, powers_of_two: tuple[str, ...] = ()) -> dict:
+    """``defaults`` updated by ``config`` (a launch setting the sweep ``benchmarks/sweep_quant.py`` pins).
+    Unknown keys, and entries of ``powers_of_two`` (and ``num_warps``) that are not powers of two, raise."""
+    cfg = dict(defaults)
+    if config:
+        unknown = sorted(set(config) - set(defaults))
+        if unknown:
+            raise ValueError(f"config: unknown keys {unknown}, expected some of {sorted(defaults)}")
+        cfg.update(config)
+    for key in (*powers_of_two, "num_warps"):
+        v = cfg[key]
+        if not isinstance(v, int) or v <= 0 or v & (v - 1):
+            raise ValueError(f"config: {key}={v!r} must be a positive power of two")
+    return cfg
+
+
+def act_quant_fp8(
+    x: torch.Tensor, group_size: int = 128, ue8m0: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 1×group FP8 quantization. x: [..., K] -> (q [..., K] e4m3, scale [..., K/group] fp32).
+
+    ``config`` (``BLOCK_G`` groups per program, ``num_warps``) overrides the kernel's launch setting."""
     check_tensor("x", x, dtype=FLOATS, contiguous=True)
     if x.dim() == 0:
         raise ValueError("x: needs at least one dimension")
     check_divisible("x.shape[-1]", x.shape[-1], group_size, "group_size")
     if group_size & (group_size - 1):
         raise ValueError(f"group_size: {group_size} must be a power of two")
+    cfg = launch_config(config, {"BLOCK_G": max(1, min(64, 4096 // group_size)), "num_warps": 4}, ("BLOCK_G",))
     if not use_triton(x):
         return act_quant_fp8_reference(x, group_size, ue8m0)
     from .kernel import _act_quant_fp8_kernel
@@ -43,10 +64,9 @@ def act_quant_fp8(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False) -
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale = torch.empty(*x.shape[:-1], x.shape[-1] // group_size, dtype=torch.float32, device=x.device)
     n_groups = x.numel() // group_size
-    block_g = max(1, min(64, 4096 // group_size))
     if n_groups:
-        _act_quant_fp8_kernel[(triton.cdiv(n_groups, block_g),)](
-            x, q, scale, n_groups, GROUP=group_size, UE8M0=ue8m0, BLOCK_G=block_g, num_warps=4)
+        _act_quant_fp8_kernel[(triton.cdiv(n_groups, cfg["BLOCK_G"]),)](
+            x, q, scale, n_groups, GROUP=group_size, UE8M0=ue8m0, **cfg)
     return q, scale
 
 
@@ -57,12 +77,21 @@ def _check_block(block: tuple[int, int]) -> tuple[int, int]:
     return bn, bk
 
 
-def block_quant_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled weight quantization. w: [N, K] -> (q [N, K] e4m3, weight_scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32)."""
+def _block_grid(nb: int, kb: int, k_fast: bool) -> tuple[int, int]:
+    return (kb, nb) if k_fast else (nb, kb)
+
+
+def block_quant_fp8(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128), config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled weight quantization. w: [N, K] -> (q [N, K] e4m3, weight_scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32).
+
+    ``config`` (``num_warps``; ``K_FAST``: consecutive programs walk along K) overrides the launch setting."""
     check_tensor("w", w, dtype=FLOATS, ndim=2)
     bn, bk = _check_block(block)
     if w.stride(-1) != 1:
         raise ValueError("w: the last dimension must be contiguous")
+    cfg = launch_config(config, {"K_FAST": False, "num_warps": 16})
     if not use_triton(w):
         return block_quant_fp8_reference(w, (bn, bk))
     from .kernel import _block_quant_fp8_kernel
@@ -72,8 +101,8 @@ def block_quant_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     if n and k:
-        _block_quant_fp8_kernel[(nb, kb)](w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk,
-                                          num_warps=16)
+        _block_quant_fp8_kernel[_block_grid(nb, kb, cfg["K_FAST"])](
+            w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk, EVEN=n % bn == 0 and k % bk == 0, **cfg)
     return q, scale
 
 
@@ -82,8 +111,11 @@ def block_dequant_fp8(
     scale_inv: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     out_dtype: torch.dtype = torch.bfloat16,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """[N, K] e4m3 with [⌈N/bn⌉, ⌈K/bk⌉] fp32 block scales -> [N, K] ``out_dtype``."""
+    """[N, K] e4m3 with [⌈N/bn⌉, ⌈K/bk⌉] fp32 block scales -> [N, K] ``out_dtype``.
+
+    ``config`` (``num_warps``, ``K_FAST``) overrides the launch setting."""
     check_tensor("q", q, dtype=FP8, ndim=2)
     check_tensor("scale_inv", scale_inv, dtype=torch.float32, ndim=2, contiguous=True)
     check_same_device(q=q, scale_inv=scale_inv)
@@ -95,19 +127,25 @@ def block_dequant_fp8(
                          f"with block {block} (expected {(nb, kb)})")
     if q.stride(-1) != 1:
         raise ValueError("q: the last dimension must be contiguous")
+    cfg = launch_config(config, {"K_FAST": False, "num_warps": 4})
     if not use_triton(q, scale_inv):
         return block_dequant_fp8_reference(q, scale_inv, (bn, bk), out_dtype)
     from .kernel import _block_dequant_fp8_kernel
 
     out = torch.empty((n, k), dtype=out_dtype, device=q.device)
     if n and k:
-        _block_dequant_fp8_kernel[(nb, kb)](q, scale_inv, out, n, k, q.stride(0), out.stride(0), kb,
-                                            BN=bn, BK=bk, num_warps=4)
+        _block_dequant_fp8_kernel[_block_grid(nb, kb, cfg["K_FAST"])](
+            q, scale_inv, out, n, k, q.stride(0), out.stride(0), kb, BN=bn, BK=bk,
+            EVEN=n % bn == 0 and k % bk == 0, **cfg)
     return out
 
 
-def kv_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 KV rows. x: [T, D]; scale None -> per-token scales [T]; scale [1] fp32 -> per-tensor."""
+def kv_quant_fp8(
+    x: torch.Tensor, scale: torch.Tensor | None = None, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 KV rows. x: [T, D]; scale None -> per-token scales [T]; scale [1] fp32 -> per-tensor.
+
+    ``config`` (``BLOCK_T`` rows per program, ``num_warps``) overrides the launch setting."""
     check_tensor("x", x, dtype=FLOATS, ndim=2, contiguous=True)
     if scale is not None:
         check_tensor("scale", scale, dtype=torch.float32)
@@ -116,17 +154,18 @@ def kv_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[to
         check_same_device(x=x, scale=scale)
         if not bool(scale.reshape(()).gt(0).item() if not scale.is_cuda else True):
             raise ValueError("scale: must be positive")
+    t, d = x.shape
+    d_head = 1 << (max(d, 1).bit_length() - 1)
+    d_tail = triton.next_power_of_2(max(d - d_head, 1))
+    # ~4k values per program (8 rows of 576 with 4 warps: 32 head values per thread, as act_quant)
+    cfg = launch_config(config, {"BLOCK_T": max(1, 4096 // d_head), "num_warps": 4}, ("BLOCK_T",))
     if not use_triton(x, *(s for s in (scale,) if s is not None)):
         return kv_quant_fp8_reference(x, scale)
     from .kernel import _kv_quant_fp8_kernel
 
-    t, d = x.shape
     q = torch.empty((t, d), dtype=FP8, device=x.device)
     s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
-    d_head = 1 << (max(d, 1).bit_length() - 1)
-    d_tail = triton.next_power_of_2(max(d - d_head, 1))
-    block_t = max(1, 1024 // d_head)
     if t and d:
-        _kv_quant_fp8_kernel[(triton.cdiv(t, block_t),)](x, q, s, t, d, PER_TOKEN=scale is None, BLOCK_T=block_t,
-                                                         D_HEAD=d_head, D_TAIL=d_tail, num_warps=2)
+        _kv_quant_fp8_kernel[(triton.cdiv(t, cfg["BLOCK_T"]),)](
+            x, q, s, t, D=d, PER_TOKEN=scale is None, D_HEAD=d_head, D_TAIL=d_tail, **cfg)
     return q, (s if scale is None else scale)

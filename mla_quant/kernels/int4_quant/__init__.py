@@ -6,6 +6,7 @@ import triton
 
 from .._backend import use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
+from ..fp8_quant import launch_config
 from .reference import (
     QMAX,
     QMIN,
@@ -44,10 +45,19 @@ def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
     return int4_unpack_reference(packed)
 
 
+def _tile_config(config: dict | None, defaults: dict, group_size: int) -> dict:
+    cfg = launch_config(config, defaults, ("BN", "BK"))
+    if cfg["BK"] < max(group_size, 8):
+        raise ValueError(f"config: BK={cfg['BK']} must be at least the group ({group_size}) and 8")
+    return cfg
+
+
 def int4_quantize(
-    w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16
+    w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16, config: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``)."""
+    """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``).
+
+    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``) overrides the launch setting."""
     check_tensor("w", w, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     _check_group(group_size)
     check_divisible("w.shape[1]", w.shape[1], group_size, "group_size")
@@ -55,6 +65,7 @@ def int4_quantize(
         raise TypeError(f"scale_dtype: {scale_dtype} not supported, expected one of {SCALE_DTYPES}")
     if w.stride(-1) != 1:
         raise ValueError("w: the last dimension must be contiguous")
+    cfg = _tile_config(config, {"BN": 1, "BK": 1024, "num_warps": 1}, group_size)  # K is masked
     if not use_triton(w):
         return int4_quantize_reference(w, group_size, scale_dtype)
     from .kernel import _int4_quant_pack_kernel
@@ -62,17 +73,19 @@ def int4_quantize(
     n, k = w.shape
     packed = torch.empty((n, k // 8), dtype=torch.int32, device=w.device)
     scale = torch.empty((n, k // group_size), dtype=scale_dtype, device=w.device)
-    bn, bk = 1, 1024  # measured best on the H200 (docs/benchmarks.md); K is masked
     if n and k:
-        _int4_quant_pack_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-            w, packed, scale, n, k, w.stride(0), GROUP=group_size, BN=bn, BK=bk, num_warps=1)
+        _int4_quant_pack_kernel[(triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"]))](
+            w, packed, scale, n, k, w.stride(0), GROUP=group_size, **cfg)
     return packed, scale
 
 
 def int4_dequantize(
-    packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32, out_dtype: torch.dtype = torch.bfloat16
+    packed: torch.Tensor, scale: torch.Tensor, group_size: int = 32, out_dtype: torch.dtype = torch.bfloat16,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``."""
+    """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``.
+
+    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``) overrides the launch setting."""
     check_tensor("packed", packed, dtype=torch.int32, ndim=2, contiguous=True)
     check_tensor("scale", scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
     check_same_device(packed=packed, scale=scale)
@@ -82,13 +95,13 @@ def int4_dequantize(
     if tuple(scale.shape) != (n, k // group_size):
         raise ValueError(f"scale: shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"with group {group_size} (expected {(n, k // group_size)})")
+    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1}, group_size)
     if not use_triton(packed, scale):
         return int4_dequantize_reference(packed, scale, group_size, out_dtype)
     from .kernel import _int4_dequant_kernel
 
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
-    bn, bk = 8, 1024
     if n and k:
-        _int4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-            packed, scale, out, n, k, GROUP=group_size, BN=bn, BK=bk, num_warps=1)
+        _int4_dequant_kernel[(triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"]))](
+            packed, scale, out, n, k, GROUP=group_size, **cfg)
     return out

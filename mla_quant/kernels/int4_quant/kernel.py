@@ -2,7 +2,10 @@
 import triton
 import triton.language as tl
 
-from .._triton_utils import reciprocal, rint
+from .._triton_utils import reciprocal
+
+ROUND_MAGIC = tl.constexpr(12582920.0)  # 1.5·2^23 + 8: y + it rounds y to an integer, bits 0x4B400000 + (q + 8)
+MAGIC_BITS_WORD = tl.constexpr(1061158912)  # sum of 0x4B400000 << 4j over j < 8, as int32 (mod 2^32)
 
 
 @triton.jit
@@ -16,11 +19,16 @@ def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn,
     wg = tl.reshape(w, (BN, BK // GROUP, GROUP))
     s = tl.div_rn(tl.max(tl.abs(wg), axis=2), 7.5)
     s = s.to(scale_ptr.dtype.element_ty).to(tl.float32)  # quantize against the stored (rounded) scale
-    q = tl.where(s[:, :, None] == 0.0, 0.0, rint(wg * reciprocal(s)[:, :, None]))
-    q = tl.minimum(tl.maximum(q, -8.0), 7.0)
-    nib = tl.reshape((q + 8.0).to(tl.int32), (BN, BK // 8, 8))
+    r = tl.where(s == 0.0, 0.0, reciprocal(s))  # per group: an all-zero group gets codes 0
+    # Clamping before rounding equals clamping after (integer bounds, rounding is monotone). Adding
+    # ROUND_MAGIC rounds to an integer (half to even, as torch.round: the constant is even) and leaves the
+    # bits 0x4B400000 + (q + 8): no rint / float->int conversion per value. The clamp separates the multiply
+    # from the add, so no FMA contraction changes the rounding.
+    y = tl.minimum(tl.maximum(wg * r[:, :, None], -8.0), 7.0)
+    bits = tl.reshape((y + ROUND_MAGIC).to(tl.int32, bitcast=True), (BN, BK // 8, 8))
     shifts = tl.arange(0, 8) * 4
-    words = tl.sum(nib << shifts[None, None, :], axis=2)  # disjoint bits, so the sum is an OR
+    # sum_j bits_j << 4j - sum_j 0x4B400000 << 4j == sum_j (q_j + 8) << 4j (mod 2^32): the nibbles, packed
+    words = tl.sum(bits << shifts[None, None, :], axis=2) - MAGIC_BITS_WORD
     rw = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
     tl.store(packed_ptr + rn[:, None].to(tl.int64) * (K // 8) + rw[None, :], words,
              mask=(rn[:, None] < N) & (rw[None, :] < K // 8))
