@@ -19,6 +19,7 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
+from .._gemm_utils import num_sms
 from ..kv_layout import check_kv_pages
 from .reference import gather_kv_rows, sparse_mla_decode_reference
 
@@ -71,8 +72,7 @@ def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens,
 
 def _num_splits(t: int, head_blocks: int, k: int, block_n: int, device: torch.device) -> int:
     """Enough splits of the top-k list for about two waves of programs (each split ≥ one block of rows)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = triton.cdiv(2 * sms, max(t * head_blocks, 1))
+    want = triton.cdiv(2 * num_sms(device), max(t * head_blocks, 1))
     return max(1, min(want, triton.cdiv(k, block_n)))
 
 
