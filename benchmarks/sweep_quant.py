@@ -1,0 +1,86 @@
+"""Sweep of the quantization kernels' launch settings at the ``quant`` bench's shapes, in one GPU call.
+
+    python -m benchmarks.sweep_quant [--out sweep_quant.json] [--ops kv_quant_fp8_token,...] [--budget-s 55]
+
+For every op of ``bench_quant.quant_ops`` it times the launcher's default and each setting of a small grid
+(``config=``: rows / groups / block per program, num_warps, program order) with the bench's own timing
+(``common.median_us``: triton.testing.do_bench, L2 flushed between calls, first call outside the timing), and
+reports µs and the fraction of the copy bandwidth measured in the same run. Prints a table and the best setting
+per op, and writes them as JSON to ``--out``. Mostly Triton compiles (~40 small kernels): under a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .bench_quant import ROWS, K, quant_ops
+from .common import Context, measure_ceilings, median_us, meta
+
+ACT = [{"BLOCK_G": g, "num_warps": w} for g, w in ((16, 4), (32, 4), (32, 8), (64, 8), (16, 2), (8, 1))]  # 64/4 spills
+BLOCK_QUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8, 16) for f in (False, True)]
+BLOCK_DEQUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8) for f in (False, True)]
+INT4_QUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
+              ((1, 1024, 1), (1, 512, 1), (1, 2048, 2), (2, 1024, 2), (1, 1024, 2), (4, 1024, 4), (2, 512, 1))]
+INT4_DEQUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
+                ((8, 1024, 1), (4, 1024, 1), (8, 1024, 2), (16, 1024, 4), (4, 512, 1), (8, 512, 2))]
+KV = [{"BLOCK_T": t, "num_warps": w} for t, w in ((4, 2), (4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (2, 2), (32, 8))]
+GRID = {"act_quant_fp8": ACT, "act_quant_fp8_ue8m0": ACT[:3], "block_quant_fp8": BLOCK_QUANT,
+        "block_dequant_fp8": BLOCK_DEQUANT, "int4_quantize_g32": INT4_QUANT, "int4_dequantize_g32": INT4_DEQUANT,
+        "kv_quant_fp8_token": KV}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="sweep_quant.json")
+    ap.add_argument("--ops", default="", help=f"comma-separated ops (default: all of {', '.join(GRID)})")
+    ap.add_argument("--budget-s", type=float, default=55.0, help="stop starting new settings after this long")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the sweep needs CUDA (run it on the H200)", file=sys.stderr)
+        return 2
+    start = time.time()
+    ctx = Context()
+    measure_ceilings(ctx)
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
+    wanted = [o for o in args.ops.split(",") if o] or list(GRID)
+    rows, best, skipped = [], {}, []
+    print(f"copy {ctx.copy_tbps:.3f} TB/s; x [{ROWS}, {K}] bf16", flush=True)
+    print(f"{'op':22s} {'config':48s} {'µs':>8s} {'of copy':>8s}", flush=True)
+    for op, call, bytes_moved in quant_ops(x):
+        if op not in wanted:
+            continue
+        for config in [None, *GRID[op]]:
+            if time.time() - start > args.budget_s:
+                skipped.append({"op": op, "config": config})
+                continue
+            try:
+                t = median_us(lambda: call(config), warmup_ms=10, rep_ms=50)
+            except Exception as e:  # noqa: BLE001 - one setting that fails to compile or launch is a finding
+                print(f"{op:22s} {json.dumps(config):48s} failed: {type(e).__name__}: {e}"[:300], flush=True)
+                rows.append({"op": op, "config": config, "error": f"{type(e).__name__}: {e}"[:500]})
+                continue
+            frac = bytes_moved / (t * 1e-6) / 1e12 / ctx.copy_tbps
+            rows.append({"op": op, "config": config, "median_us": round(t, 3), "frac_of_copy": round(frac, 3)})
+            print(f"{op:22s} {json.dumps(config) if config else 'default':48s} {t:8.1f} {frac:8.3f}", flush=True)
+            if op not in best or t < best[op]["median_us"]:
+                best[op] = rows[-1]
+    print("\nbest per op (config null = the launcher's default):")
+    for op, row in best.items():
+        default = next(r for r in rows if r["op"] == op and r["config"] is None and "median_us" in r)
+        print(f"  {op:22s} {json.dumps(row['config'])}: {row['median_us']:.1f} µs, {row['frac_of_copy']:.3f} of copy "
+              f"(default {default['median_us']:.1f} µs, {default['frac_of_copy']:.3f})")
+    if skipped:
+        print(f"budget spent: {len(skipped)} settings not timed")
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta(ctx), "bytes_shape": [ROWS, K], "rows": rows, "best": best, "skipped": skipped},
+                  f, indent=1)
+    print(f"wrote {args.out} ({time.time() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
