@@ -324,13 +324,17 @@ def _autocast(device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val_windows: torch.Tensor, batch: int) -> float:
-    """Mean next-byte cross-entropy (nats/byte) over ``val_windows`` [N, T + 1]."""
+def evaluate(model: nn.Module, val_windows: torch.Tensor, batch: int, plain: bool = False) -> float:
+    """Mean next-byte cross-entropy (nats/byte) over ``val_windows`` [N, T + 1]: through the training forward
+    (bf16 autocast on the GPU), or ``plain``: the model's own forward in its dtype (a DSA model sparse)."""
     total, count = 0.0, 0
     for i in range(0, val_windows.shape[0], batch):
         w = val_windows[i:i + batch]
-        with _autocast(w.device):
-            logits = train_forward(model, w[:, :-1])
+        if plain:
+            logits = model(w[:, :-1])
+        else:
+            with _autocast(w.device):
+                logits = train_forward(model, w[:, :-1])
         total += float(F.cross_entropy(logits.float().reshape(-1, VOCAB), w[:, 1:].reshape(-1), reduction="sum"))
         count += w[:, 1:].numel()
     return total / count
@@ -486,6 +490,16 @@ def _train(args) -> dict:
     summary["val_loss_saved"] = evaluate(reference, val_windows, args.batch)
     print(f"saved {out / 'model'}: validation loss {summary['val_loss_saved']:.4f} nats/byte (bf16 weights)",
           flush=True)
+    if any(".indexer." in n for n, _ in reference.named_parameters()):
+        # the served (sparse) model against its dense self, fp32 plain forwards, on the first validation windows
+        from .sparse import dense_attention
+
+        sub = val_windows[:args.sparse_val_windows]
+        summary["val_loss_sparse"] = evaluate(reference, sub, 4, plain=True)
+        with dense_attention(reference):
+            summary["val_loss_dense_plain"] = evaluate(reference, sub, 4, plain=True)
+        print(f"validation loss on {sub.shape[0]} windows, fp32: sparse (top-{reference.config.index_topk}) "
+              f"{summary['val_loss_sparse']:.4f}, dense {summary['val_loss_dense_plain']:.4f}", flush=True)
     _write(out, summary)
 
     if args.qat_steps or args.qat_time:
@@ -526,6 +540,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--indexer-rows", type=int, default=4,
                    help="GLM: sequences of each batch whose dense attention distils the indexer")
     p.add_argument("--indexer-weight", type=float, default=1.0, help="GLM: weight of the indexer KL loss")
+    p.add_argument("--sparse-val-windows", type=int, default=16,
+                   help="GLM: validation windows of the final sparse-vs-dense loss (fp32 plain forwards)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=2048, help="training context (bytes)")
     p.add_argument("--steps", type=int, help="fixed step count (default: from --time-budget)")

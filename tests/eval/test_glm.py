@@ -130,6 +130,7 @@ def test_glm_smoke_train_then_fidelity(tmp_path, one_thread):
     assert kls and all(k >= 0 for k in kls)
     cfg = json.loads((run / "model" / "config.json").read_text())
     assert cfg["model_type"] == "glm_moe_dsa" and cfg["index_topk"] == 16
+    assert summary["val_loss_sparse"] > 0 and summary["val_loss_dense_plain"] > 0
 
     out = tmp_path / "fid"
     assert fidelity_run.main(["--smoke", "--checkpoint", str(run / "model"), "--out", str(out)]) == 0
