@@ -66,8 +66,9 @@ KV_VARIANTS = {
 }
 WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 qat", "weights fp8 block w8a8")
 INDEXER_VARIANTS = ("indexer bf16 sparse", "indexer fp8 sparse")   # DSA models only
-DSA_DEFAULT = INDEXER_VARIANTS + ("experts int4 rtn", "weights fp8 block w8a8", "kv fp8_ds_mla", "kv fp8_e4m3 per-token",
-                                  "kv bf16")   # run in this order (under a time budget the last ones may not)
+# a DSA model's default rows, run in this order (under a time budget the last ones may not run)
+DSA_DEFAULT = INDEXER_VARIANTS + ("experts int4 rtn", "weights fp8 block w8a8", "kv fp8_ds_mla",
+                                  "kv fp8_e4m3 per-token", "kv bf16")
 ALL_VARIANTS = list(INDEXER_VARIANTS) + list(KV_VARIANTS) + list(WEIGHT_VARIANTS)   # the tables' row order
 
 
@@ -145,8 +146,8 @@ def markdown(result: dict) -> str:
     rows = sorted(result["rows"], key=lambda r: (ALL_VARIANTS.index(r["variant"]) if r["variant"] in ALL_VARIANTS
                                                  else len(ALL_VARIANTS), r["context"]))
     for r in rows:
-        lines.append(f"| {r['variant']} | {r.get('reference', 'fp32')} | {r['context']} | {r.get('windows', s['batch'])} "
-                     f"| {r['kl']:.3g} | {100 * r['top1']:.2f}% | {r['nll']:.4f} | "
+        lines.append(f"| {r['variant']} | {r.get('reference', 'fp32')} | {r['context']} | "
+                     f"{r.get('windows', s['batch'])} | {r['kl']:.3g} | {100 * r['top1']:.2f}% | {r['nll']:.4f} | "
                      f"{r['kl_all']:.3g} | {100 * r['top1_all']:.2f}% |")
     if s.get("nll_ref_by_context"):
         lines += ["", "Reference NLL tail (nats/byte) by context: " + "; ".join(
@@ -162,9 +163,9 @@ def markdown(result: dict) -> str:
                   "|---|---:|---:|---:|---:|" + "---:|" * n]
         for r in extra:
             d = r["vs_dense"]
+            overlap = [f"{100 * o:.2f}%" for _, o in r.get("selection_overlap", [])]
             lines.append(f"| {r['variant']} | {r['context']} | {d['kl']:.3g} | {100 * d['top1']:.2f}% | "
-                         f"{d['kl_all']:.3g} | " + " | ".join(f"{100 * o:.2f}%" for _, o in r.get("selection_overlap", []))
-                         + " |")
+                         f"{d['kl_all']:.3g} | " + " | ".join(overlap) + " |")
     layered = [r for r in result["rows"] if r.get("layers")]
     if layered:
         n = len(layered[0]["layers"])
@@ -389,8 +390,8 @@ def main(argv=None) -> int:
                   f"| KL all {row['kl_all']:.3g} | NLL {row['nll']:.4f} (ref {row['nll_ref']:.4f}) | "
                   f"{time.time() - t0:.0f}s", flush=True)
             if "selection_overlap" in row:
-                print(f"    vs dense: KL {row['vs_dense']['kl']:.3g}, top-1 {100 * row['vs_dense']['top1']:.2f}%; top-k "
-                      f"overlap {[(i, round(o, 4)) for i, o in row['selection_overlap']]}", flush=True)
+                print(f"    vs dense: KL {row['vs_dense']['kl']:.3g}, top-1 {100 * row['vs_dense']['top1']:.2f}%; "
+                      f"top-k overlap {[(i, round(o, 4)) for i, o in row['selection_overlap']]}", flush=True)
             save()
     result["timings_s"]["total"] = time.time() - t0
     save()

@@ -54,7 +54,8 @@ def selection_overlap(ref: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over queries of |ref ∩ other| / |other|: int [..., K] key positions (-1 unused) of two top-k
     selections of the same queries (order within a row does not matter)."""
     if ref.shape[:-1] != other.shape[:-1]:
-        raise ValueError(f"other: shape {tuple(other.shape)} does not match ref {tuple(ref.shape)} but for the last dim")
+        raise ValueError(f"other: shape {tuple(other.shape)} does not match ref {tuple(ref.shape)} "
+                         "(but for the last dimension)")
     a = ref.long().sort(-1).values.contiguous()
     b = other.long().contiguous()
     pos = torch.searchsorted(a, b).clamp_max(a.shape[-1] - 1)
