@@ -191,11 +191,13 @@ def plot(result: dict, path: Path) -> Path | None:
     longest = max(r["context"] for r in rows)
     for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
-        axes[0].plot([r["context"] for r in mine], [max(r["kl"], 1e-9) for r in mine], marker="o", label=name)
+        against = mine[0].get("reference", "fp32")
+        label = name if against == "fp32" else f"{name} vs {against}"
+        axes[0].plot([r["context"] for r in mine], [max(r["kl"], 1e-9) for r in mine], marker="o", label=label)
         last = [r for r in mine if r["context"] == longest]
         if last:
             pos = last[0]["by_position"]
-            axes[1].plot([(a + b - 1) / 2 for a, b, _, _ in pos], [max(kl, 1e-9) for _, _, kl, _ in pos], label=name)
+            axes[1].plot([(a + b - 1) / 2 for a, b, _, _ in pos], [max(kl, 1e-9) for _, _, kl, _ in pos], label=label)
     axes[0].set(xscale="log", yscale="log", xlabel="context (bytes)", ylabel="KL tail (nats)",
                 title="KL against context")
     axes[1].set(yscale="log", xlabel="position", ylabel="KL (nats)", title=f"KL against position, context {longest}")
