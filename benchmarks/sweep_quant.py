@@ -27,7 +27,9 @@ INT4_QUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
               ((1, 1024, 1), (1, 512, 1), (1, 2048, 2), (2, 1024, 2), (1, 1024, 2), (4, 1024, 4), (2, 512, 1))]
 INT4_DEQUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
                 ((8, 1024, 1), (4, 1024, 1), (8, 1024, 2), (16, 1024, 4), (4, 512, 1), (8, 512, 2))]
-KV = [{"BLOCK_T": t, "num_warps": w} for t, w in ((4, 2), (4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (2, 2), (32, 8))]
+KV = [{"BLOCK_T": t, "num_warps": w} for t, w in ((4, 2), (4, 4), (8, 8), (16, 4), (16, 8), (2, 2))] + [
+    {"BLOCK_T": t, "num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p}  # persistent, loads pipelined
+    for t, w, st, p in ((8, 4, 3, 4), (8, 4, 4, 4), (4, 4, 4, 8), (8, 4, 2, 4), (16, 8, 3, 2), (4, 2, 3, 8))]
 GRID = {"act_quant_fp8": ACT, "act_quant_fp8_ue8m0": ACT[:3], "block_quant_fp8": BLOCK_QUANT,
         "block_dequant_fp8": BLOCK_DEQUANT, "int4_quantize_g32": INT4_QUANT, "int4_dequantize_g32": INT4_DEQUANT,
         "kv_quant_fp8_token": KV}

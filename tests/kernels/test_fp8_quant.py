@@ -141,11 +141,16 @@ def test_kernels_take_the_scale_from_finite_values_only(triton_backend, op):
     _check_against_reference(q, s, qr, sr, x)
 
 
-@pytest.mark.parametrize("config", [{"BLOCK_T": 1, "num_warps": 1}, {"BLOCK_T": 16, "num_warps": 8}])
-def test_kv_quant_launch_configs_agree(triton_backend, config):
+@pytest.mark.parametrize("config", [{"BLOCK_T": 1, "num_warps": 1}, {"BLOCK_T": 16, "num_warps": 8},
+                                    {"BLOCK_T": 4, "STAGES": 3, "PROGRAMS_PER_SM": 2}])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_kv_quant_launch_configs_agree(triton_backend, config, per_tensor):
+    # persistent configs (STAGES): 2 programs loop over the 10 tiles of 4 rows, the last one partial
     x = torch.randn(37, 576).to(triton_backend)
-    q, s = F.kv_quant_fp8(x)
-    q2, s2 = F.kv_quant_fp8(x, config=config)
+    x[9, 3] = float("inf")  # one tile takes the finite-only branch
+    scale = torch.tensor([0.02], device=triton_backend) if per_tensor else None
+    q, s = F.kv_quant_fp8(x, scale)
+    q2, s2 = F.kv_quant_fp8(x, scale, config=config)
     assert_bitwise_equal(q2.view(torch.uint8), q.view(torch.uint8), "q")
     assert_bitwise_equal(s2, s, "scale")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import use_triton
+from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .reference import (
     FP8,
@@ -145,7 +145,8 @@ def kv_quant_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 KV rows. x: [T, D]; scale None -> per-token scales [T]; scale [1] fp32 -> per-tensor.
 
-    ``config`` (``BLOCK_T`` rows per program, ``num_warps``) overrides the launch setting."""
+    ``config`` (``BLOCK_T`` rows per tile, ``num_warps``; ``STAGES`` >= 1 with ``PROGRAMS_PER_SM``: a persistent
+    grid whose programs loop over the tiles, loads pipelined ``STAGES`` deep) overrides the launch setting."""
     check_tensor("x", x, dtype=FLOATS, ndim=2, contiguous=True)
     if scale is not None:
         check_tensor("scale", scale, dtype=torch.float32)
@@ -158,14 +159,19 @@ def kv_quant_fp8(
     d_head = 1 << (max(d, 1).bit_length() - 1)
     d_tail = triton.next_power_of_2(max(d - d_head, 1))
     # ~4k values per program (8 rows of 576 with 4 warps: 32 head values per thread, as act_quant)
-    cfg = launch_config(config, {"BLOCK_T": max(1, 4096 // d_head), "num_warps": 4}, ("BLOCK_T",))
+    cfg = launch_config(config, {"BLOCK_T": max(1, 4096 // d_head), "num_warps": 4, "STAGES": 0,
+                                 "PROGRAMS_PER_SM": 4}, ("BLOCK_T", "PROGRAMS_PER_SM"))
     if not use_triton(x, *(s for s in (scale,) if s is not None)):
         return kv_quant_fp8_reference(x, scale)
     from .kernel import _kv_quant_fp8_kernel
 
     q = torch.empty((t, d), dtype=FP8, device=x.device)
     s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
+    tiles = triton.cdiv(t, cfg["BLOCK_T"])
+    per_sm = cfg.pop("PROGRAMS_PER_SM")
+    if cfg["STAGES"]:  # persistent: PROGRAMS_PER_SM per SM (interpreted: as if one SM, so programs loop)
+        sms = 1 if triton_interpreted() else torch.cuda.get_device_properties(x.device).multi_processor_count
+        tiles = min(tiles, per_sm * sms)
     if t and d:
-        _kv_quant_fp8_kernel[(triton.cdiv(t, cfg["BLOCK_T"]),)](
-            x, q, s, t, D=d, PER_TOKEN=scale is None, D_HEAD=d_head, D_TAIL=d_tail, **cfg)
+        _kv_quant_fp8_kernel[(tiles,)](x, q, s, t, D=d, PER_TOKEN=scale is None, D_HEAD=d_head, D_TAIL=d_tail, **cfg)
     return q, (s if scale is None else scale)

@@ -105,14 +105,14 @@ def _block_dequant_fp8_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_on,
 
 
 @triton.jit
-def _kv_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, T, D: tl.constexpr, PER_TOKEN: tl.constexpr,
-                         BLOCK_T: tl.constexpr, D_HEAD: tl.constexpr, D_TAIL: tl.constexpr):
+def _kv_quant_tile(x_ptr, q_ptr, s_ptr, tile, T, D: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   BLOCK_T: tl.constexpr, D_HEAD: tl.constexpr, D_TAIL: tl.constexpr):
     # BLOCK_T rows of D values each, read as a power-of-two head [0, D_HEAD) and a tail [D_HEAD, D) padded to
     # D_TAIL (576 = 512 + 64 for MLA rows: no lanes spent on padding to 1024, no column mask). Triton meets the
     # two layouts by passing the bf16 head through shared memory once (static sm_90 SASS: ~10 instructions per
     # value, against ~18 for one [BLOCK_T, 1024] padded tile).
     HAS_TAIL: tl.constexpr = D > D_HEAD
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # tile: a Python int when interpreted
     ok = (rows < T)[:, None]
     ch = tl.arange(0, D_HEAD)
     xh = tl.load(x_ptr + rows[:, None] * D + ch[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -139,3 +139,16 @@ def _kv_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, T, D: tl.constexpr, PER_TOKEN: tl.
     tl.store(q_ptr + rows[:, None] * D + ch[None, :], to_e4m3(xh * r), mask=ok)
     if HAS_TAIL:
         tl.store(q_ptr + rows[:, None] * D + ct[None, :], to_e4m3(xt * r), mask=m_t)
+
+
+@triton.jit
+def _kv_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, T, D: tl.constexpr, PER_TOKEN: tl.constexpr,
+                         BLOCK_T: tl.constexpr, D_HEAD: tl.constexpr, D_TAIL: tl.constexpr, STAGES: tl.constexpr):
+    # STAGES 0: one tile per program. STAGES >= 1: a persistent grid; each program strides over the tiles with
+    # the next tiles' loads issued STAGES - 1 iterations ahead (software pipelining: bytes in flight without
+    # the registers of more resident programs).
+    if STAGES == 0:
+        _kv_quant_tile(x_ptr, q_ptr, s_ptr, tl.program_id(0), T, D, PER_TOKEN, BLOCK_T, D_HEAD, D_TAIL)
+    else:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0), num_stages=STAGES):
+            _kv_quant_tile(x_ptr, q_ptr, s_ptr, tile, T, D, PER_TOKEN, BLOCK_T, D_HEAD, D_TAIL)
