@@ -137,7 +137,7 @@ def markdown(result: dict) -> str:
     """The table of docs/fidelity.md from the JSON result."""
     s = result["setting"]
     lines = [f"Model: `{s['checkpoint']}` ({s.get('parameters', '?')} parameters; {s.get('trained', '')}). "
-             f"Text: {s['batch']} windows per context of the held-out files ({s['data']}). "
+             f"Text: up to {s['batch']} windows per context (column 'windows') of the held-out files ({s['data']}). "
              f"KL and top-1 over the last {s['eval_tokens']} positions of each context (decoded one byte per "
              f"step for KV formats), all positions too; NLL: next-byte cross-entropy on the tail "
              f"(reference {'/'.join(f'{r:.3f}' for r in s.get('nll_ref', []))} by context). Device: {s['device']}.",
