@@ -21,10 +21,13 @@ from .bench_quant import ROWS, K, quant_ops
 from .common import Context, measure_ceilings, median_us, meta
 
 ACT = [{"BLOCK_G": g, "num_warps": w} for g, w in ((16, 4), (32, 4), (32, 8), (64, 8), (16, 2), (8, 1))]  # 64/4 spills
-BLOCK_QUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8, 16) for f in (False, True)]
+BLOCK_QUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8, 16) for f in (False, True)] + [
+    {"num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p} for w, st, p in ((8, 3, 2), (8, 2, 2), (8, 4, 1), (16, 2, 2))]
 BLOCK_DEQUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8) for f in (False, True)]
 INT4_QUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
-              ((1, 1024, 1), (1, 512, 1), (1, 2048, 2), (2, 1024, 2), (1, 1024, 2), (4, 1024, 4), (2, 512, 1))]
+              ((1, 1024, 1), (1, 512, 1), (1, 2048, 2), (2, 1024, 2), (1, 1024, 2), (4, 1024, 4), (2, 512, 1))] + [
+    {"BN": bn, "BK": bk, "num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p} for bn, bk, w, st, p in
+    ((1, 1024, 1, 3, 16), (4, 1024, 4, 3, 4), (2, 1024, 2, 3, 8), (4, 1024, 4, 4, 4))]
 INT4_DEQUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
                 ((8, 1024, 1), (4, 1024, 1), (8, 1024, 2), (16, 1024, 4), (4, 512, 1), (8, 512, 2))]
 KV = [{"BLOCK_T": t, "num_warps": w} for t, w in ((4, 2), (4, 4), (8, 8), (16, 4), (16, 8), (2, 2))] + [

@@ -155,6 +155,18 @@ def test_kv_quant_launch_configs_agree(triton_backend, config, per_tensor):
     assert_bitwise_equal(s2, s, "scale")
 
 
+@pytest.mark.parametrize("config", [{"K_FAST": True, "num_warps": 4},
+                                    {"STAGES": 2, "PROGRAMS_PER_SM": 2, "num_warps": 4}])
+def test_block_quant_launch_configs_agree(triton_backend, config):
+    # persistent (STAGES): 2 programs loop over the 3 x 2 blocks of 32 x 128, masked at the edges
+    w = (torch.randn(70, 200) * 0.02).to(triton_backend)
+    w[40, 150] = float("inf")
+    q, s = F.block_quant_fp8(w, (32, 128))
+    q2, s2 = F.block_quant_fp8(w, (32, 128), config=config)
+    assert_bitwise_equal(q2.view(torch.uint8), q.view(torch.uint8), "q")
+    assert_bitwise_equal(s2, s, "scale")
+
+
 def test_launch_config_is_checked():
     x = torch.randn(4, 576)
     with pytest.raises(ValueError, match="config: unknown"):

@@ -73,6 +73,18 @@ def test_kernels_match_reference(triton_backend, shape, group):
                                  I.int4_dequantize_reference(pr, sr, group, out), f"dequant {out}")
 
 
+@pytest.mark.parametrize("config", [{"BN": 2, "BK": 256, "num_warps": 2},
+                                    {"BN": 2, "BK": 128, "num_warps": 1, "STAGES": 2, "PROGRAMS_PER_SM": 3}])
+def test_quantize_launch_configs_agree(triton_backend, config):
+    # persistent (STAGES): 3 programs loop over the 33 x 3 tiles, masked at the edges (K = 320)
+    w = torch.randn(65, 320).to(triton_backend)
+    w[3, :32] = 0.0  # an all-zero group
+    packed, scale = I.int4_quantize(w, 32, torch.float32)
+    p2, s2 = I.int4_quantize(w, 32, torch.float32, config=config)
+    assert_bitwise_equal(p2, packed, "packed")
+    assert_bitwise_equal(s2, scale, "scale")
+
+
 def test_sqnr_of_gaussian_weights_matches_the_int4_grid():
     w = torch.randn(512, 2048)
     deq = I.int4_dequantize(*I.int4_quantize(w, 32), 32, torch.float32)

@@ -22,7 +22,8 @@ from .reference import (
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 __all__ = [
-    "FP8", "FP8_MAX", "launch_config", "act_quant_fp8", "block_quant_fp8", "block_dequant_fp8", "kv_quant_fp8",
+    "FP8", "FP8_MAX", "launch_config", "persistent_programs",
+    "act_quant_fp8", "block_quant_fp8", "block_dequant_fp8", "kv_quant_fp8",
     "act_quant_fp8_reference", "block_quant_fp8_reference", "block_dequant_fp8_reference",
     "kv_quant_fp8_reference",
 ]
@@ -81,17 +82,28 @@ def _block_grid(nb: int, kb: int, k_fast: bool) -> tuple[int, int]:
     return (kb, nb) if k_fast else (nb, kb)
 
 
+def persistent_programs(work: int, cfg: dict, device: torch.device) -> int:
+    """Programs of a persistent launch: ``PROGRAMS_PER_SM`` per SM (popped from ``cfg``), at most ``work``;
+    interpreted, as if on one SM, so that the programs loop."""
+    per_sm = cfg.pop("PROGRAMS_PER_SM")
+    if not isinstance(per_sm, int) or per_sm <= 0:
+        raise ValueError(f"config: PROGRAMS_PER_SM={per_sm!r} must be a positive integer")
+    sms = 1 if triton_interpreted() else torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(work, per_sm * sms))
+
+
 def block_quant_fp8(
     w: torch.Tensor, block: tuple[int, int] = (128, 128), config: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled weight quantization. w: [N, K] -> (q [N, K] e4m3, weight_scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32).
 
-    ``config`` (``num_warps``; ``K_FAST``: consecutive programs walk along K) overrides the launch setting."""
+    ``config`` (``num_warps``; ``K_FAST``: consecutive programs walk along K; ``STAGES`` >= 1 with
+    ``PROGRAMS_PER_SM``: a persistent grid looping over the blocks, loads pipelined) overrides the launch setting."""
     check_tensor("w", w, dtype=FLOATS, ndim=2)
     bn, bk = _check_block(block)
     if w.stride(-1) != 1:
         raise ValueError("w: the last dimension must be contiguous")
-    cfg = launch_config(config, {"K_FAST": False, "num_warps": 16})
+    cfg = launch_config(config, {"K_FAST": False, "num_warps": 16, "STAGES": 0, "PROGRAMS_PER_SM": 2})
     if not use_triton(w):
         return block_quant_fp8_reference(w, (bn, bk))
     from .kernel import _block_quant_fp8_kernel
@@ -100,9 +112,14 @@ def block_quant_fp8(
     nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    grid = _block_grid(nb, kb, cfg["K_FAST"])
+    if cfg["STAGES"]:
+        grid = (persistent_programs(nb * kb, cfg, w.device),)
+    else:
+        cfg.pop("PROGRAMS_PER_SM")
     if n and k:
-        _block_quant_fp8_kernel[_block_grid(nb, kb, cfg["K_FAST"])](
-            w, q, scale, n, k, w.stride(0), q.stride(0), kb, BN=bn, BK=bk, EVEN=n % bn == 0 and k % bk == 0, **cfg)
+        _block_quant_fp8_kernel[grid](w, q, scale, n, k, w.stride(0), q.stride(0), kb, nb * kb, BN=bn, BK=bk,
+                                      EVEN=n % bn == 0 and k % bk == 0, **cfg)
     return q, scale
 
 
@@ -160,7 +177,7 @@ def kv_quant_fp8(
     d_tail = triton.next_power_of_2(max(d - d_head, 1))
     # ~4k values per program (8 rows of 576 with 4 warps: 32 head values per thread, as act_quant)
     cfg = launch_config(config, {"BLOCK_T": max(1, 4096 // d_head), "num_warps": 4, "STAGES": 0,
-                                 "PROGRAMS_PER_SM": 4}, ("BLOCK_T", "PROGRAMS_PER_SM"))
+                                 "PROGRAMS_PER_SM": 4}, ("BLOCK_T",))
     if not use_triton(x, *(s for s in (scale,) if s is not None)):
         return kv_quant_fp8_reference(x, scale)
     from .kernel import _kv_quant_fp8_kernel
@@ -168,10 +185,10 @@ def kv_quant_fp8(
     q = torch.empty((t, d), dtype=FP8, device=x.device)
     s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
     tiles = triton.cdiv(t, cfg["BLOCK_T"])
-    per_sm = cfg.pop("PROGRAMS_PER_SM")
-    if cfg["STAGES"]:  # persistent: PROGRAMS_PER_SM per SM (interpreted: as if one SM, so programs loop)
-        sms = 1 if triton_interpreted() else torch.cuda.get_device_properties(x.device).multi_processor_count
-        tiles = min(tiles, per_sm * sms)
+    if cfg["STAGES"]:
+        tiles = persistent_programs(tiles, cfg, x.device)
+    else:
+        cfg.pop("PROGRAMS_PER_SM")
     if t and d:
         _kv_quant_fp8_kernel[(tiles,)](x, q, s, t, D=d, PER_TOKEN=scale is None, D_HEAD=d_head, D_TAIL=d_tail, **cfg)
     return q, (s if scale is None else scale)

@@ -53,15 +53,9 @@ def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, n_groups,
 
 
 @triton.jit
-def _block_quant_fp8_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, n_kb,
-                            BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, K_FAST: tl.constexpr):
-    # One BN×BK block per program, loaded once and kept in registers (amax, then quantize).
-    # K_FAST: grid (K blocks, N blocks), consecutive programs walk along K (adjacent bytes of the same rows).
-    # EVEN: N % BN == K % BK == 0, no masks.
-    if K_FAST:
-        pid_k, pid_n = tl.program_id(0), tl.program_id(1)
-    else:
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+def _block_quant_tile(w_ptr, q_ptr, s_ptr, pid_n, pid_k, N, K, stride_wn, stride_qn, n_kb,
+                      BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    # One BN×BK block, loaded once and kept in registers (amax, then quantize). EVEN: N % BN == K % BK == 0.
     rn = pid_n * BN + tl.arange(0, BN)
     rk = pid_k * BK + tl.arange(0, BK)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -81,6 +75,25 @@ def _block_quant_fp8_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, n_k
     else:
         tl.store(q_ptrs, q, mask=mask)
     tl.store(s_ptr + pid_n * n_kb + pid_k, s)
+
+
+@triton.jit
+def _block_quant_fp8_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, n_kb, n_blocks,
+                            BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, K_FAST: tl.constexpr,
+                            STAGES: tl.constexpr):
+    # STAGES 0: one block per program; grid (N blocks, K blocks), or (K blocks, N blocks) with K_FAST
+    # (consecutive programs walk along K: adjacent bytes of the same rows). STAGES >= 1: a persistent 1-D grid
+    # whose programs stride over the blocks in K-major order, loads pipelined STAGES deep (cp.async).
+    if STAGES == 0:
+        if K_FAST:
+            pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+        else:
+            pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        _block_quant_tile(w_ptr, q_ptr, s_ptr, pid_n, pid_k, N, K, stride_wn, stride_qn, n_kb, BN, BK, EVEN)
+    else:
+        for blk in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+            _block_quant_tile(w_ptr, q_ptr, s_ptr, blk // n_kb, blk % n_kb, N, K, stride_wn, stride_qn, n_kb,
+                              BN, BK, EVEN)
 
 
 @triton.jit

@@ -9,11 +9,11 @@ MAGIC_BITS_WORD = tl.constexpr(1061158912)  # sum of 0x4B400000 << 4j over j < 8
 
 
 @triton.jit
-def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn,
-                            GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, pid_n, pid_k, N, K, stride_wn,
+                          GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # Tile [BN, BK] of w -> [BN, BK/8] words and [BN, BK/GROUP] scales (BK is a multiple of GROUP and 8).
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = pid_k * BK + tl.arange(0, BK)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     wg = tl.reshape(w, (BN, BK // GROUP, GROUP))
@@ -29,12 +29,26 @@ def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn,
     shifts = tl.arange(0, 8) * 4
     # sum_j bits_j << 4j - sum_j 0x4B400000 << 4j == sum_j (q_j + 8) << 4j (mod 2^32): the nibbles, packed
     words = tl.sum(bits << shifts[None, None, :], axis=2) - MAGIC_BITS_WORD
-    rw = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
+    rw = pid_k * (BK // 8) + tl.arange(0, BK // 8)
     tl.store(packed_ptr + rn[:, None].to(tl.int64) * (K // 8) + rw[None, :], words,
              mask=(rn[:, None] < N) & (rw[None, :] < K // 8))
-    rg = tl.program_id(1) * (BK // GROUP) + tl.arange(0, BK // GROUP)
+    rg = pid_k * (BK // GROUP) + tl.arange(0, BK // GROUP)
     tl.store(scale_ptr + rn[:, None].to(tl.int64) * (K // GROUP) + rg[None, :],
              s.to(scale_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP))
+
+
+@triton.jit
+def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn, n_kb, n_tiles,
+                            GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    # STAGES 0: one tile per program, grid (N tiles, K tiles). STAGES >= 1: a persistent 1-D grid whose programs
+    # stride over the tiles in K-major order, loads pipelined STAGES deep (cp.async).
+    if STAGES == 0:
+        _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, tl.program_id(0), tl.program_id(1), N, K, stride_wn,
+                              GROUP, BN, BK)
+    else:
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, tile // n_kb, tile % n_kb, N, K, stride_wn,
+                                  GROUP, BN, BK)
 
 
 @triton.jit
