@@ -206,3 +206,28 @@ def test_act_quant_bit_exact_on_gpu_large(numel):
         qr, sr = F.act_quant_fp8_reference(x, 128, ue8m0)
         assert_bitwise_equal(s, sr, "scale")
         assert_bitwise_equal(q, qr, "q")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {"BLOCK_T": 8, "num_warps": 4, "STAGES": 3, "PROGRAMS_PER_SM": 4},
+                                    {"BLOCK_T": 16, "num_warps": 8}])
+def test_kv_quant_bit_exact_on_gpu_large(config):
+    # 20001 MLA rows: persistent programs loop ~5 times; a partial last tile; non-finite values
+    x = torch.randn(20001, 576, device="cuda", dtype=torch.bfloat16) * 3
+    x[7, 3], x[12345, 570], x[20000, 0] = float("inf"), float("nan"), -float("inf")
+    q, s = F.kv_quant_fp8(x, config=config)
+    qr, sr = F.kv_quant_fp8_reference(x)
+    assert_bitwise_equal(s, sr, "scale")
+    assert_bitwise_equal(q.view(torch.uint8), qr.view(torch.uint8), "q")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {"num_warps": 8, "STAGES": 3, "PROGRAMS_PER_SM": 2},
+                                    {"num_warps": 16, "K_FAST": True}])
+def test_block_quant_bit_exact_on_gpu_large(config):
+    w = torch.randn(2000, 7168, device="cuda", dtype=torch.bfloat16) * 0.02
+    w[1999, 7000] = float("inf")
+    q, s = F.block_quant_fp8(w, config=config)
+    qr, sr = F.block_quant_fp8_reference(w)
+    assert_bitwise_equal(s, sr, "scale")
+    assert_bitwise_equal(q.view(torch.uint8), qr.view(torch.uint8), "q")

@@ -102,3 +102,18 @@ def test_bad_inputs_name_the_argument():
         I.int4_dequantize(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         I.int4_pack(torch.full((1, 8), 9, dtype=torch.int8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {"BN": 4, "BK": 1024, "num_warps": 4, "STAGES": 3, "PROGRAMS_PER_SM": 4},
+                                    {"BN": 1, "BK": 1024, "num_warps": 1, "STAGES": 3, "PROGRAMS_PER_SM": 16}])
+def test_quantize_bit_exact_on_gpu_large(config):
+    # 2049 x 7168 bf16: persistent programs loop over the ~14k tiles; a partial last row block; an all-zero group
+    w = torch.randn(2049, 7168, device="cuda", dtype=torch.bfloat16)
+    w[5, :32] = 0.0
+    w[6, :32] = torch.arange(-15, 17, device="cuda", dtype=torch.bfloat16) / 2  # a group of halves
+    for sd in (torch.bfloat16, torch.float16, torch.float32):
+        packed, scale = I.int4_quantize(w, 32, sd, config=config)
+        pr, sr = I.int4_quantize_reference(w, 32, sd)
+        assert_bitwise_equal(scale, sr, f"scale {sd}")
+        assert_bitwise_equal(packed, pr, f"packed {sd}")
