@@ -7,10 +7,14 @@ block tables (distinct pages) until a pass reads more than 3× the L2 cache. Eac
 CUDA graph holding one ``mla_decode`` per input set (the decode kernel and, when the context is split, the
 combine kernel), so the Python launcher's overhead is not timed — as an engine runs decode.
 
-FP8 cases also run with ``fp8_dequant="bitcast"`` (the kernel's FP8_BITCAST switch, docs/mla.md "FP8 fast
-dequant"): same case keys plus ``variant: "bitcast"``, peer = the BF16 case at the same shape, and
-``vs_convert`` = (convert µs) / (bitcast µs). Rows without a ``variant`` key time ``fp8_dequant="convert"``;
-the library's default ``"auto"`` picks between the two by these rows (``mla_decode.BITCAST_MIN_ROWS``).
+FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: "fp16"`` (fp8_dequant="fp16":
+fp16 dot operands, its candidates with and without the register prefetch) for both FP8 formats, and ``variant:
+"bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer timed); peer =
+the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs). Rows without a ``variant`` key
+time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
+Every row logs ``config``: the autotuner's choice for it (``mla_decode.tuned_config()``, e.g. ``m16n32w8s2p``).
+BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``variant: "splits=N"``, N ≠ the
+launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth.
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
@@ -27,7 +31,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits
+from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits, tuned_config
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -92,16 +96,24 @@ def _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev, fp8_d
     torch.cuda.synchronize()
 
 
-def _try_variant(kind: str, fn) -> tuple[bool, object]:
-    """(True, fn()) for the fp8_dequant="bitcast" rows; if fn raises (e.g. a compile error on this Triton), the
+def _try_variant(kind: str, variant: str, fn) -> tuple[bool, object]:
+    """(True, fn()) for an optional variant's rows; if fn raises (e.g. a compile error on this Triton), the
     error is reported on stderr and (False, None) ends that variant's rows for this format instead of costing
     the default rows."""
     try:
         return True, fn()
     except Exception as e:  # noqa: BLE001 - any failure of the optional variant
-        print(f"bench mla_decode: fp8_dequant='bitcast' failed for kv={kind}, its rows are skipped: {e!r}",
+        print(f"bench mla_decode: variant {variant!r} failed for kv={kind}, its rows are skipped: {e!r}",
               file=sys.stderr)
         return False, None
+
+
+def _variants(kind: str) -> list[str]:
+    """The fp8_dequant values timed besides "convert" for a KV format."""
+    return {"bf16": [], "fp8_e4m3": ["bitcast", "fp16"], "fp8_ds_mla": ["fp16"]}[kind]
+
+
+SPLIT_VARIANTS = (2, 8, 16)  # forced split counts for the BF16 short-context rows
 
 
 def run(ctx: Context) -> list[dict]:
@@ -113,21 +125,32 @@ def run(ctx: Context) -> list[dict]:
     for kind in KINDS:
         pool, scales = _fill_pool(kind, num_pages, dev)
         _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev)
-        bitcast = kind != "bf16"
-        if bitcast:
-            bitcast, _ = _try_variant(kind, lambda: _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages,
-                                                                           dev, fp8_dequant="bitcast"))
+        live = {}
+        for variant in _variants(kind):
+            live[variant], _ = _try_variant(kind, variant, lambda: _tune_on_target_shapes(
+                pool, scales, kind, heads_list, num_pages, dev, fp8_dequant=variant))
         for heads, batch, n in itertools.product(heads_list, batches, contexts):
             sets = _input_sets(batch, n, heads, kind, num_pages, dev)
             seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
-
-            def call(q, table, dequant="convert"):
-                return mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
-                                  validate=False, fp8_dequant=dequant)
-
-            t = _graph_us(lambda: [call(q, tb) for q, tb in sets], len(sets))
             moved = batch * n * _row_bytes(kind) + batch * heads * (2 * (D_LATENT + D_ROPE) + 2 * D_LATENT)
             flops = 2 * batch * heads * n * (D_LATENT + D_ROPE + D_LATENT)
+            splits = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms)
+            keys = {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE}
+
+            def call(q, table, dequant="convert", num_splits=None):
+                return mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
+                                  validate=False, fp8_dequant=dequant, num_splits=num_splits)
+
+            def row(extra_keys, t, peer, peer_t, **fields):
+                return case("mla_decode", {**keys, **extra_keys}, t, bytes=moved, flops=flops, peer=peer,
+                            peer_median_us=peer_t,
+                            frac_of_copy=round(moved / (t * 1e-6) / 1e12 / ctx.copy_tbps, 3) if ctx.copy_tbps else None,
+                            frac_of_matmul=(round(flops / (t * 1e-6) / 1e12 / ctx.bf16_tflops, 3)
+                                            if ctx.bf16_tflops else None),
+                            input_sets=len(sets), **fields)
+
+            t = _graph_us(lambda: [call(q, tb) for q, tb in sets], len(sets))
+            config = tuned_config()
             if kind == "bf16":
                 bf16_us[(heads, batch, n)] = t
                 peer, peer_t = "torch_composition", None
@@ -135,29 +158,20 @@ def run(ctx: Context) -> list[dict]:
                     peer_t = _graph_us(lambda: [_torch_composition(q, pool, tb, n) for q, tb in sets], len(sets))
             else:
                 peer, peer_t = "mla_decode_bf16", bf16_us.get((heads, batch, n))
-            tbps = moved / (t * 1e-6) / 1e12
-            tflops = flops / (t * 1e-6) / 1e12
-            cases.append(case(
-                "mla_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE}, t,
-                bytes=moved, flops=flops, peer=peer, peer_median_us=peer_t,
-                frac_of_copy=round(tbps / ctx.copy_tbps, 3) if ctx.copy_tbps else None,
-                frac_of_matmul=round(tflops / ctx.bf16_tflops, 3) if ctx.bf16_tflops else None,
-                num_splits=plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms),
-                input_sets=len(sets)))
-            if bitcast:  # the same shape with the FP8 fast-dequant switch, side by side
-                bitcast, t_bc = _try_variant(kind, lambda: _graph_us(
-                    lambda: [call(q, tb, "bitcast") for q, tb in sets], len(sets)))
-            if bitcast:
-                cases.append(case(
-                    "mla_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE,
-                                   "variant": "bitcast"}, t_bc,
-                    bytes=moved, flops=flops, peer=peer, peer_median_us=peer_t,
-                    frac_of_copy=round(moved / (t_bc * 1e-6) / 1e12 / ctx.copy_tbps, 3) if ctx.copy_tbps else None,
-                    frac_of_matmul=round(flops / (t_bc * 1e-6) / 1e12 / ctx.bf16_tflops, 3) if ctx.bf16_tflops else None,
-                    num_splits=plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms),
-                    input_sets=len(sets), vs_convert=round(t / t_bc, 3)))
+            cases.append(row({}, t, peer, peer_t, num_splits=splits, config=config))
+            for variant in _variants(kind):  # the same shape with the other dequantizations, side by side
+                if live[variant]:
+                    live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
+                        lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))
+                if live[variant]:
+                    cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=splits,
+                                     config=tuned_config(), vs_convert=round(t / t_v, 3)))
+            if kind == "bf16" and heads <= 16 and batch >= 32 and n == 4096:
+                for forced in (f for f in SPLIT_VARIANTS if f != splits):
+                    t_s = _graph_us(lambda: [call(q, tb, num_splits=forced) for q, tb in sets], len(sets))
+                    cases.append(row({"variant": f"splits={forced}"}, t_s, peer, peer_t, num_splits=forced,
+                                     config=tuned_config(), vs_planned=round(t / t_s, 3)))
             del sets
         del pool, scales
         torch.cuda.empty_cache()
     return cases
-

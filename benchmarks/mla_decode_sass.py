@@ -8,7 +8,7 @@ keeps, per KV kind and ``fp8_dequant``, disassembles it (``cuobjdump -sass``, th
 counts the instructions of the longest loop (the loop over KV tiles), per warp and per iteration: cp.async
 (LDGSTS) vs plain global loads (LDG), shared stores / loads / ldmatrix, barriers, tensor-core ops, the FP8
 conversion ops; plus registers, spills, programs per SM and warp-instructions per KV token. ``--dump`` keeps
-each kernel's TTGIR, PTX and SASS.
+each kernel's TTGIR, PTX and SASS; ``--only fp8_e4m3_fp16 ...`` restricts the cases.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from benchmarks import compile_check as cc
 
 COLUMNS = ("LDGSTS", "LDG", "STS", "LDS", "LDSM", "BAR", "HMMA", "HGMMA", "F2F", "F2FP", "PRMT", "LOP3", "SHF",
            "STL", "LDL")
-CASES = (("bf16", "convert"), ("fp8_e4m3", "convert"), ("fp8_e4m3", "bitcast"), ("fp8_ds_mla", "convert"),
-         ("fp8_ds_mla", "bitcast"))
+CASES = (("bf16", "convert"), ("fp8_e4m3", "convert"), ("fp8_e4m3", "bitcast"), ("fp8_e4m3", "fp16"),
+         ("fp8_ds_mla", "convert"), ("fp8_ds_mla", "bitcast"), ("fp8_ds_mla", "fp16"))
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 233472, 64
 
 
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
+    parser.add_argument("--only", nargs="*", help="kind_dequant cases to compile (default: all), e.g. fp8_e4m3_fp16")
     args = parser.parse_args(argv)
     log = cc.CompileLog()
     cc.install_fake_hopper(log, ptxas=True)
@@ -78,13 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernel':34s} regs spill smem/K prog/SM | per warp per loop iteration: instr "
           + " ".join(COLUMNS) + " | warp-instr/token")
     for kind, dequant in CASES:
+        if args.only and f"{kind}_{dequant}" not in args.only:
+            continue
         data, scales = cc._kv_pages(kind, "token", table.numel())
         q = torch.randn(2, 1, args.heads, cc.D_LATENT + cc.D_ROPE, dtype=torch.bfloat16)
         start = len(compiled)
         mla_decode(q, data, scales, table, lens, 0.1, kind, cc.D_LATENT, fp8_dequant=dequant, num_splits=2)
         for kw, kernel in compiled[start:]:
             name = (f"{kind}_{dequant}_m{kw['BLOCK_M']}n{kw['BLOCK_N']}{'T' if kw['QK_SPLIT_LOAD'] else ''}"
-                    f"w{kw['num_warps']}s{kw['num_stages']}")
+                    f"w{kw['num_warps']}s{kw['num_stages']}{'P' if kw.get('PREFETCH') else ''}")
             with tempfile.TemporaryDirectory() as tmp:
                 cubin = os.path.join(tmp, "k.cubin")
                 with open(cubin, "wb") as f:

@@ -1,7 +1,8 @@
 """Plot for ``docs/benchmarks.md`` (CPU; needs matplotlib): ``python -m benchmarks.plot_mla_decode [--results F]``.
 
 ``docs/img/mla_decode_bandwidth.png``: achieved bandwidth of the ``mla_decode`` rows against batch, one panel per
-head count, one line per (KV format, context), with the copy ceiling measured in the same run.
+head count, one line per (KV format, context) — default path (circles) and, where present, the ``fp16``
+FP8 dequantization (crosses) — with the copy ceiling measured in the same run.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .common import RESULTS
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 COLORS = {"bf16": "tab:gray", "fp8_e4m3": "tab:blue", "fp8_ds_mla": "tab:orange"}
 STYLES = {1024: ":", 4096: "-.", 16384: "--", 65536: "-"}
+VARIANTS = {None: "o", "fp16": "x"}  # case "variant" -> marker
 
 
 def plot(results: Path, out: Path) -> bool:
@@ -23,7 +25,7 @@ def plot(results: Path, out: Path) -> bool:
     import matplotlib.pyplot as plt
 
     doc = json.loads(results.read_text())
-    rows = [c for c in doc["cases"] if c["bench"] == "mla_decode" and "variant" not in c["case"]]  # default path only
+    rows = [c for c in doc["cases"] if c["bench"] == "mla_decode" and c["case"].get("variant") in VARIANTS]
     if not rows:
         return False
     heads = sorted({c["case"]["heads"] for c in rows})
@@ -31,12 +33,13 @@ def plot(results: Path, out: Path) -> bool:
     copy = doc["meta"].get("copy_tbps")
     for ax, h in zip(axes[0], heads):
         for kind in COLORS:
-            for ctx in STYLES:
+            for ctx, (variant, marker) in ((c, v) for c in STYLES for v in VARIANTS.items()):
                 pts = sorted((c["case"]["batch"], c["tbps"]) for c in rows
-                             if c["case"]["heads"] == h and c["case"]["kv"] == kind and c["case"]["ctx"] == ctx)
+                             if c["case"]["heads"] == h and c["case"]["kv"] == kind and c["case"]["ctx"] == ctx
+                             and c["case"].get("variant") == variant)
                 if pts:
-                    ax.plot(*zip(*pts), STYLES[ctx], marker="o", ms=3, color=COLORS[kind],
-                            label=f"{kind}, ctx {ctx // 1024}k")
+                    ax.plot(*zip(*pts), STYLES[ctx], marker=marker, ms=3, color=COLORS[kind],
+                            label=f"{kind}{', ' + variant if variant else ''}, ctx {ctx // 1024}k")
         if copy:
             ax.axhline(copy, color="k", lw=0.8)
             ax.axhline(0.75 * copy, color="k", lw=0.6, ls=":")

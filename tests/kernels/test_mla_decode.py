@@ -310,19 +310,119 @@ def test_bitcast_pages_of_subnormals_only(triton_backend, kind):
     assert torch.allclose(lse.cpu(), lse_r.cpu(), atol=2e-2 if q_dtype == torch.bfloat16 else 1e-4)
 
 
-def test_bitcast_candidates_never_reach_default_launches():
-    """Default launches tune among exactly the DECODE_CONFIGS of before (unchanged tuning), FP8_BITCAST launches
-    among BITCAST_CONFIGS; no candidate is listed twice."""
-    from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, _config_key,
-                                                     _mla_decode_kernel_tuned, _prune_decode_configs)
+# ------------------------------------------------------------------- fp16 dot operands, register prefetch
+F16_TEST_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False, PREFETCH=True),
+                    dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=True, PREFETCH=False),  # split load ignored
+                    dict(BLOCK_M=32, BLOCK_N=32, QK_SPLIT_LOAD=False, PREFETCH=True)]
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16, 64]),
+       s_q=st.sampled_from([1, 1, 2]), heads=st.integers(1, 4), num_splits=st.sampled_from([None, 1, 3]),
+       config=st.sampled_from(F16_TEST_CONFIGS),
+       q_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.bfloat16, torch.float16]))
+def test_fp16_dequant_matches_contiguous_attention(triton_backend, data, kind, page_size, s_q, heads, num_splits,
+                                                   config, q_dtype):
+    """fp8_dequant="fp16" (16-bit queries: fp16 dot operands, q and p pre-scaled) with and without PREFETCH:
+    fp32 queries (the conversion, prefetched or not) at the default path's tolerances; bf16 / fp16 queries within
+    fp16 rounding of p (q is exact), against the reference and the default path. NaN in every unused slot."""
+    kind, tensor_scale = kind
+    d_latent, d_rope = 256, 32  # two 128-tiles for fp8_ds_mla
+    lengths = data.draw(ragged_lengths(st.integers(1, 3), min_len=s_q, max_len=130 if page_size > 1 else 40))
+    table, seq_lens, num_pages = _tables(lengths, page_size, data)
+    dev = triton_backend
+    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
+                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope).to(q_dtype)
+    scale = (d_latent // 4 + d_rope) ** -0.5
+    out = poisoned_empty((len(lengths), s_q, heads, d_latent), dtype=q_dtype, device=dev)
+    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
+    args = (q.to(dev), kv, scales, table.to(dev), seq_lens.to(dev), scale, kind, d_latent)
+    mla_decode(*args, num_splits=num_splits, out=out, lse=lse, config=config, fp8_dequant="fp16")
+    assert_all_written(out, "out")
+    assert_all_written(lse, "lse")
+    out, lse = out.cpu().float(), lse.cpu()
+    o_r, lse_r = mla_decode_reference(*args)
+    if q_dtype == torch.float32:
+        for b, rows in enumerate(stored):
+            o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
+            assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
+            assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+        assert rel_err(out, o_r.cpu()) < 1e-5 and torch.allclose(lse, lse_r.cpu(), atol=1e-4)
+    else:
+        # the reference's output is rounded to q's dtype (bf16: 2^-9); p in fp16 adds ~2^-12
+        tol = 8e-3 if q_dtype == torch.bfloat16 else 2e-3
+        assert rel_err(out, o_r.cpu().float()) < tol and torch.allclose(lse, lse_r.cpu(), atol=1e-3)
+        o_conv, _ = mla_decode(*args, num_splits=num_splits, fp8_dequant="convert",
+                               config=dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=16, QK_SPLIT_LOAD=False))
+        assert rel_err(out, o_conv.cpu().float()) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fp16_dequant_tiny_and_large_scales(triton_backend, kind, prefetch):
+    """Scales far from 1 (per-token rows scaled 1e-3 … 1e15 within one tile, ds_mla tiles 2^-12 … 2^50) and
+    queries scaled 1e-3 … 1e3: the per-row q exponents and the per-tile p factors neither overflow fp16 nor lose
+    the output; odd length (63 of 64 slots, the rest NaN)."""
+    dev = triton_backend
+    n, page_size, d_latent, d_rope = 63, 16, 256, 32
+    table = torch.tensor([[3, 0, 2, 1]], dtype=torch.int32)
+    seq = torch.tensor([n], dtype=torch.int32)
+    q = torch.randn(1, 1, 3, d_latent + d_rope)
+    q[0, 0, 1] *= 40  # rows of different magnitudes in one block
+    rows = torch.randn(64, d_latent + d_rope)
+    if kind == "fp8_e4m3":
+        rows = rows * torch.logspace(-3, 15, 64)[torch.randperm(64)][:, None]
+    else:
+        rows[:, :d_latent] *= torch.exp2(torch.randint(-12, 50, (64, 2)).float()).repeat_interleave(128, 1)
+    data, s = quantize_kv_rows(rows, kind, d_latent)  # slot i holds row i; token t lives in slot slots[t]
+    unused = int(table[0, n // page_size]) * page_size + n % page_size
+    data[unused].view(torch.uint8).fill_(0xFF)  # the unused slot: NaN bytes (and a NaN scale)
+    data = data.reshape(4, page_size, -1).to(dev)
+    if s is not None:
+        s[unused] = float("nan")
+        s = s.reshape(4, page_size).to(dev)
+    for qs in (1e-3, 1.0, 1e3):
+        qb = (q * qs).to(torch.bfloat16)
+        args = (qb.to(dev), data, s, table.to(dev), seq.to(dev), 0.1, kind, d_latent)
+        o, lse = mla_decode(*args, fp8_dequant="fp16",
+                            config=dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False, PREFETCH=prefetch))
+        o_r, lse_r = mla_decode_reference(*args)
+        assert o.float().isfinite().all() and rel_err(o.float().cpu(), o_r.float().cpu()) < 8e-3, (kind, qs)
+        assert torch.allclose(lse.cpu(), lse_r.cpu(), rtol=1e-4, atol=1e-3), (kind, qs)
+
+
+def test_fp16_dequant_leaves_bf16_pages_alone(triton_backend):
+    """fp8_dequant="fp16" on bf16 pages runs the default kernel (bit-equal outputs)."""
+    dev = triton_backend
+    lengths, table = [37, 20], torch.tensor([[0, 1, 2], [4, 3, -1]], dtype=torch.int32)
+    kv, _, _ = build_pages(lengths, table, 5, 16, "bf16", None, 128, 32, seed=8, device=dev)
+    q = torch.randn(2, 1, 4, 160).to(torch.bfloat16).to(dev)
+    args = (q, kv, None, table.to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev), 0.1, "bf16", 128)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
+    a, b = mla_decode(*args, fp8_dequant="fp16", config=cfg), mla_decode(*args, fp8_dequant="convert", config=cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_candidate_tables_reach_only_their_launches():
+    """Default launches tune among exactly DECODE_CONFIGS (unchanged tuning), FP8_BITCAST launches among
+    BITCAST_CONFIGS, F16_DOTS launches among F16_CONFIGS (more than 16 rows: 16- and 32-row blocks);
+    no candidate is listed twice."""
+    from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, F16_CONFIGS, _config_key,
+                                                     _mla_decode_kernel_tuned, _prune_decode_configs, config_keys)
     configs = _mla_decode_kernel_tuned.configs
     keys = [_config_key(c) for c in configs]
-    assert len(keys) == len(set(keys)) and set(keys) == set(DECODE_CONFIGS) | set(BITCAST_CONFIGS)
+    tables = (DECODE_CONFIGS, BITCAST_CONFIGS, F16_CONFIGS)
+    assert len(keys) == len(set(keys)) and set(keys) == set().union(*map(config_keys, tables))
+    assert all(len(t) == len(set(t)) for t in tables)
     for heads, want in ((8, {16}), (32, {16, 32}), (128, {32, 64})):
-        default = [_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), FP8_BITCAST=False)]
-        assert default == [k for k in DECODE_CONFIGS if k[0] in want]
-        bitcast = {_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), FP8_BITCAST=True)}
-        assert bitcast == {k for k in BITCAST_CONFIGS if k[0] in want}
+        def pruned(**flags):
+            return {_config_key(c) for c in _prune_decode_configs(configs, dict(S_Q=1, H=heads), **flags)}
+        assert pruned(FP8_BITCAST=False) == {k for k in config_keys(DECODE_CONFIGS) if k[0] in want}
+        assert pruned(FP8_BITCAST=True) == {k for k in config_keys(BITCAST_CONFIGS) if k[0] in want}
+        f16_want = want if heads <= 16 else {16, 32}
+        assert pruned(F16_DOTS=True) == {k for k in config_keys(F16_CONFIGS) if k[0] in f16_want}
+    assert not any(k[5] for k in config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS))  # no PREFETCH there
 
 
 # ------------------------------------------------------------------------------------------ split rule
@@ -448,6 +548,36 @@ def test_bitcast_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, l
     for splits, config in [(s, None) for s in (None, 1, 7)] + [(None, c) for c in configs[1:]]:
         out, lse = mla_decode(*args, num_splits=splits, fp8_dequant="bitcast", config=config)
         o_conv, _ = mla_decode(*args, num_splits=splits, fp8_dequant="convert")
+        assert_all_written(out, "out")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}, config={config}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        assert rel_err(out.float(), o_conv.float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, tensor_scale", KINDS[1:])
+@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097]), (128, 1, [777]), (16, 2, [100, 3000])])
+def test_fp16_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
+    """fp8_dequant="fp16" on the GPU at real dims, tuned and every F16_CONFIGS candidate forced (PREFETCH on and
+    off): the reference's tolerances, and close to the default path."""
+    from mla_quant.kernels.mla_decode.kernel import F16_CONFIGS
+
+    d_latent, d_rope, page_size = 512, 64, 64
+    pages = [-(-n // page_size) for n in lengths]
+    perm = torch.randperm(sum(pages) + 3).int()
+    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    for b, (k, c) in enumerate(zip(pages, [0] + list(itertools.accumulate(pages)))):
+        table[b, :k] = perm[c:c + k]
+    kv, scales, _ = build_pages(lengths, table, sum(pages) + 3, page_size, kind, tensor_scale, d_latent, d_rope,
+                                seed=2, device="cuda")
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
+    args = (q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    o_conv, _ = mla_decode(*args, fp8_dequant="convert")
+    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=sp, num_warps=w, num_stages=st, PREFETCH=pf)
+               for bm, bn, sp, w, st, pf in F16_CONFIGS]
+    for splits, config in [(s, None) for s in (None, 1, 7)] + [(None, c) for c in configs]:
+        out, lse = mla_decode(*args, num_splits=splits, fp8_dequant="fp16", config=config)
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)

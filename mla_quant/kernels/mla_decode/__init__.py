@@ -19,11 +19,12 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
-           "gather_kv_rows"]
+           "gather_kv_rows", "tuned_config"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
-FP8_DEQUANTS = ("auto", "convert", "bitcast")  # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant")
+# how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant", "fp16 dot operands")
+FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16")
 # "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
 # conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
@@ -85,9 +86,10 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
 
 
 def _check_config(config: dict) -> None:
-    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "num_warps", "num_stages"}
+    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "PREFETCH", "num_warps", "num_stages"}
     if unknown or not {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD"} <= set(config):
-        raise ValueError(f"config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ num_warps, num_stages), got {sorted(config)}")
+        raise ValueError("config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ PREFETCH, num_warps, num_stages), got "
+                         f"{sorted(config)}")
     if config["BLOCK_M"] not in (16, 32, 64) or config["BLOCK_N"] < 16 or not _is_pow2(config["BLOCK_N"]):
         raise ValueError(f"config: BLOCK_M {config['BLOCK_M']} must be 16/32/64 and BLOCK_N "
                          f"{config['BLOCK_N']} a power of two ≥ 16")
@@ -131,11 +133,15 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     page ids against the tables (one device sync; engines that build the tables themselves may skip it).
     ``out`` / ``lse``: optional preallocated outputs (contiguous, the shapes and dtypes above).
     ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
-    ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``num_warps`` / ``num_stages`` (tests, tuning).
+    ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``PREFETCH`` (load the next tile's bytes one
+    iteration ahead), ``num_warps`` / ``num_stages`` (tests, tuning). :func:`tuned_config` names the autotuner's
+    choice of the last launch.
     ``fp8_dequant``: ``"convert"`` (Triton's e4m3 conversion, ds_mla tile scales multiplied into the tile),
     ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within rounding;
-    docs/mla.md) or ``"auto"`` (default: the bitcast for fp8_e4m3 pages with ≥ ``BITCAST_MIN_ROWS`` query rows
-    per request and 4-byte aligned pages, else the conversion). Only the Triton path of FP8 pages is affected.
+    docs/mla.md), ``"fp16"`` (the conversion to fp16 dot operands, q and p pre-scaled by powers of two; bf16 /
+    fp16 queries only, fp32 queries keep the conversion) or ``"auto"`` (default: the bitcast for fp8_e4m3 pages
+    with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion). Only the
+    Triton path of FP8 pages is affected.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -169,22 +175,36 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                              num_splits, max_seq_len, out, lse, config, _use_bitcast(fp8_dequant, kind, kv_data,
-                                                                                      s_q * heads))
+                              num_splits, max_seq_len, out, lse, config,
+                              _use_bitcast(fp8_dequant, kind, kv_data, s_q * heads),
+                              fp8_dequant == "fp16" and kind != "bf16")
 
 
 def _use_bitcast(fp8_dequant: str, kind: str, kv_data: torch.Tensor, rows: int) -> bool:
     """The FP8_BITCAST switch for one call (see ``fp8_dequant`` in :func:`mla_decode`)."""
     if kind == "bf16" or fp8_dequant == "convert":
         return False
-    if fp8_dequant == "bitcast":
-        return True
+    if fp8_dequant in ("bitcast", "fp16"):
+        return fp8_dequant == "bitcast"
     aligned = not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
     return kind == "fp8_e4m3" and rows >= BITCAST_MIN_ROWS and aligned
 
 
+def tuned_config() -> str | None:
+    """The configuration the autotuner used for the last tuned launch, e.g. ``"m16n32w4s2p"`` (BLOCK_M 16,
+    BLOCK_N 32, 4 warps, 2 stages; ``t``: QK_SPLIT_LOAD, ``p``: PREFETCH), None before any (benchmarks)."""
+    from .kernel import _mla_decode_kernel_tuned
+
+    c = getattr(_mla_decode_kernel_tuned, "best_config", None)
+    if c is None:
+        return None
+    kw = c.kwargs
+    return (f"m{kw['BLOCK_M']}n{kw['BLOCK_N']}w{c.num_warps}s{c.num_stages}"
+            + ("t" if kw["QK_SPLIT_LOAD"] else "") + ("p" if kw.get("PREFETCH") else ""))
+
+
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                       num_splits, max_seq_len, out, lse, config, fp8_bitcast):
+                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots):
     from .kernel import _mla_decode_combine_kernel, _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
@@ -217,7 +237,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast)
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots)
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)

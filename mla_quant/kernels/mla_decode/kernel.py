@@ -31,6 +31,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 BITCAST_PRE_BF16 = tl.constexpr(2.0 ** 64)
 BITCAST_UNSCALE_BF16 = tl.constexpr(2.0 ** 56)
 BITCAST_UNSCALE_FP16 = tl.constexpr(2.0 ** 8)
+# F16_DOTS: p·(scale / tile max) is scaled to [0, 2^15] before its fp16 rounding (undone on the accumulator)
+F16_TOP = tl.constexpr(2.0 ** 15)
+F16_UNTOP = tl.constexpr(2.0 ** -15)
 
 
 @triton.jit
@@ -100,6 +103,45 @@ def _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, TRANSPOSED: tl.constexpr
 
 
 @triton.jit
+def _tile_rows(n0, end, bt_row, lat_ptr, rope_ptr, scale_ptr, stride_lat_page, stride_lat_row, stride_rope_page,
+               stride_rope_row, stride_sc_page, stride_sc_row, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_PAGE: tl.constexpr):
+    """Row pointers of the tile of BLOCK_N tokens at n0 (tokens ≥ end masked). MASK_PAGE: the tile may lie past
+    the block table's used entries (a prefetch one tile ahead), so the one-page lookup is masked too."""
+    toks = n0 + tl.arange(0, BLOCK_N)
+    tok_ok = toks < end
+    if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block-table lookup
+        if MASK_PAGE:
+            page = tl.load(bt_row + n0 // PAGE_SIZE, mask=n0 < end, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(bt_row + toks // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    slot = toks % PAGE_SIZE
+    lat_rows = lat_ptr + page * stride_lat_page + slot * stride_lat_row
+    rope_rows = rope_ptr + page * stride_rope_page + slot * stride_rope_row
+    sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
+    return tok_ok, lat_rows, rope_rows, sc_rows
+
+
+@triton.jit
+def _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope, SCALE_MODE: tl.constexpr,
+                   D_LAT: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The stored bytes of a tile, unconverted: latent [N, D_LAT], rope [N, D_ROPE] (page dtype) and its scales
+    (SCALE_TOKEN: [N]; SCALE_TILE: [N, D_LAT/TILE]; else zeros [N]). Masked rows are not read (0)."""
+    k = tl.load(lat_rows[:, None] + d_lat[None, :], mask=tok_ok[:, None], other=0.0)
+    k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
+    if SCALE_MODE == SCALE_TILE:
+        NT: tl.constexpr = D_LAT // TILE
+        sc = tl.load(sc_rows[:, None] + tl.arange(0, NT)[None, :], mask=tok_ok[:, None], other=0.0)
+    elif SCALE_MODE == SCALE_TOKEN:
+        sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
+    else:
+        sc = tl.zeros([BLOCK_N], tl.float32)
+    return k, k_pe, sc
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     sm_scale_log2, S_Q, H, NUM_SPLITS,
@@ -109,11 +151,16 @@ def _mla_decode_kernel(
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_MODE: tl.constexpr,
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
     FP8_BITCAST: FP8 tiles become dot operands by integer ops, scales applied to scores and p (module doc);
-    no effect on BF16 pages. fp8_ds_mla then runs batched per-128-tile dots (QK_SPLIT_LOAD is ignored)."""
+    no effect on BF16 pages. fp8_ds_mla then runs batched per-128-tile dots (QK_SPLIT_LOAD is ignored).
+    F16_DOTS (FP8 pages, 16-bit queries): converted tiles are fp16 dot operands (e4m3 ⊂ fp16: one packed
+    conversion per two values), q rows pre-scaled by powers of two, p by 2^15·scale/(the tile's largest scale);
+    QK_SPLIT_LOAD is ignored. PREFETCH (one-load path, not FP8_BITCAST): the next tile's bytes are loaded into
+    registers one iteration ahead (loop-carried), hiding a load the pipeliner leaves synchronous."""
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
@@ -138,6 +185,11 @@ def _mla_decode_kernel(
     # [64, 512] wgmma accumulator spills (sm_90)
     BATCHED: tl.constexpr = TILED or (BITCAST and BLOCK_M >= 64 and D_LAT % TILE == 0)
     NT: tl.constexpr = D_LAT // TILE if BATCHED else 1
+    F16: tl.constexpr = (F16_DOTS and not FP8_BITCAST and SCALE_MODE != SCALE_NONE
+                         and q_ptr.dtype.element_ty != tl.float32)
+    # RAW: one load of the stored bytes feeds both dots, converted after the load (optionally prefetched)
+    RAW: tl.constexpr = not BITCAST and (F16 or not QK_SPLIT_LOAD)
+    f16_ty = tl.float32 if INTERPRET else tl.float16  # F16 dot operands (rounded to fp16 either way)
     if BITCAST:  # dots return (true value)·2^-56 (fp16: 2^-8); `unscale` goes into the scores and the output
         if TO_FP16:
             pre = 1.0
@@ -148,8 +200,21 @@ def _mla_decode_kernel(
         q_lat = (q_lat.to(tl.float32) * pre).to(dot_ty)
         if SCALE_MODE != SCALE_TILE:  # fp8_ds_mla's rope is bf16: its q stays as is
             q_pe = (q_pe.to(tl.float32) * pre).to(dot_ty)
-    q_lat = q_lat.to(dot_ty)
-    q_pe = q_pe.to(dot_ty)
+    if F16:  # each row times 2^e, its largest |q| landing in [2^14, 2^15) (fp16 holds bf16's 8 bits exactly there)
+        amax = tl.max(tl.abs(q_lat.to(tl.float32)), 1)
+        if SCALE_MODE != SCALE_TILE:  # fp8_ds_mla's rope is bf16: its dot stays in q's dtype
+            amax = tl.maximum(amax, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+        ex = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)  # biased exponent
+        q_up = ((268 - ex) << 23).to(tl.float32, bitcast=True)    # 2^(141 - ex)
+        q_down = ((ex - 14) << 23).to(tl.float32, bitcast=True)   # 2^(ex - 141), normal for ex in [15, 254]
+        q_lat = (q_lat.to(tl.float32) * q_up[:, None]).to(tl.float16).to(f16_ty)
+        if SCALE_MODE != SCALE_TILE:
+            q_pe = (q_pe.to(tl.float32) * q_up[:, None]).to(tl.float16).to(f16_ty)
+        u_prev = sm_scale_log2 * 0.0 + 1.0  # fp32 scalar: the accumulator holds (true value) / u_prev
+    else:
+        q_lat = q_lat.to(dot_ty)
+    if not F16 or SCALE_MODE == SCALE_TILE:
+        q_pe = q_pe.to(dot_ty)
     if BATCHED:  # [NT, M, TILE]: one batch entry per 128-column tile
         q_lat = tl.permute(tl.reshape(q_lat, (BLOCK_M, NT, TILE)), (1, 0, 2))
 
@@ -166,6 +231,8 @@ def _mla_decode_kernel(
         qk_scale = sm_scale_log2
     if BITCAST and not TILED:  # (TILED: unscale goes in with the tile scales)
         qk_scale = qk_scale * unscale
+    if F16:
+        qk_row = qk_scale * q_down  # [M]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -173,19 +240,61 @@ def _mla_decode_kernel(
         acc = tl.zeros([NT, BLOCK_M, TILE], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
+    PREFETCHED: tl.constexpr = PREFETCH and RAW
+    if PREFETCHED:  # the first tile's bytes; each iteration then loads the next one before using these
+        nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(start, end, bt_row, lat_ptr, rope_ptr, scale_ptr, stride_lat_page,
+                                                   stride_lat_row, stride_rope_page, stride_rope_row,
+                                                   stride_sc_page, stride_sc_row, PAGE_SIZE, BLOCK_N, True)
+        k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT, TILE,
+                                              BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
-        tok_ok = toks < end
-        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block-table lookup
-            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
-        else:
-            page = tl.load(bt_row + toks // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        slot = toks % PAGE_SIZE
-        lat_rows = lat_ptr + page * stride_lat_page + slot * stride_lat_row
-        rope_rows = rope_ptr + page * stride_rope_page + slot * stride_rope_row
-        sc_rows = scale_ptr + page * stride_sc_page + slot * stride_sc_row
         # masked loads never touch slots past seq_len (they may hold anything, NaN included)
-        if BATCHED:
+        if PREFETCHED:
+            tok_ok = toks < end
+            k_raw, k_pe_raw, sc_raw = k_nx, k_pe_nx, sc_nx
+            nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(n0 + BLOCK_N, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
+                                                       stride_lat_page, stride_lat_row, stride_rope_page,
+                                                       stride_rope_row, stride_sc_page, stride_sc_row, PAGE_SIZE,
+                                                       BLOCK_N, True)
+            k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT,
+                                                  TILE, BLOCK_N)
+        else:
+            tok_ok, lat_rows, rope_rows, sc_rows = _tile_rows(n0, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
+                                                              stride_lat_page, stride_lat_row, stride_rope_page,
+                                                              stride_rope_row, stride_sc_page, stride_sc_row,
+                                                              PAGE_SIZE, BLOCK_N, False)
+            if RAW:
+                k_raw, k_pe_raw, sc_raw = _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope,
+                                                         SCALE_MODE, D_LAT, TILE, BLOCK_N)
+        if RAW and F16:  # fp16 operands; c_t = the tile's largest scale (1 without per-token / per-tile scales)
+            if SCALE_MODE == SCALE_TILE:
+                c_t = tl.max(tl.max(sc_raw, 1), 0)
+                rel = sc_raw / c_t  # powers of two ≤ 1: exact (masked rows 0)
+                k = tl.reshape(tl.reshape(k_raw.to(f16_ty), (BLOCK_N, D_LAT // TILE, TILE))
+                               * rel.to(f16_ty)[:, :, None], (BLOCK_N, D_LAT))
+                s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION) * (qk_row * c_t)[:, None]
+                s_pe = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), input_precision=DOT_PRECISION)
+                s = s + s_pe * qk_scale
+            else:
+                k = k_raw.to(f16_ty)
+                s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+                s = tl.dot(q_pe, tl.trans(k_pe_raw.to(f16_ty)), s, input_precision=DOT_PRECISION)
+                if SCALE_MODE == SCALE_TOKEN:
+                    c_t = tl.max(sc_raw, 0)
+                    s = s * qk_row[:, None] * sc_raw[None, :]
+                else:
+                    s = s * qk_row[:, None]
+        elif RAW:  # the conversion to q's dtype (fp8_ds_mla: tile scales multiplied in, in fp32)
+            k = k_raw
+            if SCALE_MODE == SCALE_TILE:
+                NT_S: tl.constexpr = D_LAT // TILE
+                k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, NT_S, TILE)) * sc_raw[:, :, None],
+                               (BLOCK_N, D_LAT))
+            k = k.to(dot_ty)
+            s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
+        elif BATCHED:
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
                                   dot_ty, True, TO_FP16)
             k = tl.permute(tl.reshape(k.to(dot_ty), (BLOCK_N, NT, TILE)), (1, 0, 2))             # [NT, N, TILE]
@@ -209,19 +318,19 @@ def _mla_decode_kernel(
             s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                   BITCAST, TO_FP16)
-        else:
+        else:  # BITCAST, one load
             k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                   BITCAST, TO_FP16)
-            if BITCAST:
-                k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
-            else:
-                k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
+            k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
             s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
-        if SCALE_MODE == SCALE_TOKEN:
-            tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
+        if SCALE_MODE == SCALE_TOKEN and not F16:
+            if RAW:
+                tok_sc = sc_raw
+            else:
+                tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
             s = s * (tok_sc * qk_scale)[None, :]
-        else:
+        elif not F16:
             s = s * qk_scale
         visible = tok_ok[None, :] & (toks[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -231,19 +340,39 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if SCALE_MODE == SCALE_TOKEN:
-            p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
-        if BATCHED:  # p (·scale_t for each tile t), times 2^PRE
+        if F16:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·2^15 in fp16 (≤ 2^15), the accumulator in units of c_t·2^-15
+            if SCALE_MODE == SCALE_TENSOR:  # units 2^-15 throughout
+                acc = tl.dot((p * F16_TOP).to(tl.float16).to(f16_ty), k, acc * alpha[:, None],
+                             input_precision=DOT_PRECISION)
+            else:
+                if SCALE_MODE == SCALE_TOKEN:
+                    p = p * (sc_raw * (F16_TOP / c_t))[None, :]
+                else:
+                    p = p * F16_TOP
+                u_t = c_t * F16_UNTOP
+                acc = tl.dot(p.to(tl.float16).to(f16_ty), k, acc * (alpha * (u_prev / u_t))[:, None],
+                             input_precision=DOT_PRECISION)
+                u_prev = u_t
+        elif BATCHED:  # p (·scale_t for each tile t), times 2^PRE
+            if SCALE_MODE == SCALE_TOKEN:
+                p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
             if TILED:
                 p_t = (p[None, :, :] * (tile_sc * pre)[:, None, :]).to(dot_ty)                 # [NT, M, N]
             else:
                 p_t = tl.broadcast_to((p * pre).to(dot_ty)[None, :, :], (NT, BLOCK_M, BLOCK_N))
             acc = tl.dot(p_t, k, acc * alpha[None, :, None], input_precision=DOT_PRECISION)
         else:
+            if SCALE_MODE == SCALE_TOKEN:
+                p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
             if BITCAST:
                 p = p * pre
             acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+
+    if F16 and SCALE_MODE == SCALE_TENSOR:
+        acc = acc * F16_UNTOP
+    elif F16:
+        acc = acc * u_prev
 
     if BATCHED:
         acc = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_M, D_LAT)) * unscale
@@ -267,16 +396,30 @@ def _mla_decode_kernel(
 
 
 def _config_key(c) -> tuple:
-    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["QK_SPLIT_LOAD"], c.num_warps, c.num_stages
+    """(BLOCK_M, BLOCK_N, QK_SPLIT_LOAD, num_warps, num_stages, PREFETCH) of an autotune config."""
+    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["QK_SPLIT_LOAD"], c.num_warps, c.num_stages,
+            c.kwargs.get("PREFETCH", False))
+
+
+def config_keys(table) -> set:
+    """A candidate table as _config_key tuples (5-tuples: PREFETCH off)."""
+    return {t if len(t) == 6 else (*t, False) for t in table}
 
 
 def _prune_decode_configs(configs, named_args, **kwargs):
     """Keep the head blocks that fit the query rows: 16 rows for ≤ 16 (S·H), 32–64 above, among DECODE_CONFIGS
-    (default launches) or BITCAST_CONFIGS (FP8_BITCAST launches)."""
+    (default launches), BITCAST_CONFIGS (FP8_BITCAST launches) or F16_CONFIGS (F16_DOTS launches)."""
     rows = named_args["S_Q"] * named_args["H"]
     want = {16} if rows <= 16 else {16, 32} if rows <= 32 else {32, 64}
-    bitcast = kwargs.get("FP8_BITCAST", named_args.get("FP8_BITCAST", False))
-    configs = [c for c in configs if _config_key(c) in (BITCAST_CONFIGS if bitcast else DECODE_CONFIGS)]
+
+    def flag(name):
+        return kwargs.get(name, named_args.get(name, False))
+
+    table = BITCAST_CONFIGS if flag("FP8_BITCAST") else F16_CONFIGS if flag("F16_DOTS") else DECODE_CONFIGS
+    if table is F16_CONFIGS and rows > 16:
+        want = {16, 32}
+    keys = config_keys(table)
+    configs = [c for c in configs if _config_key(c) in keys]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] in want]
     return kept or configs
 
@@ -298,15 +441,32 @@ DECODE_CONFIGS = (
 # 160–255), no spills, several programs per SM hiding the load latency. 64-row blocks run batched per-tile
 # dots ([4, 64, 128] accumulators; a [64, 512] wgmma accumulator spilled ~450 bytes with fp8_e4m3): 220–255
 # registers, no spills. (16, 64, 1 stage) spills 8 bytes with fp8_e4m3; every other candidate none.
+# (16, 32, 4 warps): BLOCK_N ≥ 8·num_warps, so the score dot's tile operand is not replicated over warps
+# (sm_90, Triton 3.6: 1441 instructions per tile, 180 per token vs 280 at 8 warps; 216 registers, 2 programs/SM).
 BITCAST_CONFIGS = (
     (16, 32, False, 8, 2), (16, 64, False, 8, 2), (16, 32, True, 8, 2), (16, 32, False, 8, 1), (16, 64, False, 8, 1),
+    (16, 32, False, 4, 2),
     (32, 32, False, 8, 1), (32, 64, False, 8, 1), (32, 32, True, 8, 1),
     (64, 16, False, 8, 2), (64, 16, False, 8, 1),
 )
+# F16_DOTS launches (FP8 pages, fp16 dot operands; docs/mla.md "fp16 dot operands"): one load feeding both dots,
+# with and without the register prefetch; (BLOCK_M, BLOCK_N, QK_SPLIT_LOAD, warps, stages, PREFETCH). Static
+# sm_90 profile (Triton 3.6, benchmarks/mla_decode_sass.py, fp8_e4m3 / fp8_ds_mla, 16 heads): with PREFETCH the
+# loop-carried bytes are converted once, stored as fp16 and read by ldmatrix for both dots — m16n32w8
+# 684 / 833 instructions per warp and tile (171 / 208 per token; the conversion path 1097 / 1067), 238-244
+# registers, no spills; m16n16w4 178 / 201 per token, 2 programs per SM, 8 / 80 bytes of spills. Without it
+# m16n32w8 847 / 982 (212 / 246 per token), no spills. 32- and 64-row blocks spill 600-1200 bytes except
+# m32n32w8 without PREFETCH (fp8_e4m3): more than 16 query rows also try the 16-row blocks.
+F16_CONFIGS = (
+    (16, 32, False, 8, 2, False), (16, 64, False, 8, 2, False), (16, 16, False, 4, 2, False),
+    (16, 32, False, 8, 2, True), (16, 16, False, 4, 2, True),
+    (32, 32, False, 8, 2, False),
+)
 _mla_decode_kernel_tuned = triton.autotune(
-    [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "QK_SPLIT_LOAD": split}, num_warps=w, num_stages=st)
-     for bm, bn, split, w, st in DECODE_CONFIGS + tuple(c for c in BITCAST_CONFIGS if c not in DECODE_CONFIGS)],
-    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST"],
+    [triton.Config({"BLOCK_M": k[0], "BLOCK_N": k[1], "QK_SPLIT_LOAD": k[2], "PREFETCH": k[5]}, num_warps=k[3],
+                   num_stages=k[4])
+     for k in sorted(config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS) | config_keys(F16_CONFIGS))],
+    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST", "F16_DOTS"],
     prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
 
