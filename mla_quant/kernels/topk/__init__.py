@@ -1,19 +1,23 @@
 """``topk_indices``: per-row top-k column indices with -1 for masked (-inf) entries. Semantics: ``reference.py``.
 
 Backends (``_backend.use_triton``): the reference (``torch.topk(sorted=False)`` + one ``where``) on CPU tensors;
-on CUDA (or ``TRITON_INTERPRET=1``) a Triton radix select (``kernel.py``): three histogram rounds of 11, 11
-and 10 bits over the order-preserving integer keys of the scores, then one select pass, each split over
-``rows × chunks`` programs so that one row of 64k–128k spreads over the GPU (torch.topk measured 57 µs at one
-row of 64k with k = 2048 on the H200, 40 µs at 8k). Five launches (one memset, four kernels), no host sync.
+on CUDA (or ``TRITON_INTERPRET=1``) a Triton radix select (``kernel.py``): histogram rounds over the
+order-preserving integer keys of the scores (``radix_bits`` 11: three rounds of 11, 11 and 10 bits, the
+default; 8: four rounds of 8 bits, ~2.5x less histogram work per element for one launch more), then one select
+pass, each split over ``rows × chunks`` programs so that one row of 64k–128k spreads over the GPU (torch.topk
+measured 57 µs at one row of 64k with k = 2048 on the H200, 40 µs at 8k). One memset and NR + 1 kernels, no
+host sync. ``radix_topk_from`` continues a select whose first rounds another kernel counted
+(``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
 
 Length threshold: a row with N ≤ k columns needs no selection (all of it is the answer) and takes one
 ``where`` over an ``arange``.
 
-Row threshold: the radix select serves at most ``RADIX_MAX_ROWS`` rows (decode at small batch); more rows
-take ``torch.topk`` (the reference). Measured on the H200 with k = 2048 (``benchmarks/bench_dsa.py``,
-``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of 64k 492 µs (113), of 8k
-79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs per 64k row (its
-histogram atomics), torch.topk's by ~1 µs: they cross near 4-5 rows at 64k and ~20 at 8k.
+Row threshold: under ``method="auto"`` the radix select serves at most ``RADIX_MAX_ROWS`` rows (decode at small
+batch); more rows take ``torch.topk`` (the reference). Measured on the H200 with k = 2048 and 11-bit digits
+(``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
+64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs
+per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows
+at 64k and ~20 at 8k. The bench times 8-bit digits (``topk_radix8_us``) at the same shapes.
 """
 from __future__ import annotations
 
