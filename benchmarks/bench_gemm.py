@@ -12,6 +12,8 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
 * ``int4_g32_fast``, ``int4_g32_fast2`` the same GEMM with ``fast_dequant=1`` / ``2`` (the FAST_DEQUANT
                 levels, each with its own autotuned configs, docs/recipes.md), same weights, peers and goal,
                 next to ``int4_g32`` (``speedup_vs_int4_g32``).
+* ``int4_g32_tile`` (M = 1 only) the previous one-token GEMV (``w4a16_gemm(..., gemv="tile")``) beside
+                ``int4_g32``, whose M = 1 rows are the default plane GEMV (docs/moe.md "The INT4 plane GEMV").
 
 Goals (issue 6 / issue 5): W4A16 ≥ 2× tinygemm at M = 1 and faster at every M ≤ 64; FP8 block ≥ 0.7×
 ``_scaled_mm`` and ≥ 1.4× bf16 cuBLAS at M ≥ 512 — each row says ``goal`` and ``goal_met``. Inputs are
@@ -34,6 +36,7 @@ M_ALL = (1, 4, 16, 64, 512, 2048, 8192)
 NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288))
 GROUP = 32
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
+TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
 
 
 def _tinygemm_pack(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +144,17 @@ def run(ctx: Context) -> list[dict]:
                              peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
                              speedup_vs_bf16=round(t_bf16 / t_int4, 3)))
             n_fast = 0
+            if m == 1:  # the previous one-token GEMV beside the default plane GEMV
+                try:
+                    t_tile = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, gemv="tile"))
+                    n_fast += 1
+                    rows.append(case("gemm", {"format": TILE_FORMAT, "M": m, "N": n, "K": k}, t_tile,
+                                     bytes=_bytes("int4_g32", m, n, k), flops=flops, peer="tinygemm_int4",
+                                     peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
+                                     speedup_vs_bf16=round(t_bf16 / t_tile, 3),
+                                     speedup_vs_int4_g32=round(t_int4 / t_tile, 3)))
+                except Exception as e:  # noqa: BLE001
+                    ctx.notes.append(f"gemm: {TILE_FORMAT} failed at M={m} {n}x{k}: {_why(e)}")
             for level, fmt in FAST_FORMATS.items():
                 try:  # an unmeasured variant failing must not lose the other rows
                     t_fast = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, fast_dequant=level))

@@ -1,5 +1,14 @@
 """Helpers shared by the GEMM kernels (``fp8_gemm``, ``w4a16_gemm``, ``fused_moe``): tile ordering, launch
-sizing and the INT4 code unpacking of the fast dequant path."""
+sizing, the INT4 code unpacking of the fast dequant path, and the INT4 *plane GEMV* core.
+
+Plane GEMV (one activation row against INT4 words, docs/moe.md "The INT4 plane GEMV"): the activation is
+re-ordered once into fp32 *nibble planes*, ``planes[r, i, w] = a[r, 8w + i] · 16^-j(i)`` (``[R, 8, K/8]``,
+``j(i) = i`` for i < 5, ``i - 5`` after), so that for a tile of words ``[BN, BK/8]`` — kept in the layout it
+is loaded in — plane i of the activation is one contiguous vector that loads in the same layout as the
+words (no shared-memory layout conversion). Nibble i of a word is then made with one AND-OR in place:
+``(w & (0xF << 4j)) | 0x4B000000`` read as fp32 is exactly 2^23 + n·16^j for j ≤ 4 (nibbles 5-7 after one
+``w >> 20``), one subtraction of 2^23 + 8·16^j gives (n - 8)·16^j exactly, and the FFMA with the plane value
+a·16^-j gives (n - 8)·a exactly: 3 instructions per weight (LOP3, FADD, FFMA), the scale once per word."""
 from __future__ import annotations
 
 import torch
@@ -45,6 +54,114 @@ def int4_codes(nib, DT: tl.constexpr, INTERPRET: tl.constexpr, BIASED: tl.conste
     else:
         q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
     return q
+
+
+@triton.jit
+def plane_scale(i):
+    """16^-j(i) (fp32, exact) for nibble index ``i`` (int tensor, 0..7): j = i for i < 5, i - 5 after."""
+    j = tl.where(i < 5, i, i - 5)
+    return ((127 - 4 * j) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _plane_order_kernel(src_ptr, dst_ptr, K, stride_src, stride_dst, BLOCK: tl.constexpr):
+    # dst[r, i·K/8 + w] = src[r, 8w + i] · 16^-j(i), fp32; program (r, block of BLOCK destination elements)
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = d < K
+    i = d // (K // 8)
+    src = d % (K // 8) * 8 + i
+    a = tl.load(src_ptr + r * stride_src + src, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + r * stride_dst + d, a * plane_scale(i), mask=ok)
+
+
+def plane_order(a: torch.Tensor) -> torch.Tensor:
+    """[R, K] activations (K % 8 == 0, last dim contiguous) -> fp32 [R, K] nibble planes: row r holds
+    ``a[r, 8w + i] · 16^-j(i)`` at ``i·K/8 + w`` (see the module docstring). One small Triton launch."""
+    rows, k = a.shape
+    out = torch.empty((rows, k), dtype=torch.float32, device=a.device)
+    if rows and k:
+        block = min(1024, triton.next_power_of_2(k))
+        _plane_order_kernel[(rows, triton.cdiv(k, block))](a, out, k, a.stride(0), out.stride(0), BLOCK=block,
+                                                           num_warps=4)
+    return out
+
+
+def plane_order_reference(a: torch.Tensor) -> torch.Tensor:
+    """Torch form of :func:`plane_order` (for tests)."""
+    rows, k = a.shape
+    i = torch.arange(8, device=a.device)
+    scale = torch.exp2(-4.0 * torch.where(i < 5, i, i - 5).float())
+    return (a.float().view(rows, k // 8, 8) * scale).transpose(1, 2).reshape(rows, k)
+
+
+@triton.jit
+def _nibble_products(words, hi, a_i, I: tl.constexpr, INTERPRET: tl.constexpr):
+    """(n_i - 8) · a for nibble I of every word (``hi`` = words >> 20; ``a_i`` the plane value a·16^-j)."""
+    J: tl.constexpr = I if I < 5 else I - 5
+    src = words if I < 5 else hi
+    mask = tl.full(src.shape, 0xF << (4 * J), tl.int32)
+    if INTERPRET:
+        bits = (src & mask) | 0x4B000000
+    else:  # one LOP3 (the compiler splits the AND and the OR into two when both constants are immediates)
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x4B000000, 0xEA;", "=r,r,r", [src, mask],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # 0xEA: (a & b) | c
+    v = bits.to(tl.float32, bitcast=True)
+    return (v - (8388608.0 + 8.0 * (16 ** J))) * a_i  # (2^23 + n·16^j) - (2^23 + 8·16^j) = (n - 8)·16^j, exact
+
+
+@triton.jit
+def int4_plane_dot(words, a_ptrs, plane_stride, a_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Σ_i (n_i - 8) · a[8w + i] per word, fp32 (unscaled), for a tile of int32 ``words`` and the pointers
+    ``a_ptrs`` (broadcastable to the words) of those words' plane-0 activations in a :func:`plane_order` row;
+    plane i is at ``a_ptrs + i·plane_stride``. ``a_mask`` (unless ``EVEN``) masks the activation (ragged
+    last K block: reads 0). The callers hold the tile as [BK/8, BN] (K along dim 0): then the per-word scale
+    loads (constant along K, so no contiguity either way) get the words' layout, not a transposed one that
+    costs a shared-memory round trip per iteration (Triton orders a load's dims by contiguity, ties to dim 0)."""
+    hi = words >> 20
+    acc = _nibble_products(words, hi, load_k(a_ptrs, a_mask, EVEN), 0, INTERPRET)
+    for i in tl.static_range(1, 8):
+        acc += _nibble_products(words, hi, load_k(a_ptrs + i * plane_stride, a_mask, EVEN), i, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """``ptrs`` loaded as fp32 in the layout the pointers already have: an inline-asm load is not a tl.load,
+    so Triton's coalescing does not give it a layout of its own (which here would cost a shared-memory
+    conversion per K block). Masked (ragged K) and interpreted: a plain load."""
+    DT: tl.constexpr = ptrs.dtype.element_ty
+    if INTERPRET or not EVEN:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    elif DT == tl.float32:
+        v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+                                      pack=1).to(tl.float32, bitcast=True)
+    else:  # bf16 / fp16
+        v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.int16, is_pure=True,
+                                      pack=1).to(DT, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def int4_plane_gemv_step(words, s_ptrs, a_ptrs, plane_stride, k_mask, s_mask, EVEN: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """One K block of the plane GEMV for one weight matrix: ``words`` int32 [BK/8, BN] (K along dim 0, see
+    :func:`int4_plane_dot`), ``s_ptrs`` [BK/32, BN] the scale of each run of 4 words (32 K: always inside one
+    group), ``a_ptrs`` / ``plane_stride`` / ``k_mask`` as in :func:`int4_plane_dot`, ``s_mask`` the runs that
+    exist (unless ``EVEN``). Returns the scaled partial sums, fp32 [BK/32, BN]: the 4 words of a run are
+    summed in registers (each thread holds 4 consecutive words of a column) and scaled once."""
+    inner = int4_plane_dot(words, a_ptrs, plane_stride, k_mask, EVEN, INTERPRET)
+    runs = tl.sum(tl.reshape(inner, (words.shape[0] // 4, 4, words.shape[1])), axis=1)
+    return runs * _load_in_place(s_ptrs, s_mask, EVEN, INTERPRET)
+
+
+@triton.jit
+def load_k(ptrs, mask, EVEN: tl.constexpr):
+    """A load masked only when the K loop has a ragged last block (``EVEN``: no mask, masked elements read 0);
+    unmasked loads vectorise fully (LDG.E.128)."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 def m_bucket(m: int) -> int:

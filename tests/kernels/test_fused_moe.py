@@ -308,3 +308,67 @@ def test_autotune_prune_keeps_a_fitting_tile(kind, a_dtype, w8a8, block_m):
     assert all(K._legal(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], meta) for c in kept)
     if w8a8 and block_m > 1:  # one scale pair per K tile
         assert all(128 % c.kwargs["BLOCK_K"] == 0 for c in kept)
+
+
+# --- the INT4 plane GEMV (gemv="planes", the default at block_m=1) against the previous GEMV ("tile") ---
+
+# (hidden, intermediate, group, dtype): K blocks (64 interpreted) whole; ragged last blocks; groups of 64
+@pytest.mark.parametrize("hidden,inter,group,dtype", [(256, 128, 32, torch.float32), (160, 96, 32, torch.float32),
+                                                      (160, 96, 32, torch.bfloat16), (192, 128, 64, torch.float32)])
+def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, hidden, inter, group, dtype):
+    dev, shape = triton_backend, (hidden, inter)
+    gate, up, down = experts("int4_group", 3, hidden, inter, seed=7, group_size=group, device=dev)
+    x = torch.randn(2, hidden, device=dev).to(dtype)
+    w, ids = routing(2, 3, 2, seed=7, device=dev)
+    ids[1, 1] = -1  # a dropped slot
+    out = poisoned_empty((2, hidden), dtype, dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, out=out)
+    assert got is out
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="tile")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group)
+    # fp32: the same exact products (q·a is exact), summed in another order; bf16: the output and h roundings
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_rel_close(got.float().cpu(), ref.float(), tol, f"planes {shape} g{group}")
+    assert_rel_close(got.float().cpu(), tile.float().cpu(), tol, f"planes vs tile {shape} g{group}")
+
+
+def test_plane_gemv_keyword_is_checked(triton_backend):
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 2, 64, 64, device=dev)
+    x = torch.randn(1, 64, device=dev)
+    w, ids = routing(1, 2, 1, device=dev)
+    with pytest.raises(ValueError, match="gemv"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", gemv="planez")
+
+
+def test_plane_order_is_the_documented_permutation():
+    """planes[r, i·K/8 + w] = a[r, 8w + i] · 16^-j(i), exactly (a layout op), for the kernel and the reference."""
+    from mla_quant.kernels._gemm_utils import plane_order, plane_order_reference
+
+    a = torch.randn(3, 96)
+    want = torch.empty(3, 96)
+    for i in range(8):
+        want[:, i * 12:(i + 1) * 12] = a[:, i::8] * 16.0 ** -(i if i < 5 else i - 5)
+    assert torch.equal(plane_order_reference(a), want)
+    assert torch.equal(plane_order(a), want)
+    assert torch.equal(plane_order(a.to(torch.bfloat16)), plane_order_reference(a.to(torch.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_plane_gemv_real_widths(t, dtype):
+    """Kimi's widths (every K block whole: the inline-asm loads and LOP3 of the compiled plane GEMV run)."""
+    e, k = 24, 8
+    gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
+    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
+    w, ids = routing(t, e, k, device="cuda")
+    out = poisoned_empty((t, 7168), dtype, "cuda")
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, out=out)
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="tile")
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_rel_close(got.float(), ref.float(), tol, f"planes T={t}")
+    assert_rel_close(got.float(), tile.float(), tol, f"planes vs tile T={t}")

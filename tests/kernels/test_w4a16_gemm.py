@@ -318,3 +318,66 @@ def test_fast_dequant_autotuned_on_real_shapes(m, n, k, level):
     y = w4a16_gemm(x, packed, scale, 32, fast_dequant=level)
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m}")
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), 1e-2, f"fast vs default M={m}")
+
+
+# --- the one-token plane GEMV (gemv="planes", the default at M = 1) ---
+
+@pytest.mark.parametrize("n,k,group,cfg", [
+    (37, 256, 32, _cfg(1, 16, 64, 1)),     # ragged N
+    (50, 384, 128, _cfg(1, 32, 128, 3)),   # K = 3 groups of 128, split-K 3 (one K block each)
+    (20, 288, 32, _cfg(1, 16, 128, 2)),    # a ragged last K block
+    (64, 512, 64, _cfg(1, 64, 256, 1)),    # whole K blocks
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, n, k, group, cfg, dtype):
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=n)
+    x = torch.randn(1, k, device=dev).to(dtype)
+    out = poisoned_empty((1, n), dtype, dev)
+    y = w4a16_gemm(x, packed, scale, group, out=out, config=cfg)
+    assert y.data_ptr() == out.data_ptr()
+    tile = w4a16_gemm(x, packed, scale, group, config=cfg, gemv="tile")
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_rel_close(y.float(), ref.float(), tol, f"planes {n}x{k} g{group}")
+    assert_rel_close(y.float(), tile.float(), tol, f"planes vs tile {n}x{k} g{group}")
+
+
+def test_plane_gemv_is_exact_for_every_nibble_at_every_position(triton_backend):
+    """Word j holds nibble (j + i) % 16 at position i: every code at every position (the in-place AND-OR and
+    the 16^-j folding of nibbles 0-4 and 5-7); power-of-two scales and activations keep every sum exact."""
+    dev = triton_backend
+    j = torch.arange(16)
+    nib = (j[:, None] + torch.arange(8)[None, :]) % 16  # [16 words, 8 positions]
+    word = (nib << (4 * torch.arange(8))).sum(1).to(torch.int64)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    packed = torch.stack([word.roll(r) for r in range(8)]).to(dev)  # [8 rows, 16 words]: K = 128
+    g = torch.Generator().manual_seed(0)
+    scale = (2.0 ** torch.randint(-2, 3, (8, 4), generator=g)).to(torch.bfloat16).to(dev)
+    sign = torch.where(torch.rand(1, 128, generator=g) < 0.5, -1.0, 1.0)
+    x = (2.0 ** torch.randint(-2, 3, (1, 128), generator=g) * sign).to(dev)  # every partial sum exact in fp32
+    y = w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 128, 1))
+    assert torch.equal(y.cpu(), w4a16_gemm_reference(x, packed, scale, 32).cpu())
+
+
+def test_plane_gemv_tiles_keep_the_activation_in_the_word_layout():
+    from mla_quant.kernels.w4a16_gemm.kernel import _configs, _prune, planes_tile_ok
+
+    assert planes_tile_ok(512, 4) and not planes_tile_ok(1024, 4) and planes_tile_ok(1024, 8)
+    kept = _prune(_configs(0), {"M_BUCKET": 1, "GROUP": 32}, PLANES=True)
+    assert kept and all(planes_tile_ok(c.kwargs["BK"], c.num_warps) for c in kept)
+    with pytest.raises(ValueError, match="gemv"):
+        w4a16_gemm(torch.randn(1, 64), *_weights(8, 64, 32), 32, gemv="plane")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (7168, 18432)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_plane_gemv_real_shapes(n, k, dtype):
+    """Every K block whole (the compiled inline-asm path); against the reference and the previous GEMV."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    y = w4a16_gemm(x, packed, scale, 32)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), tol, f"{n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, gemv="tile").float(), tol, "planes vs tile")

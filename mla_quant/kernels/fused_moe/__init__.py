@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
@@ -19,10 +20,13 @@ from ..moe_align import moe_align
 from .reference import KINDS, dequantize_expert, fused_moe_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+GEMV_FORMS = ("planes", "tile")  # the INT4 GEMV (block_m == 1): nibble planes (default) or the previous tile
 WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
-__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS"]
+__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS",
+           "GEMV_FORMS"]
 
 
 def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_group") -> int:
@@ -137,6 +141,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     fast_dequant: int = 0,
+    gemv: str = "planes",
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
 
@@ -146,10 +151,15 @@ def fused_moe(
     overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only; 0 = off, the
     default; 1 or True, 2; unmeasured) selects the kernel's FAST_DEQUANT level and its own autotuned configs
     (docs/moe.md, "W4A16 fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
+    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (default: the activations re-ordered into
+    fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV") or ``"tile"`` (the
+    previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with ``fast_dequant``).
     """
     block = tuple(int(b) for b in block)
     if fast_dequant not in (0, 1, 2):  # False / True compare equal to 0 / 1
         raise ValueError(f"fast_dequant: {fast_dequant!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels)")
+    if gemv not in GEMV_FORMS:
+        raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
         raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile)")
     num_experts, inter = _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block,
@@ -159,8 +169,10 @@ def fused_moe(
                 ue8m0=ue8m0, shared_out=shared_out, out=out)
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
+    from .._gemm_utils import plane_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, MOE_GEMM_FAST_AUTOTUNED, _moe_combine_kernel,
-                         _moe_gemm_kernel, moe_gemm_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned)
+                         _moe_gemm_kernel, moe_gemm_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned,
+                         moe_gemv_planes_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -173,10 +185,14 @@ def fused_moe(
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
     fast = int(fast_dequant) if kind == "int4_group" else 0
+    planes = kind == "int4_group" and bm == 1 and gemv == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
                   IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm)
+
+    if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
+        consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
 
     def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k):
         keys = WEIGHT_KEYS[kind]
@@ -192,10 +208,12 @@ def fused_moe(
             bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
             grid = (expert_ids.numel(), triton.cdiv(n, 32))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                   FAST_DEQUANT=fast)
+                                   FAST_DEQUANT=0 if planes else fast)
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-            if fast:
+            if planes:
+                tuned = moe_gemv_planes_autotuned
+            elif fast:
                 tuned = moe_gemv_fast_autotuned if bm == 1 else MOE_GEMM_FAST_AUTOTUNED[fast]
             else:
                 tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
@@ -205,9 +223,11 @@ def fused_moe(
     quant = act_quant_fp8_reference if interpret else act_quant_fp8
     if act_quant:
         xa, xa_scale = quant(x, act_group, ue8m0)
+    elif planes:
+        xa = xa_scale = plane_order(x)  # once per call, shared by every expert
     else:
         xa, xa_scale = x, x
-    h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
+    h = torch.empty((num_assignments, inter), dtype=torch.float32 if planes else x.dtype, device=x.device)
     weights_flat = topk_weights.contiguous()
     gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
     ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)

@@ -34,7 +34,7 @@ and rounds once.
 import triton
 import triton.language as tl
 
-from .._gemm_utils import int4_codes
+from .._gemm_utils import int4_codes, int4_plane_gemv_step, load_k, plane_scale
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -167,6 +167,43 @@ def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k
 
 
 @triton.jit
+def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, stride_at, stride_wn, stride_sn,
+                     GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """The INT4 GEMV of one assignment (``a_row`` [1]: its row of ``a``, fp32 nibble planes from
+    ``_gemm_utils.plane_order``) against rows ``rn`` of one expert's words: fp32 [1, BLOCK_N] sums
+    (gate, and up when GATED). Words load in their [BLOCK_K/8, BLOCK_N] layout, the plane vectors in the same
+    layout (``int4_plane_gemv_step``), each run of 4 words (32 K) is scaled once; rows past N re-read row N - 1
+    (never stored)."""
+    rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :]
+    rw = tl.arange(0, BLOCK_K // 8)[:, None]  # the tile is [BLOCK_K/8, BLOCK_N]: see int4_plane_dot
+    rr = tl.arange(0, BLOCK_K // 32)[:, None]  # runs of 4 words (32 K), one scale each
+    w1_ptrs = w1_ptr + rows * stride_wn + rw
+    w3_ptrs = w3_ptr + rows * stride_wn + rw
+    s1_ptrs = s1_ptr + rows * stride_sn + 32 * rr // GROUP
+    s3_ptrs = s3_ptr + rows * stride_sn + 32 * rr // GROUP
+    a_ptrs = a_ptr + a_row[None, :] * stride_at + rw  # [BLOCK_K/8, 1]: plane 0 of the first K block
+    plane_stride = tl.multiple_of(K // 8, GROUP // 8)  # K % GROUP == 0: 16-byte aligned plane vectors
+    acc1 = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w_ok = k0 // 8 + rw < K // 8
+        r_ok = k0 // 32 + rr < K // 32
+        words1 = load_k(w1_ptrs, w_ok, EVEN_K)
+        acc1 += int4_plane_gemv_step(words1, s1_ptrs, a_ptrs, plane_stride, w_ok, r_ok, EVEN_K, INTERPRET)
+        if GATED:
+            words3 = load_k(w3_ptrs, w_ok, EVEN_K)
+            acc3 += int4_plane_gemv_step(words3, s3_ptrs, a_ptrs, plane_stride, w_ok, r_ok, EVEN_K, INTERPRET)
+        w1_ptrs += BLOCK_K // 8
+        w3_ptrs += BLOCK_K // 8
+        s1_ptrs += BLOCK_K // GROUP
+        s3_ptrs += BLOCK_K // GROUP
+        a_ptrs += BLOCK_K // 8
+    return tl.reshape(tl.sum(acc1, axis=0), (1, BLOCK_N)), tl.reshape(tl.sum(acc3, axis=0), (1, BLOCK_N))
+    return acc1, acc3
+
+
+@triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
         sorted_ptr, expert_ids_ptr, num_padded_ptr,
@@ -176,7 +213,7 @@ def _moe_gemm_kernel(
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        FAST_DEQUANT: tl.constexpr = False):
+        FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     pid_m = tl.program_id(0)
@@ -192,7 +229,11 @@ def _moe_gemm_kernel(
     s1_ptr += e * stride_se
     w3_ptr += e * stride_we
     s3_ptr += e * stride_se
-    if BLOCK_M == 1 and FAST_DEQUANT and KIND == 2:  # GEMV on nibble planes: one accumulator element per word
+    if PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
+        acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
+                                      stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
+                                      INTERPRET)
+    elif BLOCK_M == 1 and FAST_DEQUANT and KIND == 2:  # GEMV on nibble planes: one accumulator element per word
         acc1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     elif BLOCK_M == 1:  # GEMV: products accumulate elementwise, reduced once after the loop
@@ -201,56 +242,63 @@ def _moe_gemm_kernel(
     else:
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if FAST_DEQUANT and KIND == 2:
-            acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
-                                         stride_at, stride_wn, stride_sn, acc1, acc3, GATED, GROUP, IEEE, INTERPRET,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, FAST_DEQUANT == 2, EVEN_K)
-        else:
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = (rk < K)[None, :]
-            a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], k_ok, EVEN_K)
-            if BLOCK_M == 1:
-                a = a.to(tl.float32)
-                if W8A8:
-                    a *= _load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], row_ok[:, None], k_ok,
-                               EVEN_K)
-                w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                acc1 += w1.to(tl.float32) * a
-                if GATED:
-                    w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                      KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                    acc3 += w3.to(tl.float32) * a
+    if not PLANES:
+        for k0 in range(0, K, BLOCK_K):
+            if FAST_DEQUANT and KIND == 2:
+                acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
+                                             stride_at, stride_wn, stride_sn, acc1, acc3, GATED, GROUP, IEEE, INTERPRET,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, FAST_DEQUANT == 2, EVEN_K)
             else:
-                w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                if GATED:
-                    w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                      KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                if W8A8:
-                    # e4m3 × e4m3 -> fp32 per K block, then × activation scale (row) × weight block scale (column)
-                    a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
-                    s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
-                    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
-                    acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
+                rk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = (rk < K)[None, :]
+                a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], k_ok, EVEN_K)
+                if BLOCK_M == 1:
+                    a = a.to(tl.float32)
+                    if W8A8:
+                        a *= _load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], row_ok[:, None],
+                                   k_ok, EVEN_K)
+                    w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                      KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
+                    acc1 += w1.to(tl.float32) * a
                     if GATED:
-                        w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
-                        acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
+                        w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                          KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
+                        acc3 += w3.to(tl.float32) * a
                 else:
-                    acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
+                    w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                      KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
                     if GATED:
-                        acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
-    if BLOCK_M == 1:
+                        w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                          KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
+                    if W8A8:
+                        # e4m3 × e4m3 -> fp32 per K block, × activation scale (row) × weight block scale (column)
+                        a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
+                        s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
+                        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
+                        acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
+                        if GATED:
+                            w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
+                            acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
+                    else:
+                        acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
+                        if GATED:
+                            acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
+    if BLOCK_M == 1 and not PLANES:
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
-    if GATED:
-        res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
+    if GATED and PLANES:  # h for the down projection's plane GEMV: rounded to H_DT, stored as fp32 planes
+        res = (acc1 * tl.sigmoid(acc1) * acc3).to(H_DT).to(tl.float32)
+        i = rn % 8
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + (i * (N // 8) + rn // 8)[None, :],
+                 res * plane_scale(i)[None, :], mask=row_ok[:, None] & (rn[None, :] < N))
     else:
-        res = acc1 * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + rn[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+        if GATED:
+            res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
+        else:
+            res = acc1 * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + rn[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
 
 
 @triton.jit
@@ -362,7 +410,13 @@ GEMV_FAST_CONFIGS = _configs([(16, 512, 4, 3), (32, 256, 4, 3), (16, 1024, 8, 2)
 DOT_FAST_SHAPES = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
                    (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]
 
+# INT4 plane GEMV (PLANES): per thread 4 words (16 B) of each projection per row and K block; longer K
+# blocks and more rows per program put more bytes in flight (no pipelining: plain register loads).
+GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 8, 1),
+                                (16, 1024, 8, 1), (64, 256, 8, 1)])
+
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
+moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 moe_gemm_autotuned = _autotuned(DOT_CONFIGS)
 moe_gemv_fast_autotuned = _autotuned(GEMV_FAST_CONFIGS)
 MOE_GEMM_FAST_AUTOTUNED = {level: _autotuned(_configs(DOT_FAST_SHAPES, fast=level)) for level in (1, 2)}

@@ -12,9 +12,10 @@ from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GEMV_FORMS = ("planes", "tile")  # the one-token GEMV: nibble planes (default) or the previous form
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
-__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS"]
+__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS"]
 
 
 def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
@@ -53,7 +54,7 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int = 0) -> torch.Tensor:
+               fast_dequant: int = 0, gemv: str = "planes") -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -68,7 +69,13 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     group-scaled tensor-core form of ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group
     partial; 2: biased codes, no float op per weight) and its own autotuned configs, which also try the
     16-row tile at one token. Unmeasured: see docs/recipes.md.
+
+    ``gemv`` picks the one-token GEMV (M = 1, BM = 1, ``fast_dequant`` off): ``"planes"`` (default: x
+    re-ordered into fp32 nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md
+    "The INT4 plane GEMV") or ``"tile"`` (the previous nibble-plane loop reading x with strided loads).
     """
+    if gemv not in GEMV_FORMS:
+        raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant))
     n, k = _check(x, weight_packed, weight_scale, group_size)
     lead = x.shape[:-1]
@@ -80,8 +87,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
+    from .._gemm_utils import plane_order
     from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, split_k, w4a16_gemm_autotuned,
-                         workspace_bounds)
+                         w4a16_gemv_planes_autotuned, workspace_bounds)
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -111,8 +119,11 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
     count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
+    planes = m == 1 and gemv == "planes" and not fast_dequant and (cfg is None or cfg["BM"] == 1)
     common = dict(GROUP=group_size, INTERPRET=interpreted,
-                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes)
+    if planes:
+        x2 = plane_order(x2)
     args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
             m_bucket(m), sms)
 
@@ -120,7 +131,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if cfg is None:
-        FAST_AUTOTUNED.get(fast_dequant, w4a16_gemm_autotuned)[grid](*args, **common)
+        tuned = w4a16_gemv_planes_autotuned if planes else FAST_AUTOTUNED.get(fast_dequant, w4a16_gemm_autotuned)
+        tuned[grid](*args, **common)
     else:
         meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}
         _w4a16_gemm_kernel[grid(meta)](*args, **common, **meta)

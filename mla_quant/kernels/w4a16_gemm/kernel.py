@@ -37,7 +37,7 @@ in a fixed order — deterministic — writes the output and resets the counter 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import autotune_bench, grouped_tile, int4_codes, m_bucket, split_k_for
+from .._gemm_utils import autotune_bench, grouped_tile, int4_codes, int4_plane_gemv_step, m_bucket, split_k_for
 
 
 @triton.jit
@@ -104,9 +104,10 @@ def _w4a16_gemm_kernel(
     M_BUCKET, NUM_SMS,  # autotuning key / split-K heuristic input only
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_DEQUANT: tl.constexpr = False,
+    FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False,
 ):
-    # x [M, K] (row stride stride_xm), w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
+    # x [M, K] (row stride stride_xm; with PLANES the one row's fp32 nibble planes, _gemm_utils.plane_order),
+    # w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BM)
@@ -128,13 +129,24 @@ def _w4a16_gemm_kernel(
     it_lo = pid_k * per_split
     it_hi = tl.minimum(it_lo + per_split, k_iters)
 
-    if BM == 1:
+    if PLANES:  # x: fp32 nibble planes of the one row; [BK/8, BN] tiles (see _gemm_utils.int4_plane_dot)
+        plane_stride = tl.multiple_of(K // 8, GROUP // 8)  # K % GROUP == 0: 16-byte aligned rows and planes
+        w_cols = w_ptr + (rn % N)[None, :].to(tl.int64) * plane_stride
+        s_cols = s_ptr + (rn % N)[None, :].to(tl.int64) * (K // GROUP)
+        acc_e = tl.zeros((BK // 32, BN), dtype=tl.float32)
+    elif BM == 1:
         acc_e = tl.zeros((BN, BK // 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for it in range(it_lo, it_hi):
         k0 = it * BK
-        if FAST_DEQUANT and BM > 1:
+        if PLANES:  # one token: the plane GEMV core shared with fused_moe, on a [BK/8, BN] word tile
+            kmask_t = (k0 // 8 + rw < K // 8)[:, None]
+            runs = tl.arange(0, BK // 32)[:, None]  # runs of 4 words (32 K), one scale each
+            words_t = _load(w_cols + (k0 // 8 + rw)[:, None], kmask_t, EVEN_K)
+            acc_e += int4_plane_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP, x_ptr + (k0 // 8 + rw)[:, None],
+                                          plane_stride, kmask_t, k0 // 32 + runs < K // 32, EVEN_K, INTERPRET)
+        elif FAST_DEQUANT and BM > 1:
             acc = _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP, BN, EVEN_K, BK // GROUP,
                                      INTERPRET, DOT_PRECISION, FAST_DEQUANT == 2)
         else:
@@ -163,7 +175,9 @@ def _w4a16_gemm_kernel(
                 x = _load(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
                 w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
                 acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
-    if BM == 1:
+    if PLANES:
+        acc = tl.reshape(tl.sum(acc_e, axis=0), (1, BN))
+    elif BM == 1:
         acc = tl.reshape(tl.sum(acc_e, axis=1), (1, BN))
 
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -231,15 +245,25 @@ def dot_k_ok(bm: int, bk: int, group: int, fast: int = 0) -> bool:
     return kd is None or kd >= MIN_DOT_K.value
 
 
+def planes_tile_ok(bk: int, num_warps: int) -> bool:
+    """The plane GEMV's activation vector (BK/8 fp32) loads straight into the words' layout only while it has
+    fewer elements than the program has threads (Triton then re-materialises the small load in that layout;
+    at 16x1024 with 4 warps it went through shared memory instead: static sm_90 count)."""
+    return bk // 8 < 32 * num_warps
+
+
 def _prune(configs, named_args, **kwargs):
     bucket = named_args["M_BUCKET"]
     group = named_args.get("GROUP", kwargs.get("GROUP"))
+
+    planes = kwargs.get("PLANES", named_args.get("PLANES", False))
 
     def suits(cfg):
         kw = cfg.kwargs
         fast_tile_at_one = bucket == 1 and kw.get("FAST_DEQUANT") and kw["BM"] == 16
         return ((kw["BM"] in regime_bm(bucket) or fast_tile_at_one) and kw["BK"] % group == 0
-                and dot_k_ok(kw["BM"], kw["BK"], group, kw.get("FAST_DEQUANT", 0)))
+                and dot_k_ok(kw["BM"], kw["BK"], group, kw.get("FAST_DEQUANT", 0))
+                and not (planes and not planes_tile_ok(kw["BK"], cfg.num_warps)))
 
     return [cfg for cfg in configs if suits(cfg)]
 
@@ -270,5 +294,6 @@ def _autotuned(fast: int):
 
 
 w4a16_gemm_autotuned = _autotuned(fast=0)  # the default
+w4a16_gemv_planes_autotuned = _autotuned(fast=0)  # one token, PLANES=True: its own tuning cache
 # w4a16_gemm(..., fast_dequant=level): each FAST_DEQUANT level has its own configs and tuning cache
 FAST_AUTOTUNED = {1: _autotuned(fast=1), 2: _autotuned(fast=2)}
