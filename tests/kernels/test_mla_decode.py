@@ -582,6 +582,10 @@ def test_fp16_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, leng
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
         assert rel_err(out.float(), o_conv.float()) < 1e-2
+    q16 = q.half()  # fp16 queries: no rounding of q at all, the same pre-scaling
+    o16, lse16 = mla_decode(q16, *args[1:], fp8_dequant="fp16")
+    o16_ref, lse16_ref = mla_decode_reference(q16, *args[1:])
+    assert rel_err(o16.float(), o16_ref.float()) < 1e-2 and torch.allclose(lse16, lse16_ref, atol=2e-2)
 
 
 @pytest.mark.gpu

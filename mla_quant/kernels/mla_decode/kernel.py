@@ -15,6 +15,11 @@ scale go into the fp32 scores and into p, never into the tile: q and p are pre-m
 the dots' products stay far from fp32 underflow, and the remaining 2^56 is folded into the score scale and the
 output. fp8_ds_mla's tile scales are applied by batched dots over the D_LAT/128 tiles (scores:
 Σ_t scale_t·(q_t·k_tᵀ); output: one [M, 128] accumulator per tile fed p·scale_t).
+
+F16_DOTS (``fp8_dequant="fp16"``, 16-bit queries) converts FP8 tiles to fp16 dot operands instead (e4m3 ⊂ fp16: one
+packed conversion per two values): q rows are pre-scaled by powers of two into [2^14, 2^15), p·scale/(the tile's
+largest scale) by 2^15, and the accumulator is kept in units of that tile factor (the ratio joins alpha).
+PREFETCH loads the next tile's bytes one iteration ahead into registers (docs/mla.md, "fp16 dot operands").
 """
 import triton
 import triton.language as tl
