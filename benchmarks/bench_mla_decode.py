@@ -14,7 +14,9 @@ the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs).
 time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
 Every row logs ``config``: the autotuner's choice for it (``mla_decode.tuned_config()``, e.g. ``m16n32w8s2p``).
 BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``variant: "splits=N"``, N ≠ the
-launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth.
+launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth, and one
+``variant: "combine_only"`` row: the split merge kernel alone at that shape (``share_of_decode`` = its µs over
+the whole decode's).
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
@@ -31,7 +33,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits, tuned_config
+from mla_quant.kernels.mla_decode import combine_splits, mla_decode, plan_num_splits, tuned_config
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -167,6 +169,16 @@ def run(ctx: Context) -> list[dict]:
                     cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=splits,
                                      config=tuned_config(), vs_convert=round(t / t_v, 3)))
             if kind == "bf16" and heads <= 16 and batch >= 32 and n == 4096:
+                if splits > 1:  # the merge kernel alone, on partials of this shape (fp32, as the kernel writes)
+                    o_part = torch.randn(batch, splits, heads, D_LATENT, device=dev)
+                    lse_part = torch.randn(batch, splits, heads, device=dev)
+                    o_fin = torch.empty(batch, heads, D_LATENT, device=dev, dtype=torch.bfloat16)
+                    lse_fin = torch.empty(batch, heads, device=dev)
+                    t_c = _graph_us(lambda: combine_splits(o_part, lse_part, o_fin, lse_fin), 1)
+                    part_bytes = o_part.numel() * 4 + lse_part.numel() * 4 + o_fin.numel() * 2 + lse_fin.numel() * 4
+                    cases.append(case("mla_decode", {**keys, "variant": "combine_only"}, t_c, bytes=part_bytes,
+                                      num_splits=splits, share_of_decode=round(t_c / t, 3)))
+                    del o_part, lse_part, o_fin, lse_fin
                 for forced in (f for f in SPLIT_VARIANTS if f != splits):
                     t_s = _graph_us(lambda: [call(q, tb, num_splits=forced) for q, tb in sets], len(sets))
                     cases.append(row({"variant": f"splits={forced}"}, t_s, peer, peer_t, num_splits=forced,

@@ -19,7 +19,7 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
-           "gather_kv_rows", "tuned_config"]
+           "gather_kv_rows", "tuned_config", "combine_splits"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -205,7 +205,7 @@ def tuned_config() -> str | None:
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                        num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots):
-    from .kernel import _mla_decode_combine_kernel, _mla_decode_kernel, _mla_decode_kernel_tuned
+    from .kernel import _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
     page_size = kv_data.shape[1]
@@ -250,9 +250,19 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     else:
         _mla_decode_kernel_tuned[grid](*args, **meta)
     if split:
-        block_r = 8
-        _mla_decode_combine_kernel[(triton.cdiv(m_rows, block_r), bsz)](
-            o_dst, lse_dst, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=block_r,
-            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+        combine_splits(o_dst, lse_dst, out, lse)
     return out, lse
+
+
+def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The split-K merge (Triton): partials ``o_part`` fp32 [B, splits, M, D] and ``lse_part`` fp32 (log2)
+    [B, splits, M] -> ``out`` [B, M, D] (any float dtype, contiguous, e.g. [B, S, H, D]) and ``lse`` (natural
+    log) [B, M]. Exposed so that the benchmark can time the merge alone."""
+    from .kernel import _mla_decode_combine_kernel
+
+    bsz, num_splits, m_rows, d_latent = o_part.shape
+    block_r = 8
+    _mla_decode_combine_kernel[(triton.cdiv(m_rows, block_r), bsz)](
+        o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=block_r,
+        SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
 
