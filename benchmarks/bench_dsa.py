@@ -12,12 +12,13 @@ as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``
 Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer_us`` (indexer_scores only),
 ``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
-RADIX_BITS), ``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal
-at 64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices →
-sparse: the previous path), ``step_device_ops`` (kernels + memsets of one step, torch profiler),
-``graph_captured`` (the step captured in a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the
-context, the top-k gathered rows, q and out (the least the step reads; the fp32 scores round trip is not
-counted); ``flops``: 2·ctx·32·128 (indexer) + 2·H·topk·(576 + 512) (attention) per request.
+RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
+``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at 64k is
+≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
+``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in
+a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and
+out (the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer)
++ 2·H·topk·(576 + 512) (attention) per request.
 
 ``dsa_prefill`` (one chunk of ``tokens`` new tokens closing a ``ctx``-token request, BF16 KV as the prefill
 recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
@@ -36,7 +37,7 @@ from mla_quant.kernels.indexer_scores import indexer_scores, indexer_topk
 from mla_quant.kernels.mla_decode import mla_decode
 from mla_quant.kernels.mla_prefill import mla_prefill
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
-from mla_quant.kernels.topk import topk_indices
+from mla_quant.kernels.topk import _radix_topk, topk_indices
 
 from .common import L2_BYTES, Context, case, median_us, graph_us, random_kv_pool
 
@@ -140,6 +141,8 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             t_topk_alt = {f"topk_{name}_us": round(_graph_us(lambda: [topk_indices(scores, TOPK, **kw)
                                                                         for _ in tables], reps), 3)
                           for name, kw in TOPK_VARIANTS}
+            t_topk_alt["topk_radix11_block1024_us"] = round(_graph_us(     # the tile of commit ecce103
+                lambda: [_radix_topk(scores, TOPK, block=1024, radix_bits=11) for _ in tables], reps), 3)
             t_sparse = _graph_us(lambda: [attend(tb, idx) for tb, idx in zip(tables, top)], reps)
             t_dense = _graph_us(lambda: [dense(tb) for tb in tables], reps)
             moved = batch * (n * INDEX_KEY_BYTES + min(TOPK, n) * row_bytes

@@ -58,6 +58,13 @@ def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits:
     return _radix_topk(scores, k, radix_bits=radix_bits)
 
 
+def radix_block(rows: int, n: int, device: torch.device) -> int:
+    """Columns per radix tile: 1024, or 256 when 1024-column tiles would give fewer than ~4 programs per SM (one
+    row of 64k: 256 programs of 256 columns instead of 64 of 1024 — each round is then mostly latency, and a
+    program's histogram work shrinks with its tile)."""
+    return 1024 if rows * triton.cdiv(n, 1024) >= 4 * num_sms(device) else 256
+
+
 def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int) -> torch.Tensor:
     """The radix select (``RADIX_BITS`` digits) of rows of N > k scores whose first ``rounds_done`` histogram
     rounds another kernel already counted into ``work`` (int32 [T, kernel.work_ints(RADIX_BITS)], zeroed before
@@ -69,11 +76,12 @@ def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_don
     return _radix_topk(scores, k, work=work, rounds_done=rounds_done)
 
 
-def _radix_topk(scores: torch.Tensor, k: int, block: int = 1024, chunks: int | None = None,
+def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: int | None = None,
                 out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
                 rounds_done: int = 0) -> torch.Tensor:
-    """The Triton path. ``block`` (columns per tile, a power of two), ``chunks`` (programs per row) and ``out``
-    (int32 [T, min(k, N)], contiguous) are exposed for tests; ``work``/``rounds_done``: see radix_topk_from."""
+    """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
+    (programs per row) and ``out`` (int32 [T, min(k, N)], contiguous) are exposed for tests and the bench;
+    ``work``/``rounds_done``: see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
     if out is None:
@@ -87,6 +95,7 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int = 1024, chunks: int | N
         scores = scores.contiguous()
     from .kernel import _radix_histogram_kernel, _radix_select_kernel
 
+    block = block or radix_block(rows, n, scores.device)
     tiles = triton.cdiv(n, block)
     if chunks is None:                           # about four programs per SM over all rows
         chunks = triton.cdiv(4 * num_sms(scores.device), rows)
