@@ -243,3 +243,21 @@ def test_radix_many_rows_both_digit_widths(triton_backend):
     for bits in (8, 11):
         selection_is_valid(scores, radix(scores, 130, block=256, chunks=3, radix_bits=bits), 130)
         selection_is_valid(scores, topk_indices(scores, 130, method="radix", radix_bits=bits), 130)
+
+
+def test_radix_topk_from_checks_the_work_buffer():
+    from mla_quant.kernels.topk import RADIX_BITS, radix_topk_from
+    from mla_quant.kernels.topk.kernel import work_ints
+
+    scores = torch.randn(2, 300)
+    with pytest.raises(ValueError, match="work"):
+        radix_topk_from(scores, 10, torch.zeros(2, 7, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="work"):
+        radix_topk_from(scores, 300, torch.zeros(2, work_ints(RADIX_BITS), dtype=torch.int32), 1)   # N <= k
+
+
+def test_radix_digit_schedules_cover_32_bits():
+    from mla_quant.kernels.topk.kernel import rounds, work_ints
+
+    assert rounds(11) == ((21, 11), (10, 11), (0, 10)) and rounds(8) == ((24, 8), (16, 8), (8, 8), (0, 8))
+    assert work_ints(11) == 3 * 2048 + 2 and work_ints(8) == 4 * 256 + 2
