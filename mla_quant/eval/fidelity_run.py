@@ -244,16 +244,28 @@ def references(reference: nn.Module, ids: torch.Tensor, dsa: bool) -> dict:
     """The reference logits of ids [B, L]: ``"exact"`` (the plain fp32 forward; for a DSA model the sparse
     one, with each full layer's top-k in ``"selection"``) and, for a DSA model, ``"dense"``."""
     out = {"ids": ids}
-    with torch.no_grad():
-        if not dsa:
-            out["exact"] = reference(ids).float()
-            return out
-        with capture(reference, SELECTION) as sel:
-            out["exact"] = reference(ids).float()
-        out["selection"] = dict(sel)
-        with dense_attention(reference):
-            out["dense"] = reference(ids).float()
+    if not dsa:
+        out["exact"], _ = forward_windows(reference, ids)
+        return out
+    out["exact"], out["selection"] = forward_windows(reference, ids, record=True)
+    with dense_attention(reference):
+        out["dense"], _ = forward_windows(reference, ids)
     return out
+
+
+@torch.no_grad()
+def forward_windows(model: nn.Module, ids: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, dict]:
+    """fp32 logits [B, L, vocab] of ids [B, L], one window at a time, and with ``record`` each full layer's top-k
+    (``SELECTION``) stacked over the windows. One at a time because the indexer's reference scores broadcast
+    q [B, L, H, D] against k [B, 1, D, L] in ``torch.matmul``, which materialises k once per query row when
+    B > 1 (256 GiB at two 16k windows); the logits are the same as a batched forward's."""
+    logits, picks = [], {}
+    for window in ids.split(1):
+        with capture(model, SELECTION) if record else nullcontext({}) as sel:
+            logits.append(model(window).float())
+        for layer, top in sel.items():
+            picks.setdefault(layer, []).append(top)
+    return torch.cat(logits), {layer: torch.cat(tops) for layer, tops in picks.items()}
 
 
 def run_job(name: str, reference: nn.Module, model: nn.Module | None, refs: dict, args, scales, dsa: bool) -> dict:
@@ -266,9 +278,8 @@ def run_job(name: str, reference: nn.Module, model: nn.Module | None, refs: dict
     elif name in KV_VARIANTS:
         q, ref = run_variant(name, reference, None, ids, args, scales), refs["exact"]
     else:
-        with torch.no_grad(), (capture(model, SELECTION) if name in INDEXER_VARIANTS else nullcontext({})) as sel:
-            q = model(ids).float()
-        selection, ref = dict(sel), refs["exact"]
+        q, selection = forward_windows(model, ids, record=name in INDEXER_VARIANTS)
+        ref = refs["exact"]
     row = score(name, ref, q.to(ref.device), ids, args.eval_tokens, args.bin)
     row.update(reference=against, windows=ids.shape[0])
     if name == "indexer fp8 sparse":
