@@ -2,13 +2,16 @@
 sizing, the INT4 code unpacking of the fast dequant path, and the INT4 *plane GEMV* core.
 
 Plane GEMV (one activation row against INT4 words, docs/moe.md "The INT4 plane GEMV"): the activation is
-re-ordered once into fp32 *nibble planes*, ``planes[r, i, w] = a[r, 8w + i] · 16^-j(i)`` (``[R, 8, K/8]``,
-``j(i) = i`` for i < 5, ``i - 5`` after), so that for a tile of words ``[BN, BK/8]`` — kept in the layout it
-is loaded in — plane i of the activation is one contiguous vector that loads in the same layout as the
-words (no shared-memory layout conversion). Nibble i of a word is then made with one AND-OR in place:
-``(w & (0xF << 4j)) | 0x4B000000`` read as fp32 is exactly 2^23 + n·16^j for j ≤ 4 (nibbles 5-7 after one
-``w >> 20``), one subtraction of 2^23 + 8·16^j gives (n - 8)·16^j exactly, and the FFMA with the plane value
-a·16^-j gives (n - 8)·a exactly: 3 instructions per weight (LOP3, FADD, FFMA), the scale once per word."""
+re-ordered once into fp32 *nibble planes* in blocks of ``PLANE_BLOCK_K`` = 256 K (32 words): in block b,
+plane i holds ``a[k] · 16^-j(i)`` for the 32 elements ``k = 8w + i`` of the block's words w
+(``j(i) = i`` for i < 5, ``i - 5`` after; position ``256b + 32i + w % 32``; rows padded to whole blocks).
+For a tile of words ``[BK/8, BN]`` — kept in the layout it is loaded in — plane i of the activation is then a
+vector at a constant offset (32·i) from plane 0, which loads in the same layout as the words (no
+shared-memory layout conversion, one address per K block). Nibble i of a word is made with one AND-OR in
+place: ``(w & (0xF << 4j)) | 0x4B000000`` read as fp32 is exactly 2^23 + n·16^j for j ≤ 4 (nibbles 5-7
+after one ``w >> 20``), one subtraction of 2^23 + 8·16^j gives (n - 8)·16^j exactly, and the FFMA with the
+plane value a·16^-j gives (n - 8)·a exactly: 3 instructions per weight (LOP3, FADD, FFMA); the scale once per
+run of 4 words (32 K)."""
 from __future__ import annotations
 
 import torch
@@ -63,27 +66,42 @@ def plane_scale(i):
     return ((127 - 4 * j) << 23).to(tl.float32, bitcast=True)
 
 
+PLANE_BLOCK_K = 256  # K elements per block of nibble planes (8 planes of 32 words' elements)
+PLANE_WORDS = tl.constexpr(PLANE_BLOCK_K // 8)
+
+
+def plane_width(k: int) -> int:
+    """Length of a :func:`plane_order` row for K: whole blocks of ``PLANE_BLOCK_K``."""
+    return -(-k // PLANE_BLOCK_K) * PLANE_BLOCK_K
+
+
+@triton.jit
+def plane_offsets(rw):
+    """Position of plane 0 of words ``rw`` (counted from a block start) in a :func:`plane_order` row;
+    plane i is ``PLANE_WORDS · i`` further."""
+    return rw // PLANE_WORDS * (8 * PLANE_WORDS) + rw % PLANE_WORDS
+
+
 @triton.jit
 def _plane_order_kernel(src_ptr, dst_ptr, K, stride_src, stride_dst, BLOCK: tl.constexpr):
-    # dst[r, i·K/8 + w] = src[r, 8w + i] · 16^-j(i), fp32; program (r, block of BLOCK destination elements)
+    # dst[r, 256b + 32i + w'] = src[r, 8(32b + w') + i] · 16^-j(i) (0 past K), fp32; program (r, BLOCK of dst)
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = d < K
-    i = d // (K // 8)
-    src = d % (K // 8) * 8 + i
-    a = tl.load(src_ptr + r * stride_src + src, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + r * stride_dst + d, a * plane_scale(i), mask=ok)
+    i = d % (8 * PLANE_WORDS) // PLANE_WORDS
+    src = (d // (8 * PLANE_WORDS) * PLANE_WORDS + d % PLANE_WORDS) * 8 + i
+    a = tl.load(src_ptr + r * stride_src + src, mask=src < K, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + r * stride_dst + d, a * plane_scale(i))
 
 
 def plane_order(a: torch.Tensor) -> torch.Tensor:
-    """[R, K] activations (K % 8 == 0, last dim contiguous) -> fp32 [R, K] nibble planes: row r holds
-    ``a[r, 8w + i] · 16^-j(i)`` at ``i·K/8 + w`` (see the module docstring). One small Triton launch."""
+    """[R, K] activations (K % 8 == 0, last dim contiguous) -> fp32 nibble planes [R, plane_width(K)] (see the
+    module docstring; zeros past K). One small Triton launch."""
     rows, k = a.shape
-    out = torch.empty((rows, k), dtype=torch.float32, device=a.device)
+    width = plane_width(k)
+    out = torch.empty((rows, width), dtype=torch.float32, device=a.device)
     if rows and k:
-        block = min(1024, triton.next_power_of_2(k))
-        _plane_order_kernel[(rows, triton.cdiv(k, block))](a, out, k, a.stride(0), out.stride(0), BLOCK=block,
-                                                           num_warps=4)
+        _plane_order_kernel[(rows, width // PLANE_BLOCK_K)](a, out, k, a.stride(0), out.stride(0),
+                                                            BLOCK=PLANE_BLOCK_K, num_warps=2)
     return out
 
 
@@ -92,7 +110,9 @@ def plane_order_reference(a: torch.Tensor) -> torch.Tensor:
     rows, k = a.shape
     i = torch.arange(8, device=a.device)
     scale = torch.exp2(-4.0 * torch.where(i < 5, i, i - 5).float())
-    return (a.float().view(rows, k // 8, 8) * scale).transpose(1, 2).reshape(rows, k)
+    padded = torch.nn.functional.pad(a.float(), (0, plane_width(k) - k))
+    words = PLANE_BLOCK_K // 8
+    return (padded.view(rows, -1, words, 8) * scale).transpose(2, 3).reshape(rows, -1)
 
 
 @triton.jit
@@ -111,17 +131,18 @@ def _nibble_products(words, hi, a_i, I: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def int4_plane_dot(words, a_ptrs, plane_stride, a_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+def int4_plane_dot(words, a_ptrs, a_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
     """Σ_i (n_i - 8) · a[8w + i] per word, fp32 (unscaled), for a tile of int32 ``words`` and the pointers
-    ``a_ptrs`` (broadcastable to the words) of those words' plane-0 activations in a :func:`plane_order` row;
-    plane i is at ``a_ptrs + i·plane_stride``. ``a_mask`` (unless ``EVEN``) masks the activation (ragged
-    last K block: reads 0). The callers hold the tile as [BK/8, BN] (K along dim 0): then the per-word scale
-    loads (constant along K, so no contiguity either way) get the words' layout, not a transposed one that
-    costs a shared-memory round trip per iteration (Triton orders a load's dims by contiguity, ties to dim 0)."""
+    ``a_ptrs`` (broadcastable to the words) of those words' plane-0 activations in a :func:`plane_order` row
+    (:func:`plane_offsets`); plane i is at ``a_ptrs + PLANE_WORDS·i``. ``a_mask`` (unless ``EVEN``) masks the
+    activation (ragged last K block: reads 0). The callers hold the tile as [BK/8, BN] (K along dim 0): then
+    the per-word scale loads (constant along K, so no contiguity either way) get the words' layout, not a
+    transposed one that costs a shared-memory round trip per iteration (Triton orders a load's dims by
+    contiguity, ties to dim 0)."""
     hi = words >> 20
     acc = _nibble_products(words, hi, load_k(a_ptrs, a_mask, EVEN), 0, INTERPRET)
     for i in tl.static_range(1, 8):
-        acc += _nibble_products(words, hi, load_k(a_ptrs + i * plane_stride, a_mask, EVEN), i, INTERPRET)
+        acc += _nibble_products(words, hi, load_k(a_ptrs + i * PLANE_WORDS, a_mask, EVEN), i, INTERPRET)
     return acc
 
 
@@ -143,14 +164,14 @@ def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def int4_plane_gemv_step(words, s_ptrs, a_ptrs, plane_stride, k_mask, s_mask, EVEN: tl.constexpr,
+def int4_plane_gemv_step(words, s_ptrs, a_ptrs, k_mask, s_mask, EVEN: tl.constexpr,
                          INTERPRET: tl.constexpr):
     """One K block of the plane GEMV for one weight matrix: ``words`` int32 [BK/8, BN] (K along dim 0, see
     :func:`int4_plane_dot`), ``s_ptrs`` [BK/32, BN] the scale of each run of 4 words (32 K: always inside one
-    group), ``a_ptrs`` / ``plane_stride`` / ``k_mask`` as in :func:`int4_plane_dot`, ``s_mask`` the runs that
+    group), ``a_ptrs`` / ``k_mask`` as in :func:`int4_plane_dot`, ``s_mask`` the runs that
     exist (unless ``EVEN``). Returns the scaled partial sums, fp32 [BK/32, BN]: the 4 words of a run are
     summed in registers (each thread holds 4 consecutive words of a column) and scaled once."""
-    inner = int4_plane_dot(words, a_ptrs, plane_stride, k_mask, EVEN, INTERPRET)
+    inner = int4_plane_dot(words, a_ptrs, k_mask, EVEN, INTERPRET)
     runs = tl.sum(tl.reshape(inner, (words.shape[0] // 4, 4, words.shape[1])), axis=1)
     return runs * _load_in_place(s_ptrs, s_mask, EVEN, INTERPRET)
 

@@ -312,9 +312,9 @@ def test_autotune_prune_keeps_a_fitting_tile(kind, a_dtype, w8a8, block_m):
 
 # --- the INT4 plane GEMV (gemv="planes", the default at block_m=1) against the previous GEMV ("tile") ---
 
-# (hidden, intermediate, group, dtype): K blocks (64 interpreted) whole; ragged last blocks; groups of 64
-@pytest.mark.parametrize("hidden,inter,group,dtype", [(256, 128, 32, torch.float32), (160, 96, 32, torch.float32),
-                                                      (160, 96, 32, torch.bfloat16), (192, 128, 64, torch.float32)])
+# (hidden, intermediate, group, dtype): K blocks (256 interpreted) whole; ragged last blocks; groups of 64
+@pytest.mark.parametrize("hidden,inter,group,dtype", [(512, 256, 32, torch.float32), (160, 96, 32, torch.float32),
+                                                      (352, 96, 32, torch.bfloat16), (384, 256, 64, torch.float32)])
 def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, hidden, inter, group, dtype):
     dev, shape = triton_backend, (hidden, inter)
     gate, up, down = experts("int4_group", 3, hidden, inter, seed=7, group_size=group, device=dev)
@@ -344,13 +344,16 @@ def test_plane_gemv_keyword_is_checked(triton_backend):
 
 
 def test_plane_order_is_the_documented_permutation():
-    """planes[r, i·K/8 + w] = a[r, 8w + i] · 16^-j(i), exactly (a layout op), for the kernel and the reference."""
-    from mla_quant.kernels._gemm_utils import plane_order, plane_order_reference
+    """planes[r, 256b + 32i + w] = a[r, 8(32b + w) + i] · 16^-j(i), zeros past K, exactly (a layout op), for
+    the kernel and the reference; K = 352: one whole block of 256 and one of 12 words."""
+    from mla_quant.kernels._gemm_utils import plane_order, plane_order_reference, plane_width
 
-    a = torch.randn(3, 96)
-    want = torch.empty(3, 96)
-    for i in range(8):
-        want[:, i * 12:(i + 1) * 12] = a[:, i::8] * 16.0 ** -(i if i < 5 else i - 5)
+    a = torch.randn(3, 352)
+    want = torch.zeros(3, plane_width(352))
+    assert want.shape[1] == 512
+    for k in range(352):
+        w, i = divmod(k, 8)
+        want[:, 256 * (w // 32) + 32 * i + w % 32] = a[:, k] * 16.0 ** -(i if i < 5 else i - 5)
     assert torch.equal(plane_order_reference(a), want)
     assert torch.equal(plane_order(a), want)
     assert torch.equal(plane_order(a.to(torch.bfloat16)), plane_order_reference(a.to(torch.bfloat16)))

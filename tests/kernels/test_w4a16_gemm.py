@@ -323,10 +323,10 @@ def test_fast_dequant_autotuned_on_real_shapes(m, n, k, level):
 # --- the one-token plane GEMV (gemv="planes", the default at M = 1) ---
 
 @pytest.mark.parametrize("n,k,group,cfg", [
-    (37, 256, 32, _cfg(1, 16, 64, 1)),     # ragged N
-    (50, 384, 128, _cfg(1, 32, 128, 3)),   # K = 3 groups of 128, split-K 3 (one K block each)
-    (20, 288, 32, _cfg(1, 16, 128, 2)),    # a ragged last K block
-    (64, 512, 64, _cfg(1, 64, 256, 1)),    # whole K blocks
+    (37, 256, 32, _cfg(1, 16, 256, 1)),    # ragged N, one whole K block
+    (50, 384, 128, _cfg(1, 32, 256, 2)),   # K = 3 groups of 128, split-K 2, a ragged (half) last K block
+    (20, 288, 32, _cfg(1, 16, 256, 1)),    # a ragged last K block of one group
+    (64, 1024, 64, _cfg(1, 64, 512, 1)),   # two whole K blocks of two plane blocks each
 ], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, n, k, group, cfg, dtype):
@@ -351,12 +351,12 @@ def test_plane_gemv_is_exact_for_every_nibble_at_every_position(triton_backend):
     nib = (j[:, None] + torch.arange(8)[None, :]) % 16  # [16 words, 8 positions]
     word = (nib << (4 * torch.arange(8))).sum(1).to(torch.int64)
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    packed = torch.stack([word.roll(r) for r in range(8)]).to(dev)  # [8 rows, 16 words]: K = 128
+    packed = torch.stack([word.repeat(2).roll(r) for r in range(8)]).to(dev)  # [8 rows, 32 words]: K = 256
     g = torch.Generator().manual_seed(0)
-    scale = (2.0 ** torch.randint(-2, 3, (8, 4), generator=g)).to(torch.bfloat16).to(dev)
-    sign = torch.where(torch.rand(1, 128, generator=g) < 0.5, -1.0, 1.0)
-    x = (2.0 ** torch.randint(-2, 3, (1, 128), generator=g) * sign).to(dev)  # every partial sum exact in fp32
-    y = w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 128, 1))
+    scale = (2.0 ** torch.randint(-2, 3, (8, 8), generator=g)).to(torch.bfloat16).to(dev)
+    sign = torch.where(torch.rand(1, 256, generator=g) < 0.5, -1.0, 1.0)
+    x = (2.0 ** torch.randint(-2, 3, (1, 256), generator=g) * sign).to(dev)  # every partial sum exact in fp32
+    y = w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 256, 1))
     assert torch.equal(y.cpu(), w4a16_gemm_reference(x, packed, scale, 32).cpu())
 
 
@@ -364,6 +364,7 @@ def test_plane_gemv_tiles_keep_the_activation_in_the_word_layout():
     from mla_quant.kernels.w4a16_gemm.kernel import _configs, _prune, planes_tile_ok
 
     assert planes_tile_ok(512, 4) and not planes_tile_ok(1024, 4) and planes_tile_ok(1024, 8)
+    assert not planes_tile_ok(128, 4) and not planes_tile_ok(384, 4)  # whole plane blocks of 256 only
     kept = _prune(_configs(0), {"M_BUCKET": 1, "GROUP": 32}, PLANES=True)
     assert kept and all(planes_tile_ok(c.kwargs["BK"], c.num_warps) for c in kept)
     with pytest.raises(ValueError, match="gemv"):

@@ -169,7 +169,7 @@ def fused_moe(
                 ue8m0=ue8m0, shared_out=shared_out, out=out)
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
-    from .._gemm_utils import plane_order
+    from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, MOE_GEMM_FAST_AUTOTUNED, _moe_combine_kernel,
                          _moe_gemm_kernel, moe_gemm_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned,
                          moe_gemv_planes_autotuned)
@@ -205,7 +205,10 @@ def fused_moe(
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
                        w1_s.stride(0), w1_s.stride(1), dst.stride(0))
         if interpret:  # one small tile: the interpreter is slow and has nothing to tune
-            bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
+            if planes:
+                bk = PLANE_BLOCK_K
+            else:
+                bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
             grid = (expert_ids.numel(), triton.cdiv(n, 32))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, EVEN_K=k % bk == 0,
                                    FAST_DEQUANT=0 if planes else fast)
@@ -227,7 +230,10 @@ def fused_moe(
         xa = xa_scale = plane_order(x)  # once per call, shared by every expert
     else:
         xa, xa_scale = x, x
-    h = torch.empty((num_assignments, inter), dtype=torch.float32 if planes else x.dtype, device=x.device)
+    if planes:  # h as nibble planes (fp32, whole plane blocks) for the down projection's plane GEMV
+        h = torch.empty((num_assignments, plane_width(inter)), dtype=torch.float32, device=x.device)
+    else:
+        h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
     weights_flat = topk_weights.contiguous()
     gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
     ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)

@@ -34,7 +34,7 @@ and rounds once.
 import triton
 import triton.language as tl
 
-from .._gemm_utils import int4_codes, int4_plane_gemv_step, load_k, plane_scale
+from .._gemm_utils import PLANE_WORDS, int4_codes, int4_plane_gemv_step, load_k, plane_offsets, plane_scale
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -171,10 +171,10 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
                      GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
     """The INT4 GEMV of one assignment (``a_row`` [1]: its row of ``a``, fp32 nibble planes from
-    ``_gemm_utils.plane_order``) against rows ``rn`` of one expert's words: fp32 [1, BLOCK_N] sums
-    (gate, and up when GATED). Words load in their [BLOCK_K/8, BLOCK_N] layout, the plane vectors in the same
-    layout (``int4_plane_gemv_step``), each run of 4 words (32 K) is scaled once; rows past N re-read row N - 1
-    (never stored)."""
+    ``_gemm_utils.plane_order``; BLOCK_K a multiple of PLANE_BLOCK_K) against rows ``rn`` of one expert's
+    words: fp32 [1, BLOCK_N] sums (gate, and up when GATED). Words load in their [BLOCK_K/8, BLOCK_N] layout,
+    the plane vectors in the same layout (``int4_plane_gemv_step``), each run of 4 words (32 K) is scaled
+    once; rows past N re-read row N - 1 (never stored)."""
     rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :]
     rw = tl.arange(0, BLOCK_K // 8)[:, None]  # the tile is [BLOCK_K/8, BLOCK_N]: see int4_plane_dot
     rr = tl.arange(0, BLOCK_K // 32)[:, None]  # runs of 4 words (32 K), one scale each
@@ -182,23 +182,22 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
     w3_ptrs = w3_ptr + rows * stride_wn + rw
     s1_ptrs = s1_ptr + rows * stride_sn + 32 * rr // GROUP
     s3_ptrs = s3_ptr + rows * stride_sn + 32 * rr // GROUP
-    a_ptrs = a_ptr + a_row[None, :] * stride_at + rw  # [BLOCK_K/8, 1]: plane 0 of the first K block
-    plane_stride = tl.multiple_of(K // 8, GROUP // 8)  # K % GROUP == 0: 16-byte aligned plane vectors
+    a_ptrs = a_ptr + a_row[None, :] * stride_at + plane_offsets(rw)  # [BLOCK_K/8, 1]: plane 0, first K block
     acc1 = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_ok = k0 // 8 + rw < K // 8
         r_ok = k0 // 32 + rr < K // 32
         words1 = load_k(w1_ptrs, w_ok, EVEN_K)
-        acc1 += int4_plane_gemv_step(words1, s1_ptrs, a_ptrs, plane_stride, w_ok, r_ok, EVEN_K, INTERPRET)
+        acc1 += int4_plane_gemv_step(words1, s1_ptrs, a_ptrs, w_ok, r_ok, EVEN_K, INTERPRET)
         if GATED:
             words3 = load_k(w3_ptrs, w_ok, EVEN_K)
-            acc3 += int4_plane_gemv_step(words3, s3_ptrs, a_ptrs, plane_stride, w_ok, r_ok, EVEN_K, INTERPRET)
+            acc3 += int4_plane_gemv_step(words3, s3_ptrs, a_ptrs, w_ok, r_ok, EVEN_K, INTERPRET)
         w1_ptrs += BLOCK_K // 8
         w3_ptrs += BLOCK_K // 8
         s1_ptrs += BLOCK_K // GROUP
         s3_ptrs += BLOCK_K // GROUP
-        a_ptrs += BLOCK_K // 8
+        a_ptrs += BLOCK_K  # BLOCK_K % 256 == 0: whole plane blocks
     return tl.reshape(tl.sum(acc1, axis=0), (1, BLOCK_N)), tl.reshape(tl.sum(acc3, axis=0), (1, BLOCK_N))
     return acc1, acc3
 
@@ -290,7 +289,8 @@ def _moe_gemm_kernel(
     if GATED and PLANES:  # h for the down projection's plane GEMV: rounded to H_DT, stored as fp32 planes
         res = (acc1 * tl.sigmoid(acc1) * acc3).to(H_DT).to(tl.float32)
         i = rn % 8
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + (i * (N // 8) + rn // 8)[None, :],
+        pos = plane_offsets(rn // 8) + PLANE_WORDS * i  # column n = 8w + i of h
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + pos[None, :],
                  res * plane_scale(i)[None, :], mask=row_ok[:, None] & (rn[None, :] < N))
     else:
         if GATED:
@@ -411,7 +411,8 @@ DOT_FAST_SHAPES = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 
                    (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]
 
 # INT4 plane GEMV (PLANES): per thread 4 words (16 B) of each projection per row and K block; longer K
-# blocks and more rows per program put more bytes in flight (no pipelining: plain register loads).
+# blocks and more rows per program put more bytes in flight (no pipelining: plain register loads). BLOCK_K: a
+# multiple of PLANE_BLOCK_K (256), and BLOCK_K/8 < 32·num_warps (w4a16_gemm.kernel.planes_tile_ok).
 GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 8, 1),
                                 (16, 1024, 8, 1), (64, 256, 8, 1)])
 

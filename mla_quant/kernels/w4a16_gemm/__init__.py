@@ -48,7 +48,8 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
     programs run fastest there). The tests pin the other configs, split-K included. ``fast`` uses the
     16-row tensor-core tile at one token too (the GEMV is the same with and without FAST_DEQUANT)."""
     bm = 1 if m == 1 and not fast else 16 if m <= 16 else 32
-    return {"BM": bm, "BN": 64, "BK": max(128, group_size), "SPLIT_K": 1, "GROUP_M": 4, "num_warps": 4,
+    bk = 256 if bm == 1 else max(128, group_size)  # one token: a whole plane block (the plane GEMV)
+    return {"BM": bm, "BN": 64, "BK": bk, "SPLIT_K": 1, "GROUP_M": 4, "num_warps": 4,
             "num_stages": 1, "FAST_DEQUANT": fast}
 
 
@@ -72,7 +73,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
     ``gemv`` picks the one-token GEMV (M = 1, BM = 1, ``fast_dequant`` off): ``"planes"`` (default: x
     re-ordered into fp32 nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md
-    "The INT4 plane GEMV") or ``"tile"`` (the previous nibble-plane loop reading x with strided loads).
+    "The INT4 plane GEMV") or ``"tile"`` (the previous nibble-plane loop reading x with strided loads). A
+    pinned BM = 1 config whose K tile the plane GEMV cannot use (``kernel.planes_tile_ok``: BK a multiple of
+    256 and BK/8 < 32·num_warps) runs the tile GEMV.
     """
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
@@ -89,7 +92,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return y if out is None else out.copy_(y)
     from .._gemm_utils import plane_order
     from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, split_k, w4a16_gemm_autotuned,
-                         w4a16_gemv_planes_autotuned, workspace_bounds)
+                         planes_tile_ok, w4a16_gemv_planes_autotuned, workspace_bounds)
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -119,7 +122,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
     count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
-    planes = m == 1 and gemv == "planes" and not fast_dequant and (cfg is None or cfg["BM"] == 1)
+    planes = (m == 1 and gemv == "planes" and not fast_dequant
+              and (cfg is None or (cfg["BM"] == 1 and planes_tile_ok(cfg["BK"], cfg["num_warps"]))))
     common = dict(GROUP=group_size, INTERPRET=interpreted,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes)
     if planes:

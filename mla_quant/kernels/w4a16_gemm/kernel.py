@@ -37,7 +37,8 @@ in a fixed order — deterministic — writes the output and resets the counter 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import autotune_bench, grouped_tile, int4_codes, int4_plane_gemv_step, m_bucket, split_k_for
+from .._gemm_utils import (PLANE_BLOCK_K, autotune_bench, grouped_tile, int4_codes, int4_plane_gemv_step, m_bucket,
+                           plane_offsets, split_k_for)
 
 
 @triton.jit
@@ -130,8 +131,7 @@ def _w4a16_gemm_kernel(
     it_hi = tl.minimum(it_lo + per_split, k_iters)
 
     if PLANES:  # x: fp32 nibble planes of the one row; [BK/8, BN] tiles (see _gemm_utils.int4_plane_dot)
-        plane_stride = tl.multiple_of(K // 8, GROUP // 8)  # K % GROUP == 0: 16-byte aligned rows and planes
-        w_cols = w_ptr + (rn % N)[None, :].to(tl.int64) * plane_stride
+        w_cols = w_ptr + (rn % N)[None, :].to(tl.int64) * tl.multiple_of(K // 8, GROUP // 8)  # 16-byte aligned
         s_cols = s_ptr + (rn % N)[None, :].to(tl.int64) * (K // GROUP)
         acc_e = tl.zeros((BK // 32, BN), dtype=tl.float32)
     elif BM == 1:
@@ -144,8 +144,9 @@ def _w4a16_gemm_kernel(
             kmask_t = (k0 // 8 + rw < K // 8)[:, None]
             runs = tl.arange(0, BK // 32)[:, None]  # runs of 4 words (32 K), one scale each
             words_t = _load(w_cols + (k0 // 8 + rw)[:, None], kmask_t, EVEN_K)
-            acc_e += int4_plane_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP, x_ptr + (k0 // 8 + rw)[:, None],
-                                          plane_stride, kmask_t, k0 // 32 + runs < K // 32, EVEN_K, INTERPRET)
+            acc_e += int4_plane_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
+                                          x_ptr + k0 + plane_offsets(rw)[:, None],  # BK % 256 == 0: whole blocks
+                                          kmask_t, k0 // 32 + runs < K // 32, EVEN_K, INTERPRET)
         elif FAST_DEQUANT and BM > 1:
             acc = _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP, BN, EVEN_K, BK // GROUP,
                                      INTERPRET, DOT_PRECISION, FAST_DEQUANT == 2)
@@ -246,10 +247,11 @@ def dot_k_ok(bm: int, bk: int, group: int, fast: int = 0) -> bool:
 
 
 def planes_tile_ok(bk: int, num_warps: int) -> bool:
-    """The plane GEMV's activation vector (BK/8 fp32) loads straight into the words' layout only while it has
-    fewer elements than the program has threads (Triton then re-materialises the small load in that layout;
-    at 16x1024 with 4 warps it went through shared memory instead: static sm_90 count)."""
-    return bk // 8 < 32 * num_warps
+    """K tiles of the plane GEMV: whole plane blocks (PLANE_BLOCK_K), and an activation vector (BK/8 fp32) that
+    loads straight into the words' layout, which needs fewer elements than the program has threads (Triton
+    then re-materialises the small load in that layout; at 16x1024 with 4 warps it went through shared memory
+    instead: static sm_90 count)."""
+    return bk % PLANE_BLOCK_K == 0 and bk // 8 < 32 * num_warps
 
 
 def _prune(configs, named_args, **kwargs):
