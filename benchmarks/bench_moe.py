@@ -23,8 +23,9 @@ path"), side by side with ``int4_g32``; at ≤ 16 tokens their ``alt_us`` is the
 same level (at one token: the 16-row tensor-core tiles; the GEMV is the same at both levels).
 
 Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default plane
-GEMV and rows ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``) on the same experts
-and routings (``speedup_vs_int4_g32`` < 1 there means the plane GEMV wins; docs/moe.md "The INT4 plane GEMV").
+GEMV and rows ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_prefetch``
+the plane GEMV with a register double buffer (``gemv="prefetch"``), on the same experts and routings
+(``speedup_vs_int4_g32`` > 1 means that form beats the default; docs/moe.md "The INT4 plane GEMV").
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # fused_moe(fast_dequant=level) -> row format
-TILE_FORMAT = "int4_g32_tile"  # fused_moe(gemv="tile"): the previous INT4 GEMV, rows where block_m == 1
+# fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="planes")
+GEMV_FORMATS = {"tile": "int4_g32_tile", "prefetch": "int4_g32_prefetch"}
 
 
 def _graph_us(fn, reps: int) -> tuple[float, bool]:
@@ -209,18 +211,18 @@ def run(ctx: Context) -> list[dict]:
                 rows.append(case("moe", {"format": name, "tokens": t}, t_moe, bytes=nbytes, flops=flops,
                                  peer="torch_grouped_mm_bf16" if peer_name is None else peer_name,
                                  peer_median_us=peer.get(("moe", t)), **extra))
-                if name == "int4_g32" and bm == 1:
-                    # the previous INT4 GEMV (gemv="tile") on the same experts and routings, beside the
-                    # default plane GEMV (a failure is noted and must not lose the other rows)
+                for form, form_name in (GEMV_FORMATS.items() if name == "int4_g32" and bm == 1 else ()):
+                    # the other INT4 GEMVs on the same experts and routings, beside the default plane GEMV
+                    # (a failure is noted and must not lose the other rows)
                     try:
-                        t_tile, graphed = _graph_us(lambda: routed(gemv="tile"), SETS)
-                        times[("moe", TILE_FORMAT, t)] = t_tile
-                        rows.append(case("moe", {"format": TILE_FORMAT, "tokens": t}, t_tile, bytes=nbytes,
+                        t_form, graphed = _graph_us(lambda: routed(gemv=form), SETS)
+                        times[("moe", form_name, t)] = t_form
+                        rows.append(case("moe", {"format": form_name, "tokens": t}, t_form, bytes=nbytes,
                                          flops=flops, peer="torch_grouped_mm_bf16",
                                          peer_median_us=peer.get(("moe", t)), cuda_graph=graphed, block_m=bm,
                                          active_experts=active))
                     except Exception as e:  # noqa: BLE001
-                        ctx.notes.append(f"moe: {TILE_FORMAT} failed at T={t}: {type(e).__name__}: {str(e)[:160]}")
+                        ctx.notes.append(f"moe: {form_name} failed at T={t}: {type(e).__name__}: {str(e)[:160]}")
                 for level, fast_name in (FAST_FORMATS.items() if name == "int4_g32" else ()):
                     # the FAST_DEQUANT levels on the same experts and routings (unmeasured variants: a failure
                     # is noted and must not lose the other rows)
@@ -266,9 +268,9 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        if name in FAST_FORMATS.values() or name == TILE_FORMAT:
+        if name in FAST_FORMATS.values() or name in GEMV_FORMATS.values():
             r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
-        if name in ("int4_g32", TILE_FORMAT) or name in FAST_FORMATS.values():
+        if name == "int4_g32" or name in FAST_FORMATS.values() or name in GEMV_FORMATS.values():
             r["speedup_vs_fp8"] = round(times[(bench, "fp8_block", t)] / r["median_us"], 3)
             if bench == "moe" and t == 1:
                 r["goal"] = ">= 3.0x bf16 and >= 1.6x fp8_block at 1 token"

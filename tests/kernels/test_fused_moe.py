@@ -375,3 +375,17 @@ def test_gpu_plane_gemv_real_widths(t, dtype):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert_rel_close(got.float(), ref.float(), tol, f"planes T={t}")
     assert_rel_close(got.float(), tile.float(), tol, f"planes vs tile T={t}")
+    prefetch = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch")
+    assert_rel_close(prefetch.float(), ref.float(), tol, f"prefetch T={t}")
+
+
+@pytest.mark.parametrize("hidden,inter", [(512, 256), (352, 96)])  # 2 K blocks / ragged: the prefetch mask
+def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 3, hidden, inter, seed=9, device=dev)
+    x = torch.randn(2, hidden, device=dev)
+    w, ids = routing(2, 3, 2, seed=9, device=dev)
+    out = poisoned_empty((2, hidden), torch.float32, dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch", out=out)
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)
+    assert torch.equal(got, planes)  # the same products in the same order; only the load schedule differs

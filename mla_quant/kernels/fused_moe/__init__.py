@@ -21,7 +21,9 @@ from .reference import KINDS, dequantize_expert, fused_moe_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-GEMV_FORMS = ("planes", "tile")  # the INT4 GEMV (block_m == 1): nibble planes (default) or the previous tile
+# the INT4 GEMV (block_m == 1): nibble planes (default), the same with a register double buffer of the next K
+# block's words, or the previous tile form
+GEMV_FORMS = ("planes", "prefetch", "tile")
 WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
@@ -152,7 +154,8 @@ def fused_moe(
     default; 1 or True, 2; unmeasured) selects the kernel's FAST_DEQUANT level and its own autotuned configs
     (docs/moe.md, "W4A16 fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
     ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (default: the activations re-ordered into
-    fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV") or ``"tile"`` (the
+    fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same
+    with the next K block's words loaded before this block's products; unmeasured) or ``"tile"`` (the
     previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with ``fast_dequant``).
     """
     block = tuple(int(b) for b in block)
@@ -172,7 +175,7 @@ def fused_moe(
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, MOE_GEMM_FAST_AUTOTUNED, _moe_combine_kernel,
                          _moe_gemm_kernel, moe_gemm_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned,
-                         moe_gemv_planes_autotuned)
+                         moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -185,7 +188,7 @@ def fused_moe(
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
     fast = int(fast_dequant) if kind == "int4_group" else 0
-    planes = kind == "int4_group" and bm == 1 and gemv == "planes"
+    planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
@@ -211,11 +214,11 @@ def fused_moe(
                 bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
             grid = (expert_ids.numel(), triton.cdiv(n, 32))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                   FAST_DEQUANT=0 if planes else fast)
+                                   FAST_DEQUANT=0 if planes else fast, PREFETCH=planes and gemv == "prefetch")
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             if planes:
-                tuned = moe_gemv_planes_autotuned
+                tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
             elif fast:
                 tuned = moe_gemv_fast_autotuned if bm == 1 else MOE_GEMM_FAST_AUTOTUNED[fast]
             else:

@@ -25,6 +25,11 @@ the INT4 codes meet the activations (docs/moe.md, "W4A16 fast path"):
 * GEMV (``BLOCK_M == 1``): nibble planes as in ``w4a16_gemm`` (plane ``i`` = elements ``8w + i``, the
   activation read in the same permuted order), ``q · a`` accumulated per word and scaled once per word.
 
+``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="planes")``, the default) runs the plane GEMV
+(``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive as fp32
+nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` adds a
+register double buffer of the next K block's words.
+
 With ``GATED`` the program holds two accumulators (gate and up rows of the same columns) and its
 epilogue writes ``silu(gate) * up`` (the SwiGLU of the expert) in the activation dtype; otherwise (the
 down projection) it multiplies each row by its routing weight and writes fp32. ``_moe_combine_kernel``
@@ -169,12 +174,13 @@ def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k
 @triton.jit
 def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, stride_at, stride_wn, stride_sn,
                      GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+                     EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
     """The INT4 GEMV of one assignment (``a_row`` [1]: its row of ``a``, fp32 nibble planes from
     ``_gemm_utils.plane_order``; BLOCK_K a multiple of PLANE_BLOCK_K) against rows ``rn`` of one expert's
     words: fp32 [1, BLOCK_N] sums (gate, and up when GATED). Words load in their [BLOCK_K/8, BLOCK_N] layout,
     the plane vectors in the same layout (``int4_plane_gemv_step``), each run of 4 words (32 K) is scaled
-    once; rows past N re-read row N - 1 (never stored)."""
+    once; rows past N re-read row N - 1 (never stored). PREFETCH: the next K block's words are loaded before
+    this block's products (a register double buffer: twice the word bytes in flight per thread)."""
     rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :]
     rw = tl.arange(0, BLOCK_K // 8)[:, None]  # the tile is [BLOCK_K/8, BLOCK_N]: see int4_plane_dot
     rr = tl.arange(0, BLOCK_K // 32)[:, None]  # runs of 4 words (32 K), one scale each
@@ -185,13 +191,27 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
     a_ptrs = a_ptr + a_row[None, :] * stride_at + plane_offsets(rw)  # [BLOCK_K/8, 1]: plane 0, first K block
     acc1 = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
+    k_words = tl.multiple_of(K // 8, GROUP // 8)  # K % GROUP == 0: masks constant over 4 words (LDG.E.128)
+    if PREFETCH:  # the first K block's words
+        next1 = tl.load(w1_ptrs, mask=rw < k_words, other=0)
+        if GATED:
+            next3 = tl.load(w3_ptrs, mask=rw < k_words, other=0)
     for k0 in range(0, K, BLOCK_K):
         w_ok = k0 // 8 + rw < K // 8
         r_ok = k0 // 32 + rr < K // 32
-        words1 = load_k(w1_ptrs, w_ok, EVEN_K)
+        if PREFETCH:  # take this block's words, start loading the next block's (none past K)
+            next_ok = k0 // 8 + BLOCK_K // 8 + rw < k_words
+            words1 = next1
+            next1 = tl.load(w1_ptrs + BLOCK_K // 8, mask=next_ok, other=0)
+            if GATED:
+                words3 = next3
+                next3 = tl.load(w3_ptrs + BLOCK_K // 8, mask=next_ok, other=0)
+        else:
+            words1 = load_k(w1_ptrs, w_ok, EVEN_K)
+            if GATED:
+                words3 = load_k(w3_ptrs, w_ok, EVEN_K)
         acc1 += int4_plane_gemv_step(words1, s1_ptrs, a_ptrs, w_ok, r_ok, EVEN_K, INTERPRET)
         if GATED:
-            words3 = load_k(w3_ptrs, w_ok, EVEN_K)
             acc3 += int4_plane_gemv_step(words3, s3_ptrs, a_ptrs, w_ok, r_ok, EVEN_K, INTERPRET)
         w1_ptrs += BLOCK_K // 8
         w3_ptrs += BLOCK_K // 8
@@ -199,7 +219,6 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
         s3_ptrs += BLOCK_K // GROUP
         a_ptrs += BLOCK_K  # BLOCK_K % 256 == 0: whole plane blocks
     return tl.reshape(tl.sum(acc1, axis=0), (1, BLOCK_N)), tl.reshape(tl.sum(acc3, axis=0), (1, BLOCK_N))
-    return acc1, acc3
 
 
 @triton.jit
@@ -212,7 +231,8 @@ def _moe_gemm_kernel(
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32):
+        FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
+        PREFETCH: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     pid_m = tl.program_id(0)
@@ -231,7 +251,7 @@ def _moe_gemm_kernel(
     if PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
-                                      INTERPRET)
+                                      INTERPRET, PREFETCH)
     elif BLOCK_M == 1 and FAST_DEQUANT and KIND == 2:  # GEMV on nibble planes: one accumulator element per word
         acc1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
@@ -418,6 +438,9 @@ GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1
 
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
+# gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
+moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
+                                                        num_stages=c.num_stages) for c in GEMV_PLANES_CONFIGS])
 moe_gemm_autotuned = _autotuned(DOT_CONFIGS)
 moe_gemv_fast_autotuned = _autotuned(GEMV_FAST_CONFIGS)
 MOE_GEMM_FAST_AUTOTUNED = {level: _autotuned(_configs(DOT_FAST_SHAPES, fast=level)) for level in (1, 2)}
