@@ -280,6 +280,14 @@ def cases_indexer_scores() -> Iterator[Case]:
         scale = torch.ones(table.numel(), PAGE) if k_dtype == FP8 else None
         yield f"q={_dt(q_dtype)} keys={_dt(k_dtype)}", partial(indexer_scores, q, torch.ones(2, 64), cache, scale, table,
                                                      req, pos)
+    # decode at batch 1 through indexer_topk: the scores kernel with the radix select's first histogram fused
+    from mla_quant.kernels.indexer_scores import indexer_topk
+    table, lens = _table([65536])
+    req, pos = torch.tensor([0], dtype=torch.int32), lens - 1
+    cache = torch.zeros(table.numel(), PAGE, 128, dtype=FP8)
+    yield "indexer_topk fused, 64k keys, top-2048", partial(
+        indexer_topk, torch.zeros(1, 64, 128, dtype=FP8), torch.ones(1, 64), cache, torch.ones(table.numel(), PAGE),
+        table, req, pos, 2048)
 
 
 def cases_topk() -> Iterator[Case]:
