@@ -256,9 +256,10 @@ def references(reference: nn.Module, ids: torch.Tensor, dsa: bool) -> dict:
 @torch.no_grad()
 def forward_windows(model: nn.Module, ids: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, dict]:
     """fp32 logits [B, L, vocab] of ids [B, L], one window at a time, and with ``record`` each full layer's top-k
-    (``SELECTION``) stacked over the windows. One at a time because the indexer's reference scores broadcast
-    q [B, L, H, D] against k [B, 1, D, L] in ``torch.matmul``, which materialises k once per query row when
-    B > 1 (256 GiB at two 16k windows); the logits are the same as a batched forward's."""
+    (``SELECTION``) stacked over the windows. One at a time bounds the peak memory of the pure-torch references
+    to one window's (the indexer's fp32 [L, H, L] scores: 17 GB at 32k with 4 heads); the logits are a batched
+    forward's. (A batched forward once needed 256 GiB at two 16k windows: the indexer's q·k broadcast k per
+    query row, since ``indexer._qk``.)"""
     logits, picks = [], {}
     for window in ids.split(1):
         with capture(model, SELECTION) if record else nullcontext({}) as sel:

@@ -36,6 +36,14 @@ HF_MASK = torch.finfo(torch.float32).min  # the reference's additive mask value 
 SCORE_BYTES_BUDGET = 1 << 30  # fp32 scores held at once in the paged path (queries are chunked to fit)
 
 
+
+def _qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [B, S, H, D] · k [B, T, D] -> [B, S, H, T], as one batched GEMM per sequence. (``torch.matmul`` of q
+    against k [B, 1, D, T], broadcast over S, copies k once per query row when B > 1: 256 GiB at two 16k
+    sequences.)"""
+    b, s, h, d = q.shape
+    return torch.bmm(q.reshape(b, s * h, d), k.transpose(-1, -2)).view(b, s, h, -1)
+
 class LightningIndexer(nn.Module):
     """DSA indexer with the checkpoint's names: ``wq_b``, ``wk``, ``k_norm`` (weight, bias), ``weights_proj``.
 
@@ -152,11 +160,11 @@ class LightningIndexer(nn.Module):
         q, k, w = self.project(x, q_latent, positions)
         if self.fmt == "bf16":
             q, k = self._half_split_order(q), self._half_split_order(k)
-            logits = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)
+            logits = torch.relu(_qk(q.float(), k.float()) * self.softmax_scale)
             index = torch.matmul(w.unsqueeze(-2), logits).squeeze(-2)             # [B, S, S]
         else:
             q8, qs, k8, ks = self.quantize_qk(q, k)
-            logits = torch.relu(torch.matmul(q8.float(), k8.float().transpose(-1, -2).unsqueeze(1)))
+            logits = torch.relu(_qk(q8.float(), k8.float()))
             wq = w * qs * self.softmax_scale                                      # [B, S, H]
             index = torch.matmul(wq.unsqueeze(-2), logits).squeeze(-2) * ks.unsqueeze(-2)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()

@@ -44,6 +44,16 @@ def test_scores_are_the_formula():
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_batched_scores_equal_each_sequence_alone(fmt):
+    """A batch scores like its sequences one at a time (the batched q·k is one GEMM per sequence)."""
+    m = indexer(fmt=fmt)
+    x, ql = inputs(3, 11)
+    got = m.scores(x, ql)
+    for b in range(3):
+        assert torch.allclose(got[b:b + 1], m.scores(x[b:b + 1], ql[b:b + 1]), rtol=1e-6, atol=1e-6, equal_nan=True)
+
 def test_rope_is_on_the_first_dims_only():
     m = indexer()
     x, ql = inputs(1, 4)
