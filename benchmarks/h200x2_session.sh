@@ -5,7 +5,8 @@
 #   GPU 1: the benchmarks alone, so their timings are not disturbed.
 # The device returns at most 8 files: everything lands in $OUT/session.tgz; the logs' tails go to stdout.
 # Usage: MLA_QUANT_COMMIT=<hash> bash benchmarks/h200x2_session.sh [benches, comma-separated] [pytest args]
-#   FID, TESTS, PARALLEL (0/1); TEST_GPU=1 runs the tests on GPU 1 before the benches (TEST_TIMEOUT) instead of
+#   FID, TESTS, PARALLEL (0/1); BENCH0 (benches for GPU 0 after the tests) and GPU0_CMD (a command for GPU 0 after
+#   them, $R = the results folder); TEST_GPU=1 runs the tests on GPU 1 before the benches (TEST_TIMEOUT) instead of
 #   beside the fidelity run; STAGE_S bounds each parallel stage (seconds, default 540); BENCH_ARGS.
 #   Carry .whl (pytest-xdist, execnet) to spread the compile-bound test suite over the CPU cores.
 set -uo pipefail
@@ -34,8 +35,20 @@ if [ "${FID:-0}" = 1 ]; then
   pids+=($!)
 fi
 if [ "${TESTS:-1}" = 1 ] && [ "${TEST_GPU:-0}" = 0 ]; then
-  (CUDA_VISIBLE_DEVICES=0 timeout "$STAGE_S" python -m pytest -v -p no:cacheprovider $XDIST ${2:-tests} \
-    >"$R/gpu_tests.log" 2>&1) &
+  # GPU 0: the tests (TEST_TIMEOUT, default the stage), then the benches named in BENCH0 and the command GPU0_CMD
+  # (e.g. a sweep) in what is left of the stage; their JSON goes to h200_gpu0.json
+  (t0=$(date +%s)
+   CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-$STAGE_S}" python -m pytest -v -p no:cacheprovider --tb=short \
+     $XDIST ${2:-tests} >"$R/gpu_tests.log" 2>&1
+   left=$(( STAGE_S - ($(date +%s) - t0) ))
+   if [ -n "${BENCH0:-}" ] && [ "$left" -gt 10 ]; then
+     CUDA_VISIBLE_DEVICES=0 timeout "$left" python -m benchmarks --only "$BENCH0" ${BENCH_ARGS:-} \
+       --out "$R/h200_gpu0.json" >"$R/bench_gpu0.log" 2>&1
+     left=$(( STAGE_S - ($(date +%s) - t0) ))
+   fi
+   if [ -n "${GPU0_CMD:-}" ] && [ "$left" -gt 10 ]; then
+     CUDA_VISIBLE_DEVICES=0 R="$R" timeout "$left" bash -c "$GPU0_CMD" >"$R/gpu0_cmd.log" 2>&1
+   fi) &
   pids+=($!)
 fi
 bench_s=$STAGE_S
@@ -52,7 +65,8 @@ echo "benches: exit $? after $(( $(date +%s) - start ))s"
 for p in "${pids[@]}"; do wait "$p"; done
 echo "all stages done after $(( $(date +%s) - start ))s"
 tar czf "$OUT/session.tgz" -C "$R" .
-grep -E "^\[|ceilings|wrote|Error|error" "$R/bench.log" | tail -30
+grep -E "^\[|ceilings|wrote|Error|error" "$R/bench.log" "$R/bench_gpu0.log" 2>/dev/null | tail -30
+tail -5 "$R/gpu0_cmd.log" 2>/dev/null
 grep -E "passed|failed" "$R/gpu_tests.log" 2>/dev/null | tail -2
 grep -E "(FAILED|ERROR)" "$R/gpu_tests.log" 2>/dev/null | grep -v "^E " | head -30
 tail -6 "$R/fid/session.log" 2>/dev/null
