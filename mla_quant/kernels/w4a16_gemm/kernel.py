@@ -17,6 +17,11 @@ One kernel, three shapes of work picked by constexprs:
   path takes BK ≥ 128 (``dot_k``; the launcher, the config prune and ``_dot`` check it).
 * ``BM >= 32`` (prefill): a tiled GEMM on the dequantized ``[BN, BK]`` tile, grouped tile order for L2 reuse.
 
+``PLANES`` (one token, ``w4a16_gemm(..., gemv="planes")``, the default) replaces the ``BM == 1`` loop by the
+plane GEMV core shared with ``fused_moe`` (``_gemm_utils.int4_plane_gemv_step``): x arrives as fp32 nibble
+planes (``_gemm_utils.plane_order``), words stay in their ``[BK/8, BN]`` load layout, one LOP3 + FADD + FFMA
+per weight, the scale once per 32 K (docs/moe.md "The INT4 plane GEMV").
+
 ``FAST_DEQUANT`` (0 = off, the default; ``w4a16_gemm(..., fast_dequant=1 or 2)`` or ``config["FAST_DEQUANT"]``)
 changes the tensor-core paths (``BM >= 16``; also usable at one token, the row tile then re-reading the one
 row) to the group-scaled form: per group, the codes ``q = n - 8`` are made directly in the activation dtype
