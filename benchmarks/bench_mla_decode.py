@@ -14,9 +14,10 @@ the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs).
 time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
 Every row logs ``config``: the autotuner's choice for it (``mla_decode.tuned_config()``, e.g. ``m16n32w8s2p``).
 BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``variant: "splits=N"``, N ≠ the
-launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth, and one
-``variant: "combine_only"`` row: the split merge kernel alone at that shape (``share_of_decode`` = its µs over
-the whole decode's).
+launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth; there and at
+batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time the split merge kernels alone
+(``share_of_decode`` = its µs over the whole decode's; "tiles" is the launcher's merge since this commit, "rows"
+the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well).
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
@@ -168,18 +169,20 @@ def run(ctx: Context) -> list[dict]:
                 if live[variant]:
                     cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=splits,
                                      config=tuned_config(), vs_convert=round(t / t_v, 3)))
-            if kind == "bf16" and heads <= 16 and batch >= 32 and n == 4096:
+            short = batch >= 32 and n == 4096  # the short-context bandwidth goal's rows
+            if kind == "bf16" and heads <= 16 and (short or batch == 1):
                 if splits > 1:  # the merge kernel alone, on partials of this shape (fp32, as the kernel writes)
                     o_part = torch.randn(batch, splits, heads, D_LATENT, device=dev)
                     lse_part = torch.randn(batch, splits, heads, device=dev)
                     o_fin = torch.empty(batch, heads, D_LATENT, device=dev, dtype=torch.bfloat16)
                     lse_fin = torch.empty(batch, heads, device=dev)
-                    t_c = _graph_us(lambda: combine_splits(o_part, lse_part, o_fin, lse_fin), 1)
                     part_bytes = o_part.numel() * 4 + lse_part.numel() * 4 + o_fin.numel() * 2 + lse_fin.numel() * 4
-                    cases.append(case("mla_decode", {**keys, "variant": "combine_only"}, t_c, bytes=part_bytes,
-                                      num_splits=splits, share_of_decode=round(t_c / t, 3)))
+                    for merge in ("tiles", "rows"):
+                        t_c = _graph_us(lambda: combine_splits(o_part, lse_part, o_fin, lse_fin, kernel=merge), 1)
+                        cases.append(case("mla_decode", {**keys, "variant": f"combine_only_{merge}"}, t_c,
+                                          bytes=part_bytes, num_splits=splits, share_of_decode=round(t_c / t, 3)))
                     del o_part, lse_part, o_fin, lse_fin
-                for forced in (f for f in SPLIT_VARIANTS if f != splits):
+                for forced in (f for f in SPLIT_VARIANTS if f != splits and short):
                     t_s = _graph_us(lambda: [call(q, tb, num_splits=forced) for q, tb in sets], len(sets))
                     cases.append(row({"variant": f"splits={forced}"}, t_s, peer, peer_t, num_splits=forced,
                                      config=tuned_config(), vs_planned=round(t / t_s, 3)))

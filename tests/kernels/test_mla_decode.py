@@ -5,6 +5,7 @@ speculative (S > 1) causal queries, split-K, FP8 SQNR against BF16, and bad inpu
 (``fp8_dequant="bitcast"``) is checked the same way, and its e4m3 -> 16-bit bit trick on all 256 bytes."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -423,6 +424,36 @@ def test_candidate_tables_reach_only_their_launches():
         f16_want = want if heads <= 16 else {16, 32}
         assert pruned(F16_DOTS=True) == {k for k in config_keys(F16_CONFIGS) if k[0] in f16_want}
     assert not any(k[5] for k in config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS))  # no PREFETCH there
+
+
+# ------------------------------------------------------------------------------------------ split merge
+@pytest.mark.parametrize("num_splits, m_rows, d_latent", [(37, 3, 256), (4, 16, 128), (1, 2, 64), (16, 5, 128)])
+def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_rows, d_latent):
+    """Both merge kernels ("tiles": 16 splits per step, here 1–3 steps and a partial chunk; "rows") equal
+    out = Σ_s 2^(lse_s − lse)·o_s with lse = log2 Σ 2^lse_s, including splits and whole rows with nothing
+    (lse −inf: out 0, lse −inf); outputs NaN-poisoned first."""
+    from mla_quant.kernels.mla_decode import combine_splits
+
+    dev = triton_backend
+    g = torch.Generator().manual_seed(num_splits)
+    o_part = torch.randn(2, num_splits, m_rows, d_latent, generator=g)
+    lse_part = torch.randn(2, num_splits, m_rows, generator=g) * 4
+    lse_part[0, ::3, 0] = float("-inf")       # empty splits of one row
+    lse_part[1, :, m_rows - 1] = float("-inf")  # a row with nothing at all
+    o_part[1, :, m_rows - 1] = 0.0
+    total = torch.logsumexp(lse_part.double() * math.log(2), 1)                            # [2, M], natural
+    w = torch.exp(lse_part.double() * math.log(2) - total[:, None].nan_to_num(neginf=0.0)).nan_to_num(0.0)
+    want = (w[..., None] * o_part.double()).sum(1)
+    want[1, m_rows - 1] = 0.0
+    for kernel in ("tiles", "rows"):
+        out = poisoned_empty((2, m_rows, d_latent), device=dev)
+        lse = poisoned_empty((2, m_rows), device=dev)
+        combine_splits(o_part.to(dev), lse_part.to(dev), out, lse, kernel=kernel)
+        assert_all_written(out, "out")
+        assert torch.allclose(out.cpu().double(), want, rtol=1e-5, atol=1e-5), kernel
+        assert torch.allclose(lse.cpu().double(), total, atol=1e-5) and lse[1, m_rows - 1] == float("-inf")
+    with pytest.raises(ValueError, match="kernel"):
+        combine_splits(o_part.to(dev), lse_part.to(dev), out, lse, kernel="fast")
 
 
 # ------------------------------------------------------------------------------------------ split rule

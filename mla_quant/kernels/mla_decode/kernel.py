@@ -477,6 +477,42 @@ _mla_decode_kernel_tuned = triton.autotune(
 
 
 @triton.jit
+def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
+                                     D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                                     SPLITS_P2: tl.constexpr, CHUNK_S: tl.constexpr):
+    """The merge of _mla_decode_combine_kernel over a 3-D grid (row blocks, requests, column blocks), reading
+    CHUNK_S splits per step ([CHUNK_S, BLOCK_R, BLOCK_D] loads): many small programs and few dependent steps, where
+    the row-block kernel walks every split serially in a handful of programs (batch 1: 2 programs × 218 splits)."""
+    pid_r, b, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    splits = tl.arange(0, SPLITS_P2)
+    part = b.to(tl.int64) * NUM_SPLITS * M
+    lse = tl.load(lse_part_ptr + part + splits[:, None] * M + rows[None, :],
+                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"))  # [S, R]
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m_use[None, :]), 0)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):
+        sp = s0 + tl.arange(0, CHUNK_S)
+        ok = (sp[:, None] < NUM_SPLITS) & row_ok[None, :]                                          # [C, R]
+        idx = part + sp[:, None] * M + rows[None, :]
+        w = tl.exp2(tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf")) - m_use[None, :])
+        o = tl.load(o_part_ptr + idx[:, :, None] * D_LAT + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o, 0)
+    empty = denom == 0.0
+    d_use = tl.where(empty, 1.0, denom)
+    out = acc / d_use[:, None]
+    base = b.to(tl.int64) * M
+    tl.store(out_ptr + (base + rows)[:, None] * D_LAT + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if pid_d == 0:
+        tl.store(lse_ptr + base + rows, tl.where(empty, float("-inf"), (m_use + tl.log2(d_use)) * LN2), mask=row_ok)
+
+
+@triton.jit
 def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
                                D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
     """Merge the splits' (o, lse) of BLOCK_R query rows: out = Σ_s 2^(lse_s - lse)·o_s."""
