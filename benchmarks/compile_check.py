@@ -233,7 +233,7 @@ def cases_mla_decode() -> Iterator[Case]:
     for (kind, scale), heads in ((f, h) for f in KV_FORMATS for h in (16, 128)):
         data, scales = _kv_pages(kind, scale, table.numel())
         q = torch.randn(2, 1, heads, D_LATENT + D_ROPE, dtype=BF16)
-        for fp8_dequant in ("auto", "convert", "bitcast") if kind != "bf16" else ("auto",):
+        for fp8_dequant in ("auto", "convert", "bitcast", "fp16") if kind != "bf16" else ("auto",):
             yield (f"kind={kind} scale={scale} heads={heads} fp8_dequant={fp8_dequant}",
                    partial(mla_decode, q, data, scales, table, lens, 0.1, kind, D_LATENT, fp8_dequant=fp8_dequant))
 
@@ -292,7 +292,7 @@ def cases_indexer_scores() -> Iterator[Case]:
 
 def cases_topk() -> Iterator[Case]:
     from mla_quant.kernels.topk import RADIX_MAX_ROWS, topk_indices
-    for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (3, 3001)):  # more rows than RADIX_MAX_ROWS: torch
+    for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (64, 8192), (3, 3001)):
         yield f"rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048)
 
 

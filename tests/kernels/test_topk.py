@@ -219,20 +219,23 @@ def test_cpu_default_is_reference():
 
 
 def test_many_rows_take_torch_topk(triton_backend, monkeypatch):
-    """Above RADIX_MAX_ROWS rows the op is torch.topk (faster there on the H200); at or below, the radix select."""
+    """Above RADIX_MAX_ROWS rows and RADIX_MAX_ELEMENTS scores the op is torch.topk (faster there on the H200);
+    within either bound, the radix select."""
     from mla_quant.kernels import topk as topk_mod
 
     calls = []
     monkeypatch.setattr(topk_mod, "_radix_topk",
                         lambda s, k, **kw: calls.append(s.shape[0]) or topk_indices_reference(s, k))
-    for rows in (1, topk_mod.RADIX_MAX_ROWS, topk_mod.RADIX_MAX_ROWS + 1, 64):
-        scores = torch.randn(rows, 300, device=triton_backend)
+    monkeypatch.setattr(topk_mod, "RADIX_MAX_ELEMENTS", 1000)
+    max_rows = topk_mod.RADIX_MAX_ROWS
+    for rows, n in ((1, 300), (max_rows, 300), (max_rows + 1, 300), (64, 300), (max_rows + 4, 100)):
+        scores = torch.randn(rows, n, device=triton_backend)
         selection_is_valid(scores, topk_mod.topk_indices(scores, 40), 40)
-    assert calls == [1, topk_mod.RADIX_MAX_ROWS]
+    assert calls == [1, max_rows, max_rows + 4]                          # 8 x 100 <= 1000 scores: radix
     scores = torch.randn(9, 300, device=triton_backend)                  # forced methods
     selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method="radix"), 40)
     selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method="torch"), 40)
-    assert calls == [1, topk_mod.RADIX_MAX_ROWS, 9]
+    assert calls == [1, max_rows, max_rows + 4, 9]
 
 
 def test_radix_many_rows_both_digit_widths(triton_backend):

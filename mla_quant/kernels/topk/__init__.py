@@ -12,8 +12,10 @@ host sync. ``radix_topk_from`` continues a select whose first rounds another ker
 Length threshold: a row with N ≤ k columns needs no selection (all of it is the answer) and takes one
 ``where`` over an ``arange``.
 
-Row threshold: under ``method="auto"`` the radix select serves at most ``RADIX_MAX_ROWS`` rows (decode at small
-batch); more rows take ``torch.topk`` (the reference). Measured on the H200 with k = 2048 and 11-bit digits
+Row threshold: under ``method="auto"`` the radix select serves up to ``RADIX_MAX_ROWS`` rows (decode at small
+batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). With
+8-bit digits (the default since the H200 run of commit 2bed842) the select took 19.5 µs at one row of 64k
+(torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115). Measured on the H200 with k = 2048 and 11-bit digits
 (``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs
 per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows
@@ -30,17 +32,20 @@ from .._gemm_utils import num_sms
 from .kernel import rounds, work_ints
 from .reference import topk_indices_reference
 
-__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_MAX_ROWS", "RADIX_BITS"]
+__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_MAX_ROWS", "RADIX_MAX_ELEMENTS",
+           "RADIX_BITS"]
 
-RADIX_MAX_ROWS = 4  # rows served by the radix select under "auto"; more take torch.topk (measured, docstring)
-RADIX_BITS = 11     # default digit width of the radix select: fewest launches (8: less work per element)
+RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measured, docstring)
+RADIX_MAX_ELEMENTS = 1 << 20  # ... and more rows while rows · N stays within this (64 rows of 8k: yes; of 64k: no)
+RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of 2048 at every measured shape
 RADIX_CHOICES = (8, 11)
 METHODS = ("auto", "radix", "torch")
 
 
 def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS) -> torch.Tensor:
     """scores [T, N] float -> int32 [T, min(k, N)] (unordered; -1 where the score is -inf). ``method``:
-    ``"auto"`` (the radix select for at most ``RADIX_MAX_ROWS`` rows on the Triton backend, else torch.topk),
+    ``"auto"`` (on the Triton backend the radix select for ≤ ``RADIX_MAX_ROWS`` rows or ≤ ``RADIX_MAX_ELEMENTS``
+    scores, else torch.topk),
     ``"radix"`` (the Triton radix select whenever the backend is Triton) or ``"torch"``; ``radix_bits``: the
     radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024)."""
     check_tensor("scores", scores, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
@@ -52,7 +57,8 @@ def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits:
         raise ValueError(f"method: {method!r} not in {METHODS}")
     if radix_bits not in RADIX_CHOICES:
         raise ValueError(f"radix_bits: {radix_bits!r} not in {RADIX_CHOICES}")
-    radix = method == "radix" or (method == "auto" and scores.shape[0] <= RADIX_MAX_ROWS)
+    rows, n = scores.shape
+    radix = method == "radix" or (method == "auto" and (rows <= RADIX_MAX_ROWS or rows * n <= RADIX_MAX_ELEMENTS))
     if not use_triton(scores) or not radix:
         return topk_indices_reference(scores, k)
     return _radix_topk(scores, k, radix_bits=radix_bits)
