@@ -429,7 +429,7 @@ def test_candidate_tables_reach_only_their_launches():
 # ------------------------------------------------------------------------------------------ split merge
 @pytest.mark.parametrize("num_splits, m_rows, d_latent", [(37, 3, 256), (4, 16, 128), (1, 2, 64), (16, 5, 128)])
 def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_rows, d_latent):
-    """Both merge kernels ("tiles": 16 splits per step, here 1–3 steps and a partial chunk; "rows") equal
+    """Both merge kernels ("tiles": 16 splits per step, here 1–3 steps and a partial chunk; "rows"; "auto") equal
     out = Σ_s 2^(lse_s − lse)·o_s with lse = log2 Σ 2^lse_s, including splits and whole rows with nothing
     (lse −inf: out 0, lse −inf); outputs NaN-poisoned first."""
     from mla_quant.kernels.mla_decode import combine_splits
@@ -445,7 +445,7 @@ def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_
     w = torch.exp(lse_part.double() * math.log(2) - total[:, None].nan_to_num(neginf=0.0)).nan_to_num(0.0)
     want = (w[..., None] * o_part.double()).sum(1)
     want[1, m_rows - 1] = 0.0
-    for kernel in ("tiles", "rows"):
+    for kernel in ("tiles", "rows", "auto"):
         out = poisoned_empty((2, m_rows, d_latent), device=dev)
         lse = poisoned_empty((2, m_rows), device=dev)
         combine_splits(o_part.to(dev), lse_part.to(dev), out, lse, kernel=kernel)
