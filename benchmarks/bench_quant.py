@@ -1,6 +1,9 @@
 """bench ``quant``: quantization kernels on large tensors, against the copy bandwidth of the same run.
 
 ``quant_ops`` is shared with ``benchmarks/sweep_quant.py``, which times the same calls at other launch settings.
+Each call is replayed from a CUDA graph (``graph_us``): timed eagerly (``do_bench`` events around a Python launch)
+a 45-90 µs kernel also measured the host's launch latency, and the same default setting read 0.46-0.87 of copy
+in one H200 session whenever the host's cores were busy (a test run beside it).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 from mla_quant.kernels import fp8_quant as F
 from mla_quant.kernels import int4_quant as I
 
-from .common import Context, case, median_us
+from .common import Context, case, graph_us
 
 ROWS, K = 8192, 7168  # 117 MB of bf16: twice the L2, even in --quick mode (it takes seconds)
 KV_WIDTH = 576  # MLA KV rows: 512 latent + 64 rope
@@ -43,7 +46,7 @@ def run(ctx: Context) -> list[dict]:
     x = torch.randn(ROWS, K, device=ctx.device, dtype=torch.bfloat16)
     cases = []
     for op, call, bytes_moved in quant_ops(x):
-        t = median_us(call)
-        cases.append(case("quant", {"op": op, "numel": x.numel()}, t, bytes=bytes_moved,
+        t, captured = graph_us(call)
+        cases.append(case("quant", {"op": op, "numel": x.numel()}, t, bytes=bytes_moved, cuda_graph=captured,
                           frac_of_copy=round(bytes_moved / (t * 1e-6) / 1e12 / ctx.copy_tbps, 3)))
     return cases

@@ -4,8 +4,8 @@
 
 For every op of ``bench_quant.quant_ops`` it times the launcher's default and each setting of a small grid
 (``config=``: rows / groups / block per program, num_warps, program order, and persistent grids with pipelined
-loads: ``STAGES``, ``PROGRAMS_PER_SM``) with the bench's timing (``common.median_us``: triton.testing.do_bench,
-L2 flushed between calls, the first call — the compile — outside the timing; 10 ms warm-up and 50 ms of runs
+loads: ``STAGES``, ``PROGRAMS_PER_SM``) with the bench's timing (``common.graph_us``: one call replayed from a CUDA graph by triton.testing.do_bench,
+L2 flushed between replays, the first call — the compile — outside the timing; 10 ms warm-up and 50 ms of runs
 instead of 25 / 100), and reports µs and the fraction of the copy bandwidth measured in the same run. Ops go
 furthest-from-goal first; after ``--budget-s`` the remaining settings are listed as skipped. Prints a table and
 the best setting per op, and writes them as JSON to ``--out``. Mostly Triton compiles (~45 small kernels).
@@ -20,7 +20,7 @@ import time
 import torch
 
 from .bench_quant import ROWS, K, quant_ops
-from .common import Context, measure_ceilings, median_us, meta
+from .common import Context, graph_us, measure_ceilings, meta
 
 ACT = [{"BLOCK_G": g, "num_warps": w} for g, w in ((16, 4), (32, 8), (64, 8), (16, 2))]  # 64 with 4 warps spills
 BLOCK_QUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8, 16) for f in (False, True)] + [
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 skipped.append({"op": op, "config": config})
                 continue
             try:
-                t = median_us(lambda: call(config), warmup_ms=10, rep_ms=50)
+                t, _ = graph_us(lambda: call(config), warmup_ms=10, rep_ms=50)
             except Exception as e:  # noqa: BLE001 - one setting that fails to compile or launch is a finding
                 print(f"{op:22s} {json.dumps(config):48s} failed: {type(e).__name__}: {e}"[:300], flush=True)
                 rows.append({"op": op, "config": config, "error": f"{type(e).__name__}: {e}"[:500]})
