@@ -18,14 +18,6 @@ from mla_quant.kernels.mla_prefill.reference import mla_prefill_reference
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _ids(b: int, t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, train.VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 

@@ -11,14 +11,6 @@ import torch
 from mla_quant.eval import fidelity_run, train
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_train_forward_matches_the_model_forward():
     """SDPA attention + the per-expert path compute what model(ids) computes (fp32), and gradients reach
     every trainable tensor (attention, router, routed and shared experts)."""
