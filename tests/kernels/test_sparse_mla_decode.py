@@ -184,12 +184,15 @@ def test_hypothesis_ragged_batches_and_page_boundaries(triton_backend, lengths, 
     req_ids = torch.arange(len(lengths), dtype=torch.int32).repeat_interleave(2)
     idx = random_indices(lengths, req_ids, k, seed).to(dev)
     req_ids = req_ids.to(dev)
-    q_nope, q_pe = torch.randn(len(req_ids), 2, dl).to(dev), torch.randn(len(req_ids), 2, dr).to(dev)
+    g = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(len(req_ids), 2, dl, generator=g).to(dev)
+    q_pe = torch.randn(len(req_ids), 2, dr, generator=g).to(dev)
     out, lse = sparse_mla_decode(q_nope, q_pe, data, scales, kind[0], table, seq_lens, req_ids, idx, 0.1)
     ro, rl = sparse_mla_decode_reference(q_nope, q_pe, data, scales, kind[0], table, seq_lens, req_ids, idx, 0.1)
     assert rel_err(out, ro) < 1e-5
     finite = torch.isfinite(rl)
-    assert torch.equal(finite, torch.isfinite(lse)) and rel_err(lse[finite], rl[finite]) < 1e-6
+    # lse may sit near 0 (relative error undefined there): fp32 rounding of the log-sum-exp, relative or absolute
+    assert torch.equal(finite, torch.isfinite(lse)) and torch.allclose(lse[finite], rl[finite], rtol=1e-6, atol=2e-6)
 
 
 @pytest.mark.gpu
