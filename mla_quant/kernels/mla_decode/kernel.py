@@ -477,6 +477,33 @@ _mla_decode_kernel_tuned = triton.autotune(
 
 
 @triton.jit
+def _combine_lse_max(lse_part_ptr, part, rows, row_ok, M, NUM_SPLITS, SPLITS_P2: tl.constexpr):
+    """The split merge's prologue: over the NUM_SPLITS partial lse (base-2) of the rows [R] of one request (from
+    offset part), their max m (0 where every split is empty) and the denominator Σ_s 2^(lse_s - m). Returns
+    (m [R], denom [R])."""
+    splits = tl.arange(0, SPLITS_P2)
+    lse = tl.load(lse_part_ptr + part + splits[:, None] * M + rows[None, :],
+                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"))  # [S, R]
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m_use[None, :]), 0)
+    return m_use, denom
+
+
+@triton.jit
+def _combine_store(out_ptr, lse_ptr, acc, m_use, denom, base, rows, row_ok, cols, D_LAT: tl.constexpr, store_lse):
+    """The split merge's epilogue: out[base + rows, cols] = acc / denom ([R, C]; 0 for rows with no token) and,
+    where store_lse, lse[base + rows] = ln(2^m · denom) (-inf for rows with no token)."""
+    empty = denom == 0.0
+    d_use = tl.where(empty, 1.0, denom)
+    out = acc / d_use[:, None]
+    tl.store(out_ptr + (base + rows)[:, None] * D_LAT + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if store_lse:
+        tl.store(lse_ptr + base + rows, tl.where(empty, float("-inf"), (m_use + tl.log2(d_use)) * LN2), mask=row_ok)
+
+
+@triton.jit
 def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
                                      D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                      SPLITS_P2: tl.constexpr, CHUNK_S: tl.constexpr):
@@ -486,13 +513,8 @@ def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
     pid_r, b, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
-    splits = tl.arange(0, SPLITS_P2)
     part = b.to(tl.int64) * NUM_SPLITS * M
-    lse = tl.load(lse_part_ptr + part + splits[:, None] * M + rows[None, :],
-                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"))  # [S, R]
-    m = tl.max(lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m_use[None, :]), 0)
+    m_use, denom = _combine_lse_max(lse_part_ptr, part, rows, row_ok, M, NUM_SPLITS, SPLITS_P2)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for s0 in range(0, NUM_SPLITS, CHUNK_S):
@@ -502,14 +524,7 @@ def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
         w = tl.exp2(tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf")) - m_use[None, :])
         o = tl.load(o_part_ptr + idx[:, :, None] * D_LAT + cols[None, None, :], mask=ok[:, :, None], other=0.0)
         acc += tl.sum(w[:, :, None] * o, 0)
-    empty = denom == 0.0
-    d_use = tl.where(empty, 1.0, denom)
-    out = acc / d_use[:, None]
-    base = b.to(tl.int64) * M
-    tl.store(out_ptr + (base + rows)[:, None] * D_LAT + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    if pid_d == 0:
-        tl.store(lse_ptr + base + rows, tl.where(empty, float("-inf"), (m_use + tl.log2(d_use)) * LN2), mask=row_ok)
+    _combine_store(out_ptr, lse_ptr, acc, m_use, denom, b.to(tl.int64) * M, rows, row_ok, cols, D_LAT, pid_d == 0)
 
 
 @triton.jit
@@ -519,13 +534,8 @@ def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NU
     pid_r, b = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
-    splits = tl.arange(0, SPLITS_P2)
     part = b.to(tl.int64) * NUM_SPLITS * M
-    lse = tl.load(lse_part_ptr + part + splits[:, None] * M + rows[None, :],
-                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"))  # [S, R]
-    m = tl.max(lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m_use[None, :]), 0)
+    m_use, denom = _combine_lse_max(lse_part_ptr, part, rows, row_ok, M, NUM_SPLITS, SPLITS_P2)
     d_lat = tl.arange(0, D_LAT)
     acc = tl.zeros([BLOCK_R, D_LAT], tl.float32)
     for s in range(NUM_SPLITS):
@@ -533,10 +543,4 @@ def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NU
         o = tl.load(o_part_ptr + (part + s * M + rows)[:, None] * D_LAT + d_lat[None, :],
                     mask=row_ok[:, None], other=0.0)
         acc += w[:, None] * o
-    empty = denom == 0.0
-    d_use = tl.where(empty, 1.0, denom)
-    out = acc / d_use[:, None]
-    base = b.to(tl.int64) * M
-    tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(lse_ptr + base + rows, tl.where(empty, float("-inf"), (m_use + tl.log2(d_use)) * LN2), mask=row_ok)
+    _combine_store(out_ptr, lse_ptr, acc, m_use, denom, b.to(tl.int64) * M, rows, row_ok, d_lat, D_LAT, True)
