@@ -13,92 +13,55 @@ instructions x warps / weights per iteration). Static counts only: nothing runs.
 from __future__ import annotations
 
 import argparse
-import collections
-import os
-import subprocess
-import tempfile
 
 import torch
 
 from benchmarks import compile_check as cc
-from benchmarks.mla_decode_sass import opcode, programs_per_sm, sass_loop
+from benchmarks.sass_tools import collect_compiled, loop_profile, opcode
 
 COLUMNS = ("LDG", "LDG128", "STS", "LDS", "BAR", "SHFL", "LOP3", "SHF", "FADD", "FMUL", "FFMA", "IMAD", "PRMT")
 HIDDEN, INTER, EXPERTS = 7168, 2048, 4  # Kimi K2.6 widths; the number of experts does not change the code
-
-
-def _counts(body: list[str]) -> collections.Counter:
-    counts = collections.Counter(opcode(t) for t in body)
-    counts["LDG128"] = sum(1 for t in body if opcode(t) == "LDG" and ".128" in t)
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     args = parser.parse_args(argv)
-    log = cc.CompileLog()
-    cc.install_fake_hopper(log, ptxas=True)
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.runtime import jit
+    with collect_compiled(("_moe_gemm_kernel", "_w4a16_gemm_kernel")) as (log, compiled):
+        from mla_quant.kernels.fused_moe import GEMV_FORMS, fused_moe
+        from mla_quant.kernels.w4a16_gemm import GEMV_FORMS as W4_FORMS
+        from mla_quant.kernels.w4a16_gemm import w4a16_gemm
 
-    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    compiled = []
-    patched = jit.JITFunction.run
-
-    def run(self, *a, **kw):
-        kernel = patched(self, *a, **kw)
-        if kernel is not None and self.__name__ in ("_moe_gemm_kernel", "_w4a16_gemm_kernel"):
-            compiled.append((self.__name__, kw, kernel))
-        return kernel
-
-    jit.JITFunction.run = run
-    from mla_quant.kernels.fused_moe import GEMV_FORMS, fused_moe
-    from mla_quant.kernels.w4a16_gemm import GEMV_FORMS as W4_FORMS
-    from mla_quant.kernels.w4a16_gemm import w4a16_gemm
-
-    x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
-    gate, up, down = (cc._moe_weights("int4_group", EXPERTS, n, k) for n, k in ((INTER, HIDDEN), (INTER, HIDDEN),
-                                                                              (HIDDEN, INTER)))
-    ids, w = torch.arange(EXPERTS, dtype=torch.int32)[None], torch.ones(1, EXPERTS)
-    packed, scale = torch.zeros(HIDDEN, HIDDEN // 8, dtype=torch.int32), torch.ones(HIDDEN, HIDDEN // 32,
-                                                                                   dtype=torch.bfloat16)
-    calls = [(f"moe {form}", lambda form=form: fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
-                                                          gemv=form)) for form in GEMV_FORMS]
-    calls += [(f"w4a16 {form}", lambda form=form: w4a16_gemm(x, packed, scale, 32, gemv=form)) for form in W4_FORMS]
-    print(f"{'kernel':36s} regs spill prog/SM | loop instr/iter (per thread) " + " ".join(COLUMNS)
-          + " | warp-instr/weight")
-    for label, call in calls:
-        start = len(compiled)
-        call()
-        for name, kw, kernel in compiled[start:]:
-            if name == "_moe_gemm_kernel":
-                bn, bk, gated = kw["BLOCK_N"], kw["BLOCK_K"], kw["GATED"]
-                tag = f"{label} {'gate-up' if gated else 'down'} {bn}x{bk}"
-            else:
-                bn, bk, gated = kw["BN"], kw["BK"], False
-                tag = f"{label} {bn}x{bk} split{kw['SPLIT_K']}"
-            warps = kw["num_warps"]
-            tag += f" w{warps}"
-            with tempfile.TemporaryDirectory() as tmp:
-                cubin = os.path.join(tmp, "k.cubin")
-                with open(cubin, "wb") as f:
-                    f.write(kernel.asm["cubin"])
-                sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                stem = tag.replace(" ", "_")
-                for ext, text in (("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"]), ("sass", sass)):
-                    with open(os.path.join(args.dump, f"{stem}.{ext}"), "w") as f:
-                        f.write(text)
-            body = sass_loop(sass)
-            counts = _counts(body)
-            regs, spills = log.ptxas[kernel.metadata.hash]
-            progs = programs_per_sm(regs or 255, kernel.metadata.shared, warps)
-            weights = bn * bk * (2 if gated else 1)
-            print(f"{tag:36s} {regs:4} {spills:5} {progs:7} | {len(body):5} "
-                  + " ".join(f"{counts[c]:>{len(c)}}" for c in COLUMNS)
-                  + f" | {len(body) * warps * 32 / weights / 32:.3f}", flush=True)
+        x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+        gate, up, down = (cc._moe_weights("int4_group", EXPERTS, n, k) for n, k in ((INTER, HIDDEN), (INTER, HIDDEN),
+                                                                                  (HIDDEN, INTER)))
+        ids, w = torch.arange(EXPERTS, dtype=torch.int32)[None], torch.ones(1, EXPERTS)
+        packed, scale = torch.zeros(HIDDEN, HIDDEN // 8, dtype=torch.int32), torch.ones(HIDDEN, HIDDEN // 32,
+                                                                                       dtype=torch.bfloat16)
+        calls = [(f"moe {form}", lambda form=form: fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
+                                                              gemv=form)) for form in GEMV_FORMS]
+        calls += [(f"w4a16 {form}", lambda form=form: w4a16_gemm(x, packed, scale, 32, gemv=form))
+                  for form in W4_FORMS]
+        print(f"{'kernel':36s} regs spill prog/SM | loop instr/iter (per thread) " + " ".join(COLUMNS)
+              + " | warp-instr/weight")
+        for label, call in calls:
+            start = len(compiled)
+            call()
+            for name, kw, kernel in compiled[start:]:
+                if name == "_moe_gemm_kernel":
+                    bn, bk, gated = kw["BLOCK_N"], kw["BLOCK_K"], kw["GATED"]
+                    tag = f"{label} {'gate-up' if gated else 'down'} {bn}x{bk}"
+                else:
+                    bn, bk, gated = kw["BN"], kw["BK"], False
+                    tag = f"{label} {bn}x{bk} split{kw['SPLIT_K']}"
+                warps = kw["num_warps"]
+                tag += f" w{warps}"
+                body, counts, regs, spills, progs = loop_profile(log, kernel, warps, args.dump, tag.replace(" ", "_"))
+                counts["LDG128"] = sum(1 for t in body if opcode(t) == "LDG" and ".128" in t)
+                weights = bn * bk * (2 if gated else 1)
+                print(f"{tag:36s} {regs:4} {spills:5} {progs:7} | {len(body):5} "
+                      + " ".join(f"{counts[c]:>{len(c)}}" for c in COLUMNS)
+                      + f" | {len(body) * warps * 32 / weights / 32:.3f}", flush=True)
     return 0
 
 
