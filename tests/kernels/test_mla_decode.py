@@ -71,35 +71,52 @@ def _tables(lengths, page_size, data):
     return data.draw(page_tables(lengths, page_size, share_prefix=data.draw(st.booleans())))
 
 
+def _drawn_case(data, dev, kind, page_size, s_q, heads, q_dtype, max_requests, max_len, d_latent, d_rope=32):
+    """One drawn paged decode: ragged lengths (up to max_len tokens, 40 at page size 1), a page table (prefix
+    shared or not), NaN-poisoned pages and outputs. Returns (mla_decode's positional args on dev, q on the CPU
+    [B, S, H, D], the rows each request stored, out [B, S, H, d_latent], lse [B, S, H])."""
+    kind, tensor_scale = kind
+    lengths = data.draw(ragged_lengths(st.integers(1, max_requests), min_len=s_q,
+                                       max_len=max_len if page_size > 1 else 40))
+    table, seq_lens, num_pages = _tables(lengths, page_size, data)
+    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
+                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope).to(q_dtype)
+    scale = (d_latent // 4 + d_rope) ** -0.5
+    out = poisoned_empty((len(lengths), s_q, heads, d_latent), dtype=q_dtype, device=dev)
+    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
+    args = (q.to(dev), kv, scales, table.to(dev), seq_lens.to(dev), scale, kind, d_latent)
+    return args, q, stored, out, lse
+
+
+def _check_outputs(out, lse, args, q, stored):
+    """out / lse fully written; with fp32 queries within 1e-5 (lse 1e-4) of the fp64 contiguous attention of each
+    request and of the reference. Returns (out fp32, lse, reference out fp32, reference lse), on the CPU."""
+    assert_all_written(out, "out")
+    assert_all_written(lse, "lse")
+    out, lse = out.cpu().float(), lse.cpu()
+    o_r, lse_r = mla_decode_reference(*args)
+    o_r, lse_r = o_r.cpu().float(), lse_r.cpu()
+    if q.dtype == torch.float32:
+        scale, d_latent = args[5], args[7]
+        for b, rows in enumerate(stored):
+            o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
+            assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
+            assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
+        assert rel_err(out, o_r) < 1e-5 and torch.allclose(lse, lse_r, atol=1e-4)
+    return out, lse, o_r, lse_r
+
+
 # ------------------------------------------------------------------------ paged == contiguous (Hypothesis)
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the backend fixture is constant
 @given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16, 64]),
        s_q=st.sampled_from([1, 1, 2, 3]), heads=st.integers(1, 5), num_splits=st.sampled_from([None, 1, 2, 5]),
        config=st.sampled_from(CONFIGS))
 def test_kernel_matches_contiguous_attention(triton_backend, data, kind, page_size, s_q, heads, num_splits, config):
-    kind, tensor_scale = kind
-    d_latent, d_rope = 128, 32
-    lengths = data.draw(ragged_lengths(st.integers(1, 4), min_len=s_q, max_len=150 if page_size > 1 else 40))
-    table, seq_lens, num_pages = _tables(lengths, page_size, data)
-    dev = triton_backend
-    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
-                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
-    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope)
-    scale = (d_latent // 4 + d_rope) ** -0.5
-    out = poisoned_empty((len(lengths), s_q, heads, d_latent), device=dev)
-    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
-    table, seq_lens = table.to(dev), seq_lens.to(dev)
-    mla_decode(q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent, num_splits=num_splits, out=out, lse=lse,
-               config=config)
-    assert_all_written(out, "out")
-    assert_all_written(lse, "lse")
-    out, lse = out.cpu(), lse.cpu()
-    for b, rows in enumerate(stored):
-        o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
-        assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
-        assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
-    o_r, lse_r = mla_decode_reference(q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent)
-    assert rel_err(out, o_r.cpu()) < 1e-5 and torch.allclose(lse, lse_r.cpu(), atol=1e-4)
+    args, q, stored, out, lse = _drawn_case(data, triton_backend, kind, page_size, s_q, heads, torch.float32,
+                                            max_requests=4, max_len=150, d_latent=128)
+    mla_decode(*args, num_splits=num_splits, out=out, lse=lse, config=config)
+    _check_outputs(out, lse, args, q, stored)
 
 
 def test_ds_mla_with_several_tiles_and_a_long_split_sequence(triton_backend):
@@ -198,33 +215,14 @@ def test_bitcast_dequant_matches_contiguous_attention(triton_backend, data, kind
     """fp8_dequant="bitcast" (bf16 pages: no effect): fp32 queries within the tolerances of the default path;
     bf16 / fp16 queries (fp16: fp16 images of the bytes, ds_mla falls back to the conversion) within their
     output rounding, against the reference and against the default path."""
-    kind, tensor_scale = kind
-    d_latent, d_rope = 256, 32  # two 128-tiles: fp8_ds_mla's batched per-tile dots
-    lengths = data.draw(ragged_lengths(st.integers(1, 3), min_len=s_q, max_len=130 if page_size > 1 else 40))
-    table, seq_lens, num_pages = _tables(lengths, page_size, data)
-    dev = triton_backend
-    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
-                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
-    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope).to(q_dtype)
-    scale = (d_latent // 4 + d_rope) ** -0.5
-    out = poisoned_empty((len(lengths), s_q, heads, d_latent), dtype=q_dtype, device=dev)
-    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
-    table, seq_lens = table.to(dev), seq_lens.to(dev)
-    args = (q.to(dev), kv, scales, table, seq_lens, scale, kind, d_latent)
+    # d_latent 256: two 128-tiles, fp8_ds_mla's batched per-tile dots
+    args, q, stored, out, lse = _drawn_case(data, triton_backend, kind, page_size, s_q, heads, q_dtype,
+                                            max_requests=3, max_len=130, d_latent=256)
     mla_decode(*args, num_splits=num_splits, out=out, lse=lse, config=config, fp8_dequant="bitcast")
-    assert_all_written(out, "out")
-    assert_all_written(lse, "lse")
-    out, lse = out.cpu().float(), lse.cpu()
-    o_r, lse_r = mla_decode_reference(*args)
-    if q_dtype == torch.float32:
-        for b, rows in enumerate(stored):
-            o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
-            assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
-            assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
-        assert rel_err(out, o_r.cpu()) < 1e-5 and torch.allclose(lse, lse_r.cpu(), atol=1e-4)
-    else:
+    out, lse, o_r, lse_r = _check_outputs(out, lse, args, q, stored)
+    if q_dtype != torch.float32:
         o_conv, lse_conv = mla_decode(*args, num_splits=num_splits, config=config)
-        assert rel_err(out, o_r.cpu().float()) < 1e-2 and torch.allclose(lse, lse_r.cpu(), atol=2e-2)
+        assert rel_err(out, o_r) < 1e-2 and torch.allclose(lse, lse_r, atol=2e-2)
         assert rel_err(out, o_conv.cpu().float()) < 1e-2 and torch.allclose(lse, lse_conv.cpu(), atol=2e-2)
 
 
@@ -327,33 +325,15 @@ def test_fp16_dequant_matches_contiguous_attention(triton_backend, data, kind, p
     """fp8_dequant="fp16" (16-bit queries: fp16 dot operands, q and p pre-scaled) with and without PREFETCH:
     fp32 queries (the conversion, prefetched or not) at the default path's tolerances; bf16 / fp16 queries within
     fp16 rounding of p (q is exact), against the reference and the default path. NaN in every unused slot."""
-    kind, tensor_scale = kind
-    d_latent, d_rope = 256, 32  # two 128-tiles for fp8_ds_mla
-    lengths = data.draw(ragged_lengths(st.integers(1, 3), min_len=s_q, max_len=130 if page_size > 1 else 40))
-    table, seq_lens, num_pages = _tables(lengths, page_size, data)
-    dev = triton_backend
-    kv, scales, stored = build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope,
-                                     seed=data.draw(st.integers(0, 2**16)), device=dev)
-    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope).to(q_dtype)
-    scale = (d_latent // 4 + d_rope) ** -0.5
-    out = poisoned_empty((len(lengths), s_q, heads, d_latent), dtype=q_dtype, device=dev)
-    lse = poisoned_empty((len(lengths), s_q, heads), device=dev)
-    args = (q.to(dev), kv, scales, table.to(dev), seq_lens.to(dev), scale, kind, d_latent)
+    # d_latent 256: two 128-tiles for fp8_ds_mla
+    args, q, stored, out, lse = _drawn_case(data, triton_backend, kind, page_size, s_q, heads, q_dtype,
+                                            max_requests=3, max_len=130, d_latent=256)
     mla_decode(*args, num_splits=num_splits, out=out, lse=lse, config=config, fp8_dequant="fp16")
-    assert_all_written(out, "out")
-    assert_all_written(lse, "lse")
-    out, lse = out.cpu().float(), lse.cpu()
-    o_r, lse_r = mla_decode_reference(*args)
-    if q_dtype == torch.float32:
-        for b, rows in enumerate(stored):
-            o_ref, lse_ref = contiguous_attention(q[b], rows, scale, d_latent)
-            assert rel_err(out[b], o_ref) < 1e-5, f"request {b}"
-            assert torch.allclose(lse[b].double(), lse_ref, atol=1e-4)
-        assert rel_err(out, o_r.cpu()) < 1e-5 and torch.allclose(lse, lse_r.cpu(), atol=1e-4)
-    else:
+    out, lse, o_r, lse_r = _check_outputs(out, lse, args, q, stored)
+    if q_dtype != torch.float32:
         # the reference's output is rounded to q's dtype (bf16: 2^-9); p in fp16 adds ~2^-12
         tol = 8e-3 if q_dtype == torch.bfloat16 else 2e-3
-        assert rel_err(out, o_r.cpu().float()) < tol and torch.allclose(lse, lse_r.cpu(), atol=1e-3)
+        assert rel_err(out, o_r) < tol and torch.allclose(lse, lse_r, atol=1e-3)
         o_conv, _ = mla_decode(*args, num_splits=num_splits, fp8_dequant="convert",
                                config=dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=16, QK_SPLIT_LOAD=False))
         assert rel_err(out, o_conv.cpu().float()) < 1e-2
