@@ -508,28 +508,31 @@ def test_kernel_rejects_bad_split_count_and_dims(triton_backend):
 
 
 # ------------------------------------------------------------------------------------------ GPU
+def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed):
+    """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64, scale 0.1): bf16 queries
+    [B, s_q, heads, 576], each request's pages a run of one shuffled order of all the pages (3 spare)."""
+    d_latent, d_rope, page_size = 512, 64, 64
+    pages = [-(-n // page_size) for n in lengths]
+    perm = torch.randperm(sum(pages) + 3).int()
+    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    for b, (k, c) in enumerate(zip(pages, [0] + list(itertools.accumulate(pages)))):
+        table[b, :k] = perm[c:c + k]
+    kv, scales, _ = build_pages(lengths, table, sum(pages) + 3, page_size, kind, tensor_scale, d_latent, d_rope,
+                                seed=seed, device="cuda")
+    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
+    return q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, tensor_scale", KINDS)
 @pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097]), (64, 1, [2000, 5]),
                                                  (128, 1, [777]), (16, 2, [100, 3000]), (8, 4, [4, 70])])
 def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
     """Real dims (512 + 64), bf16 queries, page size 64, splits chosen by the launcher and forced."""
-    d_latent, d_rope, page_size = 512, 64, 64
-    need = sum(-(-n // page_size) for n in lengths)
-    perm = torch.randperm(need + 3).int()
-    table = torch.full((len(lengths), max(-(-n // page_size) for n in lengths)), -1, dtype=torch.int32)
-    c = 0
-    for b, n in enumerate(lengths):
-        k = -(-n // page_size)
-        table[b, :k] = perm[c:c + k]
-        c += k
-    kv, scales, _ = build_pages(lengths, table, need + 3, page_size, kind, tensor_scale, d_latent, d_rope, seed=1,
-                                device="cuda")
-    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
-    table, seq = table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    o_ref, lse_ref = mla_decode_reference(q, kv, scales, table, seq, 0.1, kind, d_latent)
+    args = _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed=1)
+    o_ref, lse_ref = mla_decode_reference(*args)
     for splits in (None, 1, 7):
-        out, lse = mla_decode(q, kv, scales, table, seq, 0.1, kind, d_latent, num_splits=splits)
+        out, lse = mla_decode(*args, num_splits=splits)
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
@@ -540,16 +543,7 @@ def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
 @pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097]), (128, 1, [777]), (16, 2, [100, 3000])])
 def test_bitcast_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
     """fp8_dequant="bitcast" on the GPU at real dims: the reference's tolerances, and close to the default path."""
-    d_latent, d_rope, page_size = 512, 64, 64
-    pages = [-(-n // page_size) for n in lengths]
-    perm = torch.randperm(sum(pages) + 3).int()
-    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
-    for b, (k, c) in enumerate(zip(pages, [0] + list(itertools.accumulate(pages)))):
-        table[b, :k] = perm[c:c + k]
-    kv, scales, _ = build_pages(lengths, table, sum(pages) + 3, page_size, kind, tensor_scale, d_latent, d_rope,
-                                seed=2, device="cuda")
-    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
-    args = (q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent)
+    args = _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed=2)
     o_ref, lse_ref = mla_decode_reference(*args)
     configs = [None]
     if heads == 16 and kind != "bf16":  # every bitcast autotune candidate, forced (the tuner may pick any)
@@ -573,16 +567,7 @@ def test_fp16_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, leng
     off): the reference's tolerances, and close to the default path."""
     from mla_quant.kernels.mla_decode.kernel import F16_CONFIGS
 
-    d_latent, d_rope, page_size = 512, 64, 64
-    pages = [-(-n // page_size) for n in lengths]
-    perm = torch.randperm(sum(pages) + 3).int()
-    table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
-    for b, (k, c) in enumerate(zip(pages, [0] + list(itertools.accumulate(pages)))):
-        table[b, :k] = perm[c:c + k]
-    kv, scales, _ = build_pages(lengths, table, sum(pages) + 3, page_size, kind, tensor_scale, d_latent, d_rope,
-                                seed=2, device="cuda")
-    q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
-    args = (q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent)
+    args = _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed=2)
     o_ref, lse_ref = mla_decode_reference(*args)
     o_conv, _ = mla_decode(*args, fp8_dequant="convert")
     configs = [dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=sp, num_warps=w, num_stages=st, PREFETCH=pf)
@@ -593,7 +578,7 @@ def test_fp16_dequant_matches_reference_gpu(kind, tensor_scale, heads, s_q, leng
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
         assert rel_err(out.float(), o_conv.float()) < 1e-2
-    q16 = q.half()  # fp16 queries: no rounding of q at all, the same pre-scaling
+    q16 = args[0].half()  # fp16 queries: no rounding of q at all, the same pre-scaling
     o16, lse16 = mla_decode(q16, *args[1:], fp8_dequant="fp16")
     o16_ref, lse16_ref = mla_decode_reference(q16, *args[1:])
     assert rel_err(o16.float(), o16_ref.float()) < 1e-2 and torch.allclose(lse16, lse16_ref, atol=2e-2)
