@@ -83,36 +83,44 @@ def plane_offsets(rw):
 
 
 @triton.jit
-def _plane_order_kernel(src_ptr, dst_ptr, K, stride_src, stride_dst, BLOCK: tl.constexpr):
-    # dst[r, 256b + 32i + w'] = src[r, 8(32b + w') + i] · 16^-j(i) (0 past K), fp32; program (r, BLOCK of dst)
+def _plane_order_kernel(src_ptr, dst_ptr, K, stride_src, stride_dst, BLOCK: tl.constexpr,
+                        SCALED: tl.constexpr = True):
+    # dst[r, 256b + 32i + w'] = src[r, 8(32b + w') + i] · 16^-j(i) (0 past K; without SCALED the value as it
+    # is, in dst's dtype); program (r, BLOCK of dst)
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     i = d % (8 * PLANE_WORDS) // PLANE_WORDS
     src = (d // (8 * PLANE_WORDS) * PLANE_WORDS + d % PLANE_WORDS) * 8 + i
-    a = tl.load(src_ptr + r * stride_src + src, mask=src < K, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + r * stride_dst + d, a * plane_scale(i))
+    a = tl.load(src_ptr + r * stride_src + src, mask=src < K, other=0.0)
+    if SCALED:
+        a = a.to(tl.float32) * plane_scale(i)
+    tl.store(dst_ptr + r * stride_dst + d, a.to(dst_ptr.dtype.element_ty))
 
 
-def plane_order(a: torch.Tensor) -> torch.Tensor:
+def plane_order(a: torch.Tensor, scaled: bool = True) -> torch.Tensor:
     """[R, K] activations (K % 8 == 0, last dim contiguous) -> fp32 nibble planes [R, plane_width(K)] (see the
-    module docstring; zeros past K). One small Triton launch."""
+    module docstring; zeros past K). One small Triton launch. ``scaled=False``: the same permutation without
+    the 16^-j factors, in a's dtype (exact: the plane tensor-core tile of ``fused_moe``)."""
     rows, k = a.shape
     width = plane_width(k)
-    out = torch.empty((rows, width), dtype=torch.float32, device=a.device)
+    out = torch.empty((rows, width), dtype=torch.float32 if scaled else a.dtype, device=a.device)
     if rows and k:
         _plane_order_kernel[(rows, width // PLANE_BLOCK_K)](a, out, k, a.stride(0), out.stride(0),
-                                                            BLOCK=PLANE_BLOCK_K, num_warps=2)
+                                                            BLOCK=PLANE_BLOCK_K, SCALED=scaled, num_warps=2)
     return out
 
 
-def plane_order_reference(a: torch.Tensor) -> torch.Tensor:
+def plane_order_reference(a: torch.Tensor, scaled: bool = True) -> torch.Tensor:
     """Torch form of :func:`plane_order` (for tests)."""
     rows, k = a.shape
     i = torch.arange(8, device=a.device)
     scale = torch.exp2(-4.0 * torch.where(i < 5, i, i - 5).float())
+    if not scaled:
+        scale = torch.ones_like(scale)
     padded = torch.nn.functional.pad(a.float(), (0, plane_width(k) - k))
     words = PLANE_BLOCK_K // 8
-    return (padded.view(rows, -1, words, 8) * scale).transpose(2, 3).reshape(rows, -1)
+    out = (padded.view(rows, -1, words, 8) * scale).transpose(2, 3).reshape(rows, -1)
+    return out if scaled else out.to(a.dtype)
 
 
 @triton.jit

@@ -389,3 +389,81 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch", out=out)
     planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)
     assert torch.equal(got, planes)  # the same products in the same order; only the load schedule differs
+
+
+# --- the INT4 plane tensor-core tile (int4_tile="planes", opt-in at block_m > 1) ---
+
+# (hidden, intermediate, group, dtype, block_m): K blocks (128 interpreted) ragged (320, 224) or whole (256, 128);
+# N tiles (64 interpreted) ragged at 224; groups of 64; 21 tokens x 2 slots over 3 experts: rows per expert not a
+# multiple of block_m
+@pytest.mark.parametrize("hidden,inter,group,dtype,block_m", [(320, 224, 32, torch.float32, 16),
+                                                              (320, 224, 32, torch.bfloat16, 16),
+                                                              (256, 128, 32, torch.bfloat16, 32),
+                                                              (384, 192, 64, torch.float32, 16)])
+def test_plane_tile_matches_reference_and_the_dequant_tile(triton_backend, hidden, inter, group, dtype, block_m):
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 3, hidden, inter, seed=11, group_size=group, device=dev)
+    x = torch.randn(21, hidden, device=dev).to(dtype)
+    w, ids = routing(21, 3, 2, seed=11, device=dev)
+    ids[4, 0] = -1  # a dropped slot
+    out = poisoned_empty((21, hidden), dtype, dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m,
+                    int4_tile="planes", out=out)
+    assert got is out
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m)
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group)
+    # fp32: q·s and the products exact, summed in another order; bf16: the weight rounded to bf16 (as the
+    # dequantized tile), h and the output rounded
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    shape = (hidden, inter, group, block_m)
+    assert_rel_close(got.float().cpu(), ref.float(), tol, f"plane tile {shape}")
+    assert_rel_close(got.float().cpu(), tile.float().cpu(), tol, f"plane tile vs dequant tile {shape}")
+
+
+def test_plane_tile_keyword_is_checked_and_leaves_the_gemv_alone(triton_backend):
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 2, 64, 64, device=dev)
+    x = torch.randn(1, 64, device=dev)
+    w, ids = routing(1, 2, 1, device=dev)
+    with pytest.raises(ValueError, match="int4_tile"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", int4_tile="plane")
+    with pytest.raises(ValueError, match="int4_tile"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=16, int4_tile="planes", fast_dequant=1)
+    # block_m == 1 runs the GEMV whatever the tile form
+    a = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, int4_tile="planes")
+    assert torch.equal(a, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unscaled_plane_order_is_the_permutation(dtype):
+    """plane_order(a, scaled=False)[r, 256b + 32i + w] = a[r, 8(32b + w) + i] in a's dtype, zeros past K."""
+    from mla_quant.kernels._gemm_utils import plane_order, plane_order_reference, plane_width
+
+    a = torch.randn(3, 352).to(dtype)
+    want = torch.zeros(3, plane_width(352), dtype=dtype)
+    for k in range(352):
+        w, i = divmod(k, 8)
+        want[:, 256 * (w // 32) + 32 * i + w % 32] = a[:, k]
+    assert torch.equal(plane_order_reference(a, scaled=False), want)
+    assert torch.equal(plane_order(a, scaled=False), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,block_m", [(32, None), (63, 16), (256, None), (256, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_plane_tile_real_widths(t, block_m, dtype):
+    """Kimi's widths (every K block whole) at 32-256 tokens: the compiled plane tile against the reference and
+    the default dequantized tile."""
+    e, k = 24, 8
+    gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
+    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
+    w, ids = routing(t, e, k, device="cuda")
+    out = poisoned_empty((t, 7168), dtype, "cuda")
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, int4_tile="planes", out=out)
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_rel_close(got.float(), ref.float(), tol, f"plane tile T={t} block_m={block_m}")
+    assert_rel_close(got.float(), tile.float(), tol, f"plane tile vs dequant T={t} block_m={block_m}")

@@ -24,11 +24,13 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # the INT4 GEMV (block_m == 1): nibble planes (default), the same with a register double buffer of the next K
 # block's words, or the previous tile form
 GEMV_FORMS = ("planes", "prefetch", "tile")
+# the INT4 tensor-core tile (block_m > 1): the dequantized [BLOCK_N, BLOCK_K] tile (default) or nibble planes
+INT4_TILE_FORMS = ("dequant", "planes")
 WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
 __all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS",
-           "GEMV_FORMS"]
+           "GEMV_FORMS", "INT4_TILE_FORMS"]
 
 
 def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_group") -> int:
@@ -144,6 +146,7 @@ def fused_moe(
     block_m: int | None = None,
     fast_dequant: int = 0,
     gemv: str = "planes",
+    int4_tile: str = "dequant",
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
 
@@ -157,12 +160,20 @@ def fused_moe(
     fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same
     with the next K block's words loaded before this block's products; unmeasured) or ``"tile"`` (the
     previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with ``fast_dequant``).
+    ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"dequant"`` (default: the words unpacked
+    into a [BLOCK_N, BLOCK_K] tile) or ``"planes"`` (unmeasured: the words kept in their load layout, one dot per
+    nibble plane against the activations re-ordered into planes; docs/moe.md "The INT4 plane tile"); not with
+    ``fast_dequant``.
     """
     block = tuple(int(b) for b in block)
     if fast_dequant not in (0, 1, 2):  # False / True compare equal to 0 / 1
         raise ValueError(f"fast_dequant: {fast_dequant!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels)")
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
+    if int4_tile not in INT4_TILE_FORMS:
+        raise ValueError(f"int4_tile: {int4_tile!r} not in {INT4_TILE_FORMS}")
+    if int4_tile == "planes" and fast_dequant:
+        raise ValueError("int4_tile: 'planes' is another INT4 tile than fast_dequant's; pass one of them")
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
         raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile)")
     num_experts, inter = _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block,
@@ -174,8 +185,8 @@ def fused_moe(
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, MOE_GEMM_FAST_AUTOTUNED, _moe_combine_kernel,
-                         _moe_gemm_kernel, moe_gemm_autotuned, moe_gemv_autotuned, moe_gemv_fast_autotuned,
-                         moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
+                         _moe_gemm_kernel, moe_gemm_autotuned, moe_gemm_plane_tile_autotuned, moe_gemv_autotuned,
+                         moe_gemv_fast_autotuned, moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -189,6 +200,7 @@ def fused_moe(
 
     fast = int(fast_dequant) if kind == "int4_group" else 0
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
+    plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
@@ -210,15 +222,21 @@ def fused_moe(
         if interpret:  # one small tile: the interpreter is slow and has nothing to tune
             if planes:
                 bk = PLANE_BLOCK_K
+            elif plane_tile:  # the plane dots' K (BLOCK_K/8 words) must be >= 16
+                bk = max(128, group_size)
             else:
                 bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
-            grid = (expert_ids.numel(), triton.cdiv(n, 32))
-            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=32, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                   FAST_DEQUANT=0 if planes else fast, PREFETCH=planes and gemv == "prefetch")
+            bn = 64 if plane_tile else 32  # 64: ragged N tiles at the tests' widths (multiples of the group)
+            grid = (expert_ids.numel(), triton.cdiv(n, bn))
+            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                                   FAST_DEQUANT=0 if planes else fast, PREFETCH=planes and gemv == "prefetch",
+                                   PLANE_TILE=plane_tile)
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             if planes:
                 tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
+            elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the
+                tuned = moe_gemm_plane_tile_autotuned  # gate-up epilogue writes h so too)
             elif fast:
                 tuned = moe_gemv_fast_autotuned if bm == 1 else MOE_GEMM_FAST_AUTOTUNED[fast]
             else:
@@ -231,10 +249,14 @@ def fused_moe(
         xa, xa_scale = quant(x, act_group, ue8m0)
     elif planes:
         xa = xa_scale = plane_order(x)  # once per call, shared by every expert
+    elif plane_tile:
+        xa = xa_scale = plane_order(x, scaled=False)
     else:
         xa, xa_scale = x, x
     if planes:  # h as nibble planes (fp32, whole plane blocks) for the down projection's plane GEMV
         h = torch.empty((num_assignments, plane_width(inter)), dtype=torch.float32, device=x.device)
+    elif plane_tile:  # h as unscaled planes in x's dtype for the down projection's plane tile
+        h = torch.empty((num_assignments, plane_width(inter)), dtype=x.dtype, device=x.device)
     else:
         h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
     weights_flat = topk_weights.contiguous()

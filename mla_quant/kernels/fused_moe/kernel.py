@@ -222,6 +222,33 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 
 
 @triton.jit
+def _int4_plane_tile_step(a_ptrs, a_ok, w_ptrs, s_ptrs, w_ok, acc, DT: tl.constexpr, IEEE: tl.constexpr,
+                          INTERPRET: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K block of the plane tensor-core tile (``PLANE_TILE``) for one weight matrix: ``w_ptrs`` [BK/8, BN]
+    the words in their load layout (K along dim 0), ``s_ptrs`` [BK/8, BN] each word's group scale, ``a_ptrs``
+    [BLOCK_M, BK/8] plane 0 of the rows' activations in unscaled plane order (``plane_order(..., scaled=False)``,
+    plane i at +PLANE_WORDS·i), ``a_ok`` its mask (rows; words past K unless EVEN_K). Per plane i: the codes of nibble i as DT from 16-bit lanes
+    (``int4_codes``), times the word's scale (rounded once to DT, as the dequantized tile), and one
+    ``tl.dot(a_plane_i, w_i)`` [BLOCK_M, BK/8] x [BK/8, BN]: no [BN, BK] weight tile is ever assembled."""
+    words = load_k(w_ptrs, w_ok, EVEN_K)
+    s = load_k(s_ptrs, w_ok, EVEN_K)  # masked words: scale 0, so w_i = 0 (the activation is 0 there too)
+    for i in tl.static_range(8):
+        q = int4_codes((words >> (4 * i)) & 0xF, DT, INTERPRET, False)
+        if s.dtype == DT:  # bf16 codes x bf16 scales: q·s is exact before its one rounding
+            w = (q * s).to(DT)
+        else:
+            w = (q.to(tl.float32) * s.to(tl.float32)).to(DT)
+        a = tl.load(a_ptrs + i * PLANE_WORDS, mask=a_ok, other=0.0)
+        if INTERPRET:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+        elif IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
         sorted_ptr, expert_ids_ptr, num_padded_ptr,
@@ -232,7 +259,7 @@ def _moe_gemm_kernel(
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
-        PREFETCH: tl.constexpr = False):
+        PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     pid_m = tl.program_id(0)
@@ -261,7 +288,22 @@ def _moe_gemm_kernel(
     else:
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if not PLANES:
+    if PLANE_TILE:  # INT4 tensor-core tile on nibble planes (BLOCK_M > 1), see _int4_plane_tile_step
+        n_rows = tl.minimum(rn, N - 1).to(tl.int64)[None, :]  # rows past N re-read row N - 1 (never stored)
+        rw = tl.arange(0, BLOCK_K // 8)
+        w_off = n_rows * stride_wn + rw[:, None]
+        s_off = n_rows * stride_sn + (8 * rw // GROUP)[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            w_in = k0 // 8 + rw < K // 8
+            w_ok = w_in[:, None]
+            a_ok = row_ok[:, None] if EVEN_K else row_ok[:, None] & w_in[None, :]
+            a_ptrs = a_ptr + a_rows[:, None] * stride_at + plane_offsets(k0 // 8 + rw)[None, :]
+            acc1 = _int4_plane_tile_step(a_ptrs, a_ok, w1_ptr + w_off + k0 // 8, s1_ptr + s_off + k0 // GROUP,
+                                         w_ok, acc1, a_ptr.dtype.element_ty, IEEE, INTERPRET, EVEN_K)
+            if GATED:
+                acc3 = _int4_plane_tile_step(a_ptrs, a_ok, w3_ptr + w_off + k0 // 8, s3_ptr + s_off + k0 // GROUP,
+                                             w_ok, acc3, a_ptr.dtype.element_ty, IEEE, INTERPRET, EVEN_K)
+    elif not PLANES:
         for k0 in range(0, K, BLOCK_K):
             if FAST_DEQUANT and KIND == 2:
                 acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
@@ -306,12 +348,14 @@ def _moe_gemm_kernel(
     if BLOCK_M == 1 and not PLANES:
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
-    if GATED and PLANES:  # h for the down projection's plane GEMV: rounded to H_DT, stored as fp32 planes
-        res = (acc1 * tl.sigmoid(acc1) * acc3).to(H_DT).to(tl.float32)
+    if GATED and (PLANES or PLANE_TILE):  # h in plane order for the down projection's plane GEMV / tile
+        res = acc1 * tl.sigmoid(acc1) * acc3
         i = rn % 8
+        if PLANES:  # rounded to H_DT, stored as fp32 planes (scaled by 16^-j)
+            res = res.to(H_DT).to(tl.float32) * plane_scale(i)[None, :]
         pos = plane_offsets(rn // 8) + PLANE_WORDS * i  # column n = 8w + i of h
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + pos[None, :],
-                 res * plane_scale(i)[None, :], mask=row_ok[:, None] & (rn[None, :] < N))
+                 res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
     else:
         if GATED:
             res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
@@ -436,7 +480,14 @@ DOT_FAST_SHAPES = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 
 GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 8, 1),
                                 (16, 1024, 8, 1), (64, 256, 8, 1)])
 
+# INT4 plane tensor-core tile (PLANE_TILE, BLOCK_M > 1, fused_moe(..., int4_tile="planes")): each dot's K is
+# BLOCK_K/8 words (>= 16 for the bf16 MMA), so BLOCK_K >= 128; the usual pruning (_prune) applies.
+PLANE_TILE_CONFIGS = [triton.Config({**c.kwargs, "PLANE_TILE": True}, num_warps=c.num_warps, num_stages=c.num_stages)
+                      for c in _configs([(32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3),
+                                         (128, 256, 8, 3)])]
+
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
+moe_gemm_plane_tile_autotuned = _autotuned(PLANE_TILE_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 # gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
 moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
