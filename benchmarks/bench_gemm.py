@@ -14,6 +14,8 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 next to ``int4_g32`` (``speedup_vs_int4_g32``).
 * ``int4_g32_tile`` (M = 1 only) the previous one-token GEMV (``w4a16_gemm(..., gemv="tile")``) beside
                 ``int4_g32``, whose M = 1 rows are the default plane GEMV (docs/moe.md "The INT4 plane GEMV").
+* ``int4_g32_planes1`` (M = 1 only) the plane GEMV in one launch (``w4a16_gemm(..., gemv="planes1")``: no
+                ``plane_order`` launch, its own split-K; docs/moe.md "W4A16 at M = 1 in one launch").
 
 Goals (issue 6 / issue 5): W4A16 ≥ 2× tinygemm at M = 1 and faster at every M ≤ 64; FP8 block ≥ 0.7×
 ``_scaled_mm`` and ≥ 1.4× bf16 cuBLAS at M ≥ 512 — each row says ``goal`` and ``goal_met``. Inputs are
@@ -37,6 +39,7 @@ NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288)
 GROUP = 32
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
+GEMV_FORMATS = {"tile": TILE_FORMAT, "planes1": "int4_g32_planes1"}  # M = 1 variants beside int4_g32
 
 
 def _tinygemm_pack(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,17 +147,17 @@ def run(ctx: Context) -> list[dict]:
                              peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
                              speedup_vs_bf16=round(t_bf16 / t_int4, 3)))
             n_fast = 0
-            if m == 1:  # the previous one-token GEMV beside the default plane GEMV
+            for form, fmt in GEMV_FORMATS.items() if m == 1 else ():  # other one-token GEMVs beside the default
                 try:
-                    t_tile = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, gemv="tile"))
+                    t_gemv = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, gemv=form))
                     n_fast += 1
-                    rows.append(case("gemm", {"format": TILE_FORMAT, "M": m, "N": n, "K": k}, t_tile,
+                    rows.append(case("gemm", {"format": fmt, "M": m, "N": n, "K": k}, t_gemv,
                                      bytes=_bytes("int4_g32", m, n, k), flops=flops, peer="tinygemm_int4",
                                      peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
-                                     speedup_vs_bf16=round(t_bf16 / t_tile, 3),
-                                     speedup_vs_int4_g32=round(t_int4 / t_tile, 3)))
+                                     speedup_vs_bf16=round(t_bf16 / t_gemv, 3),
+                                     speedup_vs_int4_g32=round(t_int4 / t_gemv, 3)))
                 except Exception as e:  # noqa: BLE001
-                    ctx.notes.append(f"gemm: {TILE_FORMAT} failed at M={m} {n}x{k}: {_why(e)}")
+                    ctx.notes.append(f"gemm: {fmt} failed at M={m} {n}x{k}: {_why(e)}")
             for level, fmt in FAST_FORMATS.items():
                 try:  # an unmeasured variant failing must not lose the other rows
                     t_fast = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, fast_dequant=level))

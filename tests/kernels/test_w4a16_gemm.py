@@ -382,3 +382,86 @@ def test_gpu_plane_gemv_real_shapes(n, k, dtype):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), tol, f"{n}x{k}")
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, gemv="tile").float(), tol, "planes vs tile")
+
+
+# --- the one-launch plane GEMV (gemv="planes1", opt-in): x read in place, no plane_order launch ---
+
+@pytest.mark.parametrize("n,k,group,cfg", [
+    (37, 256, 32, None),                   # ragged N, the interpreter's config (one whole K block)
+    (50, 384, 64, _cfg(1, 16, 128, 3)),    # K = 6 groups of 64 in 3 splits, N ragged
+    (20, 288, 32, _cfg(1, 16, 256, 2)),    # a ragged last K block of one group (split 2: K blocks 256 + 32)
+    (24, 448, 64, _cfg(1, 32, 256, None)),  # a ragged last block of 3 groups of 64; split from planes1_split
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_planes1_gemv_matches_reference(triton_backend, n, k, group, cfg, dtype):
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=n + k)
+    x = torch.randn(1, k, device=dev).to(dtype)
+    out = poisoned_empty((1, n), dtype, dev)
+    y = w4a16_gemm(x, packed, scale, group, out=out, config=cfg, gemv="planes1")
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"planes1 {n}x{k} g{group}")
+
+
+def test_planes1_gemv_is_exact_for_every_nibble_and_deterministic(triton_backend):
+    """As the plane test above: every code at every nibble position, power-of-two scales and activations (every
+    sum exact), so the in-place planes (x · 16^-j in registers) must equal the reference bit for bit; split-K
+    (4 splits of one 64-K block) sums in a fixed order: two runs are bitwise equal."""
+    dev = triton_backend
+    j = torch.arange(16)
+    nib = (j[:, None] + torch.arange(8)[None, :]) % 16
+    word = (nib << (4 * torch.arange(8))).sum(1).to(torch.int64)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    packed = torch.stack([word.repeat(2).roll(r) for r in range(8)]).to(dev)  # [8 rows, 32 words]: K = 256
+    g = torch.Generator().manual_seed(1)
+    scale = (2.0 ** torch.randint(-2, 3, (8, 8), generator=g)).to(torch.bfloat16).to(dev)
+    sign = torch.where(torch.rand(1, 256, generator=g) < 0.5, -1.0, 1.0)
+    x = (2.0 ** torch.randint(-2, 3, (1, 256), generator=g) * sign).to(dev)
+    ref = w4a16_gemm_reference(x, packed, scale, 32).cpu()
+    for cfg in (_cfg(1, 16, 256, 1), _cfg(1, 8, 64, 4)):
+        y = w4a16_gemm(x, packed, scale, 32, config=cfg, gemv="planes1")
+        assert torch.equal(y.cpu(), ref), cfg
+    a, b = (w4a16_gemm(x * 1.1, packed, scale, 32, config=_cfg(1, 8, 64, 4), gemv="planes1") for _ in range(2))
+    assert_bitwise_equal(a, b, "two split-K runs")
+
+
+def test_planes1_grid_keeps_programs_and_bytes_in_flight():
+    """The launch plan at M = 1 for real widths on 132 SMs: every split keeps at least one K block, the grid at
+    most ~4 programs per SM; every candidate tile is one the in-place activation load suits."""
+    from mla_quant.kernels.w4a16_gemm.kernel import PLANES1_TILES, _planes1_configs, _prune, planes1_split
+
+    sms = 132
+    for n, k in ((2048, 7168), (4096, 7168), (7168, 7168), (7168, 2048)):
+        for bn, bk, _, _ in PLANES1_TILES:
+            split = planes1_split(n, k, bn, bk, sms)
+            tiles, iters = triton.cdiv(n, bn), triton.cdiv(k, bk)
+            assert split <= iters and (split == 1 or tiles * split <= 4 * sms), (n, k, bn, bk, split)
+            assert tiles * split * 2 > 4 * sms or split * 2 > iters  # no further doubling fits
+    assert planes1_split(2048, 7168, 16, 512, sms) == 4 and planes1_split(7168, 2048, 16, 512, sms) == 1
+    kept = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": 32}, PLANES1=True)
+    assert len(kept) == len(PLANES1_TILES) - 1  # 8 x 1024 with 4 warps: BK/8 = 128 not < 128 threads
+    assert _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": 128}, PLANES1=True)  # BK % 128 == 0 too
+
+
+def test_planes1_at_several_tokens_runs_the_usual_paths(triton_backend):
+    dev = triton_backend
+    packed, scale = _weights(24, 256, 32, dev)
+    x = torch.randn(3, 256, device=dev)
+    y = w4a16_gemm(x, packed, scale, 32, gemv="planes1")
+    assert_rel_close(y, w4a16_gemm_reference(x, packed, scale, 32), 1e-5, "3 tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 7168), (4096, 7168), (7168, 2048)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_planes1_real_shapes(n, k, dtype):
+    """Every K block whole (the compiled unmasked path), each autotune candidate's split; against the reference
+    and the default plane GEMV."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    y = w4a16_gemm(x, packed, scale, 32, gemv="planes1")
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), tol, f"{n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), tol, "planes1 vs planes")
+    assert_bitwise_equal(y, w4a16_gemm(x, packed, scale, 32, gemv="planes1"), "deterministic")

@@ -12,7 +12,8 @@ from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-GEMV_FORMS = ("planes", "tile")  # the one-token GEMV: nibble planes (default) or the previous form
+GEMV_FORMS = ("planes", "tile", "planes1")  # the one-token GEMV: nibble planes (default), the previous form,
+# or the plane GEMV in one launch (opt-in, unmeasured)
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS"]
@@ -75,7 +76,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     re-ordered into fp32 nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md
     "The INT4 plane GEMV") or ``"tile"`` (the previous nibble-plane loop reading x with strided loads). A
     pinned BM = 1 config whose K tile the plane GEMV cannot use (``kernel.planes_tile_ok``: BK a multiple of
-    256 and BK/8 < 32·num_warps) runs the tile GEMV.
+    256 and BK/8 < 32·num_warps) runs the tile GEMV. ``"planes1"`` (opt-in, unmeasured: docs/moe.md "W4A16 at
+    M = 1 in one launch") is the plane GEMV in one launch: each program reads its activations from x itself
+    (no ``plane_order``), with its own configs and split-K (``kernel.planes1_split``); a pinned BM = 1 config
+    needs ``kernel.planes1_tile_ok`` (else the tile GEMV runs).
     """
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
@@ -91,8 +95,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
     from .._gemm_utils import plane_order
-    from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, split_k, w4a16_gemm_autotuned,
-                         planes_tile_ok, w4a16_gemv_planes_autotuned, workspace_bounds)
+    from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, planes1_split, planes1_tile_ok,
+                         planes_tile_ok, split_k, w4a16_gemm_autotuned, w4a16_gemv_planes1_autotuned,
+                         w4a16_gemv_planes_autotuned, workspace_bounds)
 
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -103,6 +108,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     interpreted = triton_interpreted()
     if config is None and interpreted:
         config = _interpreter_config(m, group_size, fast_dequant)
+    planes1 = (m == 1 and gemv == "planes1" and not fast_dequant
+               and (config is None or (config["BM"] == 1 and planes1_tile_ok(config["BK"], config["num_warps"]))))
     if config is not None:
         cfg = {**config, "FAST_DEQUANT": fast_dequant}
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -114,18 +121,19 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
             kd = dot_k(bm, bk, group_size, fast_dequant)
             raise ValueError(f"config: BM={bm}, BK={bk} gives tl.dot a K extent of {kd} < 16, which does not "
                              f"compile on the GPU (the 16-row tile dots one nibble plane, BK/8: use BK >= 128)")
-        split = cfg.pop("SPLIT_K", None) or split_k(m, n, k, bm, bn, bk, sms)
+        split = cfg.pop("SPLIT_K", None) or (planes1_split(n, k, bn, bk, sms) if planes1
+                                             else split_k(m, n, k, bm, bn, bk, sms))
         max_split, max_tiles = split, triton.cdiv(m, bm) * triton.cdiv(n, bn)
     else:
         cfg = None
-        max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms, fast_dequant)
+        max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms, fast_dequant, planes1)
     # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
     count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
     planes = (m == 1 and gemv == "planes" and not fast_dequant
               and (cfg is None or (cfg["BM"] == 1 and planes_tile_ok(cfg["BK"], cfg["num_warps"]))))
     common = dict(GROUP=group_size, INTERPRET=interpreted,
-                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes)
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes, PLANES1=planes1)
     if planes:
         x2 = plane_order(x2)
     args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
@@ -135,7 +143,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if cfg is None:
-        tuned = w4a16_gemv_planes_autotuned if planes else FAST_AUTOTUNED.get(fast_dequant, w4a16_gemm_autotuned)
+        tuned = (w4a16_gemv_planes1_autotuned if planes1 else w4a16_gemv_planes_autotuned if planes
+                 else FAST_AUTOTUNED.get(fast_dequant, w4a16_gemm_autotuned))
         tuned[grid](*args, **common)
     else:
         meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}

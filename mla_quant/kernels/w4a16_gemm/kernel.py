@@ -42,8 +42,40 @@ in a fixed order — deterministic — writes the output and resets the counter 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import (PLANE_BLOCK_K, autotune_bench, grouped_tile, int4_codes, int4_plane_gemv_step, m_bucket,
-                           plane_offsets, split_k_for)
+from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, autotune_bench, grouped_tile, int4_codes,
+                           int4_plane_gemv_step, load_k, m_bucket, plane_offsets, split_k_for)
+
+
+@triton.jit
+def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_gemm_utils.int4_plane_dot`` reading the activation row as it is (no ``plane_order`` launch): ``x_ptrs``
+    (broadcastable to the words) point at element 8w of each word w, so plane i is ``x_ptrs + i``: a strided
+    load (the row is L1/L2-resident) that Triton re-materialises in the words' layout, converted to fp32 and
+    scaled by 16^-j(i) in registers (a power of two: exact). The same products, in the same order."""
+    hi = words >> 20
+    acc = _nibble_products(words, hi, _x_plane(x_ptrs, x_mask, EVEN, 0), 0, INTERPRET)
+    for i in tl.static_range(1, 8):
+        acc += _nibble_products(words, hi, _x_plane(x_ptrs, x_mask, EVEN, i), i, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _x_plane(x_ptrs, x_mask, EVEN: tl.constexpr, I: tl.constexpr):
+    """Plane I of the activation, a[8w + I] · 16^-j(I) in fp32 (j = I for I < 5, I - 5 after)."""
+    J: tl.constexpr = I if I < 5 else I - 5
+    a = load_k(x_ptrs + I, x_mask, EVEN).to(tl.float32)
+    if J > 0:
+        a = a * (1.0 / (16 ** J))
+    return a
+
+
+@triton.jit
+def int4_x_gemv_step(words, s_ptrs, x_ptrs, k_mask, s_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_gemm_utils.int4_plane_gemv_step`` with the activation read in place (:func:`int4_x_plane_dot`):
+    words int32 [BK/8, BN], s_ptrs [BK/32, BN] (one scale per run of 4 words); returns fp32 [BK/32, BN]."""
+    inner = int4_x_plane_dot(words, x_ptrs, k_mask, EVEN, INTERPRET)
+    runs = tl.sum(tl.reshape(inner, (words.shape[0] // 4, 4, words.shape[1])), axis=1)
+    return runs * _load_in_place(s_ptrs, s_mask, EVEN, INTERPRET)
 
 
 @triton.jit
@@ -110,7 +142,7 @@ def _w4a16_gemm_kernel(
     M_BUCKET, NUM_SMS,  # autotuning key / split-K heuristic input only
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False,
+    FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, PLANES1: tl.constexpr = False,
 ):
     # x [M, K] (row stride stride_xm; with PLANES the one row's fp32 nibble planes, _gemm_utils.plane_order),
     # w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
@@ -135,7 +167,7 @@ def _w4a16_gemm_kernel(
     it_lo = pid_k * per_split
     it_hi = tl.minimum(it_lo + per_split, k_iters)
 
-    if PLANES:  # x: fp32 nibble planes of the one row; [BK/8, BN] tiles (see _gemm_utils.int4_plane_dot)
+    if PLANES or PLANES1:  # one row (PLANES: its fp32 nibble planes); [BK/8, BN] tiles (_gemm_utils.int4_plane_dot)
         w_cols = w_ptr + (rn % N)[None, :].to(tl.int64) * tl.multiple_of(K // 8, GROUP // 8)  # 16-byte aligned
         s_cols = s_ptr + (rn % N)[None, :].to(tl.int64) * (K // GROUP)
         acc_e = tl.zeros((BK // 32, BN), dtype=tl.float32)
@@ -145,13 +177,18 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for it in range(it_lo, it_hi):
         k0 = it * BK
-        if PLANES:  # one token: the plane GEMV core shared with fused_moe, on a [BK/8, BN] word tile
+        if PLANES or PLANES1:  # one token: the plane GEMV core shared with fused_moe, on a [BK/8, BN] word tile
             kmask_t = (k0 // 8 + rw < K // 8)[:, None]
             runs = tl.arange(0, BK // 32)[:, None]  # runs of 4 words (32 K), one scale each
             words_t = _load(w_cols + (k0 // 8 + rw)[:, None], kmask_t, EVEN_K)
-            acc_e += int4_plane_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
-                                          x_ptr + k0 + plane_offsets(rw)[:, None],  # BK % 256 == 0: whole blocks
-                                          kmask_t, k0 // 32 + runs < K // 32, EVEN_K, INTERPRET)
+            if PLANES1:  # x read in place: element 8w of word w (one launch, no plane_order)
+                acc_e += int4_x_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
+                                          x_ptr + k0 + 8 * rw[:, None], kmask_t, k0 // 32 + runs < K // 32,
+                                          EVEN_K, INTERPRET)
+            else:
+                acc_e += int4_plane_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
+                                              x_ptr + k0 + plane_offsets(rw)[:, None],  # BK % 256 == 0: whole blocks
+                                              kmask_t, k0 // 32 + runs < K // 32, EVEN_K, INTERPRET)
         elif FAST_DEQUANT and BM > 1:
             acc = _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP, BN, EVEN_K, BK // GROUP,
                                      INTERPRET, DOT_PRECISION, FAST_DEQUANT == 2)
@@ -181,7 +218,7 @@ def _w4a16_gemm_kernel(
                 x = _load(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
                 w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
                 acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
-    if PLANES:
+    if PLANES or PLANES1:
         acc = tl.reshape(tl.sum(acc_e, axis=0), (1, BN))
     elif BM == 1:
         acc = tl.reshape(tl.sum(acc_e, axis=1), (1, BN))
@@ -259,18 +296,47 @@ def planes_tile_ok(bk: int, num_warps: int) -> bool:
     return bk % PLANE_BLOCK_K == 0 and bk // 8 < 32 * num_warps
 
 
+def planes1_tile_ok(bk: int, num_warps: int) -> bool:
+    """K tiles of the one-launch plane GEMV (``PLANES1``): runs of 4 words (32 K) and an activation vector
+    (BK/8 per plane) that Triton re-materialises in the words' layout (see :func:`planes_tile_ok`)."""
+    return bk % 32 == 0 and bk // 8 < 32 * num_warps
+
+
+def planes1_split(n: int, k: int, bn: int, bk: int, sms: int) -> int:
+    """Split-K of the one-launch plane GEMV: double while the grid stays within ~4 programs per SM and every
+    split keeps at least one K block (a split of one or two long K blocks keeps all its words in flight at
+    once). The last program of a tile sums the partials in split order (deterministic)."""
+    tiles, iters = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    split = 1
+    while split * 2 <= iters and tiles * split * 2 <= 4 * sms:
+        split *= 2
+    return split
+
+
+def _planes1_configs() -> list[triton.Config]:
+    """One token in one launch (``w4a16_gemm(..., gemv="planes1")``): narrow N tiles, K tiles of 512-1024."""
+    return [triton.Config({"BM": 1, "BN": bn, "BK": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in PLANES1_TILES]
+
+
+# (BN, BK, num_warps, num_stages) of the one-launch GEMV's autotune candidates
+PLANES1_TILES = ((16, 512, 4, 2), (32, 512, 4, 2), (16, 1024, 8, 2), (32, 1024, 8, 2), (8, 1024, 4, 2))
+
+
 def _prune(configs, named_args, **kwargs):
     bucket = named_args["M_BUCKET"]
     group = named_args.get("GROUP", kwargs.get("GROUP"))
 
     planes = kwargs.get("PLANES", named_args.get("PLANES", False))
+    planes1 = kwargs.get("PLANES1", named_args.get("PLANES1", False))
 
     def suits(cfg):
         kw = cfg.kwargs
         fast_tile_at_one = bucket == 1 and kw.get("FAST_DEQUANT") and kw["BM"] == 16
         return ((kw["BM"] in regime_bm(bucket) or fast_tile_at_one) and kw["BK"] % group == 0
                 and dot_k_ok(kw["BM"], kw["BK"], group, kw.get("FAST_DEQUANT", 0))
-                and not (planes and not planes_tile_ok(kw["BK"], cfg.num_warps)))
+                and not (planes and not planes_tile_ok(kw["BK"], cfg.num_warps))
+                and not (planes1 and not planes1_tile_ok(kw["BK"], cfg.num_warps)))
 
     return [cfg for cfg in configs if suits(cfg)]
 
@@ -282,10 +348,15 @@ def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
     return split_k_for(tiles, triton.cdiv(k, bk), (4 if bm <= 16 else 2) * sms)
 
 
-def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: int = 0) -> tuple[int, int]:
+def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: int = 0,
+                     planes1: bool = False) -> tuple[int, int]:
     """(largest SPLIT_K, most output tiles) over the configs the autotuner may pick for this shape."""
-    cfgs = _prune(_configs(fast), {"M_BUCKET": m_bucket(m), "GROUP": group})
-    splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
+    if planes1:
+        cfgs = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": group}, PLANES1=True)
+        splits = [planes1_split(n, k, c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
+    else:
+        cfgs = _prune(_configs(fast), {"M_BUCKET": m_bucket(m), "GROUP": group})
+        splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
     tiles = [triton.cdiv(m, c.kwargs["BM"]) * triton.cdiv(n, c.kwargs["BN"]) for c in cfgs]
     return max(splits), max(tiles)
 
@@ -300,7 +371,18 @@ def _autotuned(fast: int):
     })(_w4a16_gemm_kernel))
 
 
+def _planes1_autotuned():
+    return triton.autotune(
+        configs=_planes1_configs(), key=["N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
+        do_bench=autotune_bench,
+    )(triton.heuristics({
+        "SPLIT_K": lambda a: planes1_split(a["N"], a["K"], a["BN"], a["BK"], a["NUM_SMS"]),
+        "EVEN_K": lambda a: a["K"] % a["BK"] == 0,
+    })(_w4a16_gemm_kernel))
+
+
 w4a16_gemm_autotuned = _autotuned(fast=0)  # the default
 w4a16_gemv_planes_autotuned = _autotuned(fast=0)  # one token, PLANES=True: its own tuning cache
 # w4a16_gemm(..., fast_dequant=level): each FAST_DEQUANT level has its own configs and tuning cache
 FAST_AUTOTUNED = {1: _autotuned(fast=1), 2: _autotuned(fast=2)}
+w4a16_gemv_planes1_autotuned = _planes1_autotuned()  # one token in one launch (gemv="planes1")
