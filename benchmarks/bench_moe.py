@@ -26,6 +26,11 @@ Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``i
 GEMV and rows ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_prefetch``
 the plane GEMV with a register double buffer (``gemv="prefetch"``), on the same experts and routings
 (``speedup_vs_int4_g32`` > 1 means that form beats the default; docs/moe.md "The INT4 plane GEMV").
+
+Rows ``int4_g32_planes_tile`` (at 16, 64 and 256 tokens) time the opt-in INT4 plane tensor-core tile
+(``fused_moe(..., int4_tile="planes")``, docs/moe.md "The INT4 plane tile") on the same experts and routings, at
+``block_m`` = max(the default's, 16) (at 16 tokens the default is the GEMV: the row then runs 16-row tiles);
+``speedup_vs_dequant_tile`` compares it with the default dequantized tile at that same ``block_m``.
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ SETS = 8  # routings cycled per timing
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # fused_moe(fast_dequant=level) -> row format
 # fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="planes")
 GEMV_FORMATS = {"tile": "int4_g32_tile", "prefetch": "int4_g32_prefetch"}
+# fused_moe(int4_tile="planes") -> row format, at these token counts beside int4_g32
+PLANE_TILE_FORMAT, PLANE_TILE_TOKENS = "int4_g32_planes_tile", (16, 64, 256)
 
 
 def _graph_us(fn, reps: int) -> tuple[float, bool]:
@@ -223,6 +230,22 @@ def run(ctx: Context) -> list[dict]:
                                          active_experts=active))
                     except Exception as e:  # noqa: BLE001
                         ctx.notes.append(f"moe: {form_name} failed at T={t}: {type(e).__name__}: {str(e)[:160]}")
+                if name == "int4_g32" and t in PLANE_TILE_TOKENS:
+                    # the plane tensor-core tile (unmeasured variant: a failure is noted, the other rows stay)
+                    tile_bm = max(bm, 16)
+                    dequant_us = t_moe if bm == tile_bm else extra.get("alt_us")  # the default tile at tile_bm
+                    try:
+                        t_pt, graphed = _graph_us(lambda: routed(tile_bm, int4_tile="planes"), SETS)
+                    except Exception as e:  # noqa: BLE001
+                        ctx.notes.append(f"moe: {PLANE_TILE_FORMAT} failed at T={t}: {type(e).__name__}: "
+                                         f"{str(e)[:160]}")
+                    else:
+                        times[("moe", PLANE_TILE_FORMAT, t)] = t_pt
+                        rows.append(case("moe", {"format": PLANE_TILE_FORMAT, "tokens": t}, t_pt, bytes=nbytes,
+                                         flops=flops, peer="torch_grouped_mm_bf16",
+                                         peer_median_us=peer.get(("moe", t)), cuda_graph=graphed, block_m=tile_bm,
+                                         active_experts=active, dequant_tile_us=dequant_us,
+                                         speedup_vs_dequant_tile=round(dequant_us / t_pt, 3) if dequant_us else None))
                 for level, fast_name in (FAST_FORMATS.items() if name == "int4_g32" else ()):
                     # the FAST_DEQUANT levels on the same experts and routings (unmeasured variants: a failure
                     # is noted and must not lose the other rows)
@@ -268,9 +291,10 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        if name in FAST_FORMATS.values() or name in GEMV_FORMATS.values():
+        variants = (*FAST_FORMATS.values(), *GEMV_FORMATS.values(), PLANE_TILE_FORMAT)
+        if name in variants:
             r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
-        if name == "int4_g32" or name in FAST_FORMATS.values() or name in GEMV_FORMATS.values():
+        if name == "int4_g32" or name in variants:
             r["speedup_vs_fp8"] = round(times[(bench, "fp8_block", t)] / r["median_us"], 3)
             if bench == "moe" and t == 1:
                 r["goal"] = ">= 3.0x bf16 and >= 1.6x fp8_block at 1 token"

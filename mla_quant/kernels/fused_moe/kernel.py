@@ -222,18 +222,38 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 
 
 @triton.jit
+def _bf16_plane_codes(words, I: tl.constexpr):
+    """bf16 codes n - 8 of nibble I of each word, two words per instruction (inline PTX, pack=2: the pair of
+    words (w0, w1) -> one 32-bit register of two bf16 lanes): PRMT takes the 16-bit halves holding nibble I of
+    both words, SHR brings it to bits 0-3 / 16-19, one LOP3 ``(t & 0x000F000F) | 0x43004300`` makes the lanes
+    128 + n, one bf16x2 subtraction of 136 gives n - 8 exactly."""
+    SEL: tl.constexpr = 0x5410 if I < 4 else 0x7632  # low halves of w0, w1 (nibbles 0-3) or high halves (4-7)
+    SH: tl.constexpr = 4 * (I % 4)
+    lanes = tl.inline_asm_elementwise(
+        f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {SEL}; shr.b32 t, t, {SH}; "
+        "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }", "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True,
+        pack=2)
+    return (lanes - 136.0).to(tl.bfloat16)
+
+
+@triton.jit
 def _int4_plane_tile_step(a_ptrs, a_ok, w_ptrs, s_ptrs, w_ok, acc, DT: tl.constexpr, IEEE: tl.constexpr,
                           INTERPRET: tl.constexpr, EVEN_K: tl.constexpr):
     """One K block of the plane tensor-core tile (``PLANE_TILE``) for one weight matrix: ``w_ptrs`` [BK/8, BN]
     the words in their load layout (K along dim 0), ``s_ptrs`` [BK/8, BN] each word's group scale, ``a_ptrs``
     [BLOCK_M, BK/8] plane 0 of the rows' activations in unscaled plane order (``plane_order(..., scaled=False)``,
-    plane i at +PLANE_WORDS·i), ``a_ok`` its mask (rows; words past K unless EVEN_K). Per plane i: the codes of nibble i as DT from 16-bit lanes
-    (``int4_codes``), times the word's scale (rounded once to DT, as the dequantized tile), and one
-    ``tl.dot(a_plane_i, w_i)`` [BLOCK_M, BK/8] x [BK/8, BN]: no [BN, BK] weight tile is ever assembled."""
+    plane i at +PLANE_WORDS·i), ``a_ok`` its mask (rows; words past K unless EVEN_K). Per plane i: the codes
+    of nibble i as DT from 16-bit lanes (``int4_codes``), times the word's scale (rounded once to DT, as the
+    dequantized tile), and one ``tl.dot(a_plane_i, w_i)`` [BLOCK_M, BK/8] x [BK/8, BN]: no [BN, BK] weight
+    tile is ever assembled. A group (32 K = 4 words) spans all 8 planes and each dot's K (BK/8 ≥ 16 words)
+    spans several groups, so the scale goes on the codes (bf16x2 HADD2 + HMUL2 per pair of weights)."""
     words = load_k(w_ptrs, w_ok, EVEN_K)
     s = load_k(s_ptrs, w_ok, EVEN_K)  # masked words: scale 0, so w_i = 0 (the activation is 0 there too)
     for i in tl.static_range(8):
-        q = int4_codes((words >> (4 * i)) & 0xF, DT, INTERPRET, False)
+        if DT == tl.bfloat16 and not INTERPRET:
+            q = _bf16_plane_codes(words, i)
+        else:
+            q = int4_codes((words >> (4 * i)) & 0xF, DT, INTERPRET, False)
         if s.dtype == DT:  # bf16 codes x bf16 scales: q·s is exact before its one rounding
             w = (q * s).to(DT)
         else:
