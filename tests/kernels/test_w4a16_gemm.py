@@ -10,6 +10,7 @@ from mla_quant.kernels import int4_quant as I
 from mla_quant.kernels._backend import triton_interpreted
 from mla_quant.kernels._gemm_utils import int4_codes
 from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
+from mla_quant.kernels.w4a16_gemm.kernel import _half
 from mla_quant.testing import assert_bitwise_equal, assert_rel_close, odd_sizes, poisoned_empty, tensors
 from tests.conftest import HAS_CUDA
 
@@ -439,9 +440,33 @@ def test_planes1_grid_keeps_programs_and_bytes_in_flight():
             assert split <= iters and (split == 1 or tiles * split <= 4 * sms), (n, k, bn, bk, split)
             assert tiles * split * 2 > 4 * sms or split * 2 > iters  # no further doubling fits
     assert planes1_split(2048, 7168, 16, 512, sms) == 4 and planes1_split(7168, 2048, 16, 512, sms) == 1
-    kept = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": 32}, PLANES1=True)
-    assert len(kept) == len(PLANES1_TILES) - 1  # 8 x 1024 with 4 warps: BK/8 = 128 not < 128 threads
-    assert _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": 128}, PLANES1=True)  # BK % 128 == 0 too
+    for bn, bk, warps, _ in PLANES1_TILES:  # >= 64 B of words per thread and K block
+        assert bn * bk // 2 // (32 * warps) >= 64, (bn, bk, warps)
+    kept = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": 32}, PLANES1=True, X_VEC=True)
+    assert len(kept) == len(PLANES1_TILES)
+    strided = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": 128}, PLANES1=True, X_VEC=False)
+    assert strided and all(c.kwargs["BK"] // 8 < 32 * c.num_warps for c in strided)  # no BK=1024 with 4 warps
+    assert len(strided) == len(PLANES1_TILES) - 2
+
+
+@triton.jit
+def _unpack_lanes(src, lo_ptr, hi_ptr, DT: tl.constexpr):
+    v = tl.load(src + tl.arange(0, 64))
+    tl.store(lo_ptr + tl.arange(0, 64), _half(v, False, DT))
+    tl.store(hi_ptr + tl.arange(0, 64), _half(v, True, DT))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_planes1_half_lanes_unpack_exactly(triton_backend, dtype):
+    """The 16-bit lanes of the 128-bit activation loads (kernel._half, compiled only on the GPU path) read back
+    every value, the low lane and the high lane of each int32."""
+    dev = triton_backend
+    a = (torch.randn(128) * 2.0 ** torch.randint(-20, 20, (128,))).to(dtype)
+    a[:4] = torch.tensor([0.0, -0.0, 65504.0 if dtype == torch.float16 else 3e38, -1e-7])
+    a = a.to(dev)
+    lo, hi = (torch.empty(64, device=dev) for _ in range(2))
+    _unpack_lanes[(1,)](a.view(torch.int32), lo, hi, DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    assert torch.equal(torch.stack([lo, hi], 1).reshape(-1).cpu(), a.float().cpu())  # element 2p low, 2p + 1 high
 
 
 def test_planes1_at_several_tokens_runs_the_usual_paths(triton_backend):

@@ -108,8 +108,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     interpreted = triton_interpreted()
     if config is None and interpreted:
         config = _interpreter_config(m, group_size, fast_dequant)
+    x_vec = x2.data_ptr() % 16 == 0  # planes1: 128-bit activation loads (else one strided load per plane)
     planes1 = (m == 1 and gemv == "planes1" and not fast_dequant
-               and (config is None or (config["BM"] == 1 and planes1_tile_ok(config["BK"], config["num_warps"]))))
+               and (config is None or (config["BM"] == 1 and planes1_tile_ok(config["BK"], config["num_warps"],
+                                                                             x_vec))))
     if config is not None:
         cfg = {**config, "FAST_DEQUANT": fast_dequant}
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -133,7 +135,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     planes = (m == 1 and gemv == "planes" and not fast_dequant
               and (cfg is None or (cfg["BM"] == 1 and planes_tile_ok(cfg["BK"], cfg["num_warps"]))))
     common = dict(GROUP=group_size, INTERPRET=interpreted,
-                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes, PLANES1=planes1)
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes, PLANES1=planes1,
+                  X_VEC=planes1 and x_vec)
     if planes:
         x2 = plane_order(x2)
     args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,

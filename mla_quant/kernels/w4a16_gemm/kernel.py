@@ -47,33 +47,78 @@ from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, auto
 
 
 @triton.jit
-def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr, VEC: tl.constexpr):
     """``_gemm_utils.int4_plane_dot`` reading the activation row as it is (no ``plane_order`` launch): ``x_ptrs``
-    (broadcastable to the words) point at element 8w of each word w, so plane i is ``x_ptrs + i``: a strided
-    load (the row is L1/L2-resident) that Triton re-materialises in the words' layout, converted to fp32 and
-    scaled by 16^-j(i) in registers (a power of two: exact). The same products, in the same order."""
+    [BK/8, 1] point at element 8w of each word w, so plane i is ``x_ptrs + i``, loaded in the words' row layout
+    (the row is L1/L2-resident), converted to fp32 and scaled by 16^-j(i) in registers (a power of two: exact).
+    The same products, in the same order. ``VEC`` (x 16-byte aligned, unmasked, compiled): each word's 8
+    activations come in 128-bit loads (``_ld4``: one for bf16/fp16, two for fp32) and are split into the planes
+    in registers (bf16: a shift or a mask per value); otherwise one strided scalar load per plane."""
     hi = words >> 20
-    acc = _nibble_products(words, hi, _x_plane(x_ptrs, x_mask, EVEN, 0), 0, INTERPRET)
-    for i in tl.static_range(1, 8):
-        acc += _nibble_products(words, hi, _x_plane(x_ptrs, x_mask, EVEN, i), i, INTERPRET)
+    if VEC and EVEN and not INTERPRET:
+        DT: tl.constexpr = x_ptrs.dtype.element_ty
+        v0, v1, v2, v3 = _ld4(x_ptrs)
+        if DT == tl.float32:
+            v4, v5, v6, v7 = _ld4(x_ptrs + 4)
+            acc = _nibble_products(words, hi, _scaled(v0.to(tl.float32, bitcast=True), 0), 0, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v1.to(tl.float32, bitcast=True), 1), 1, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v2.to(tl.float32, bitcast=True), 2), 2, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v3.to(tl.float32, bitcast=True), 3), 3, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v4.to(tl.float32, bitcast=True), 4), 4, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v5.to(tl.float32, bitcast=True), 5), 5, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v6.to(tl.float32, bitcast=True), 6), 6, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(v7.to(tl.float32, bitcast=True), 7), 7, INTERPRET)
+        else:  # two 16-bit activations per 32-bit lane: element 2p low, 2p + 1 high
+            acc = _nibble_products(words, hi, _scaled(_half(v0, False, DT), 0), 0, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v0, True, DT), 1), 1, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v1, False, DT), 2), 2, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v1, True, DT), 3), 3, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v2, False, DT), 4), 4, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v2, True, DT), 5), 5, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v3, False, DT), 6), 6, INTERPRET)
+            acc += _nibble_products(words, hi, _scaled(_half(v3, True, DT), 7), 7, INTERPRET)
+    else:
+        acc = _nibble_products(words, hi, _scaled(load_k(x_ptrs, x_mask, EVEN).to(tl.float32), 0), 0, INTERPRET)
+        for i in tl.static_range(1, 8):
+            a_i = load_k(x_ptrs + i, x_mask, EVEN).to(tl.float32)
+            acc += _nibble_products(words, hi, _scaled(a_i, i), i, INTERPRET)
     return acc
 
 
 @triton.jit
-def _x_plane(x_ptrs, x_mask, EVEN: tl.constexpr, I: tl.constexpr):
-    """Plane I of the activation, a[8w + I] · 16^-j(I) in fp32 (j = I for I < 5, I - 5 after)."""
+def _scaled(a, I: tl.constexpr):
+    """Plane I's value: a · 16^-j(I) (j = I for I < 5, I - 5 after; a power of two: exact)."""
     J: tl.constexpr = I if I < 5 else I - 5
-    a = load_k(x_ptrs + I, x_mask, EVEN).to(tl.float32)
     if J > 0:
         a = a * (1.0 / (16 ** J))
     return a
 
 
 @triton.jit
-def int4_x_gemv_step(words, s_ptrs, x_ptrs, k_mask, s_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+def _ld4(ptrs):
+    """16 bytes at each pointer (16-byte aligned) as four int32, one 128-bit load, in the pointers' layout (an
+    inline-asm load gets no layout of its own: see ``_gemm_utils._load_in_place``)."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _half(v, HIGH: tl.constexpr, DT: tl.constexpr):
+    """The low or high 16-bit lane of int32 ``v`` read as DT (bf16 / fp16), in fp32: bf16 is the top half of an
+    fp32, so one shift (low lane) or mask (high lane) makes it; fp16 converts."""
+    if DT == tl.bfloat16:
+        bits = (v & -65536) if HIGH else (v << 16)
+        return bits.to(tl.float32, bitcast=True)
+    lane = (v >> 16) if HIGH else v
+    return lane.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def int4_x_gemv_step(words, s_ptrs, x_ptrs, k_mask, s_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr,
+                     VEC: tl.constexpr):
     """``_gemm_utils.int4_plane_gemv_step`` with the activation read in place (:func:`int4_x_plane_dot`):
     words int32 [BK/8, BN], s_ptrs [BK/32, BN] (one scale per run of 4 words); returns fp32 [BK/32, BN]."""
-    inner = int4_x_plane_dot(words, x_ptrs, k_mask, EVEN, INTERPRET)
+    inner = int4_x_plane_dot(words, x_ptrs, k_mask, EVEN, INTERPRET, VEC)
     runs = tl.sum(tl.reshape(inner, (words.shape[0] // 4, 4, words.shape[1])), axis=1)
     return runs * _load_in_place(s_ptrs, s_mask, EVEN, INTERPRET)
 
@@ -143,6 +188,7 @@ def _w4a16_gemm_kernel(
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, PLANES1: tl.constexpr = False,
+    X_VEC: tl.constexpr = False,
 ):
     # x [M, K] (row stride stride_xm; with PLANES the one row's fp32 nibble planes, _gemm_utils.plane_order),
     # w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
@@ -184,7 +230,7 @@ def _w4a16_gemm_kernel(
             if PLANES1:  # x read in place: element 8w of word w (one launch, no plane_order)
                 acc_e += int4_x_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
                                           x_ptr + k0 + 8 * rw[:, None], kmask_t, k0 // 32 + runs < K // 32,
-                                          EVEN_K, INTERPRET)
+                                          EVEN_K, INTERPRET, X_VEC)
             else:
                 acc_e += int4_plane_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
                                               x_ptr + k0 + plane_offsets(rw)[:, None],  # BK % 256 == 0: whole blocks
@@ -296,10 +342,12 @@ def planes_tile_ok(bk: int, num_warps: int) -> bool:
     return bk % PLANE_BLOCK_K == 0 and bk // 8 < 32 * num_warps
 
 
-def planes1_tile_ok(bk: int, num_warps: int) -> bool:
-    """K tiles of the one-launch plane GEMV (``PLANES1``): runs of 4 words (32 K) and an activation vector
-    (BK/8 per plane) that Triton re-materialises in the words' layout (see :func:`planes_tile_ok`)."""
-    return bk % 32 == 0 and bk // 8 < 32 * num_warps
+def planes1_tile_ok(bk: int, num_warps: int, vec: bool = False) -> bool:
+    """K tiles of the one-launch plane GEMV (``PLANES1``): runs of 4 words (32 K). Without ``vec`` (the strided
+    per-plane loads: x not 16-byte aligned) also an activation vector (BK/8 per plane) that Triton
+    re-materialises in the words' layout, as :func:`planes_tile_ok` (at 16x1024 with 4 warps it went through
+    shared memory: static sm_90 count); the 128-bit inline-asm loads have no layout of their own."""
+    return bk % 32 == 0 and (vec or bk // 8 < 32 * num_warps)
 
 
 def planes1_split(n: int, k: int, bn: int, bk: int, sms: int) -> int:
@@ -319,8 +367,10 @@ def _planes1_configs() -> list[triton.Config]:
             for bn, bk, w, s in PLANES1_TILES]
 
 
-# (BN, BK, num_warps, num_stages) of the one-launch GEMV's autotune candidates
-PLANES1_TILES = ((16, 512, 4, 2), (32, 512, 4, 2), (16, 1024, 8, 2), (32, 1024, 8, 2), (8, 1024, 4, 2))
+# (BN, BK, num_warps, num_stages) of the one-launch GEMV's autotune candidates: each thread loads >= 64 B of
+# words per K block (docs/moe.md "W4A16 at M = 1 in one launch"); the two BK = 1024 tiles with 4 warps need the
+# 128-bit activation loads (planes1_tile_ok)
+PLANES1_TILES = ((16, 1024, 4, 2), (32, 512, 4, 2), (32, 1024, 4, 2), (64, 512, 8, 2), (64, 256, 4, 3))
 
 
 def _prune(configs, named_args, **kwargs):
@@ -329,6 +379,7 @@ def _prune(configs, named_args, **kwargs):
 
     planes = kwargs.get("PLANES", named_args.get("PLANES", False))
     planes1 = kwargs.get("PLANES1", named_args.get("PLANES1", False))
+    x_vec = kwargs.get("X_VEC", named_args.get("X_VEC", False))
 
     def suits(cfg):
         kw = cfg.kwargs
@@ -336,7 +387,7 @@ def _prune(configs, named_args, **kwargs):
         return ((kw["BM"] in regime_bm(bucket) or fast_tile_at_one) and kw["BK"] % group == 0
                 and dot_k_ok(kw["BM"], kw["BK"], group, kw.get("FAST_DEQUANT", 0))
                 and not (planes and not planes_tile_ok(kw["BK"], cfg.num_warps))
-                and not (planes1 and not planes1_tile_ok(kw["BK"], cfg.num_warps)))
+                and not (planes1 and not planes1_tile_ok(kw["BK"], cfg.num_warps, x_vec)))
 
     return [cfg for cfg in configs if suits(cfg)]
 
@@ -352,7 +403,7 @@ def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: int = 0
                      planes1: bool = False) -> tuple[int, int]:
     """(largest SPLIT_K, most output tiles) over the configs the autotuner may pick for this shape."""
     if planes1:
-        cfgs = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": group}, PLANES1=True)
+        cfgs = _prune(_planes1_configs(), {"M_BUCKET": 1, "GROUP": group}, PLANES1=True, X_VEC=True)  # superset
         splits = [planes1_split(n, k, c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
     else:
         cfgs = _prune(_configs(fast), {"M_BUCKET": m_bucket(m), "GROUP": group})
@@ -373,7 +424,7 @@ def _autotuned(fast: int):
 
 def _planes1_autotuned():
     return triton.autotune(
-        configs=_planes1_configs(), key=["N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune},
+        configs=_planes1_configs(), key=["N", "K", "GROUP", "X_VEC"], prune_configs_by={"early_config_prune": _prune},
         do_bench=autotune_bench,
     )(triton.heuristics({
         "SPLIT_K": lambda a: planes1_split(a["N"], a["K"], a["BN"], a["BK"], a["NUM_SMS"]),
