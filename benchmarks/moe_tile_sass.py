@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--forms", nargs="+", default=["dequant", "planes"])
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="activation dtype (float32: the IEEE fp32 dots of the exact mode)")
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     args = parser.parse_args(argv)
     with collect_compiled(("_moe_gemm_kernel",)) as (log, compiled):
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
               + " | warp-instr/weight")
         for bm in args.block_m:
             tokens = bm * EXPERTS // TOP_K  # every token routed to all 8 experts: bm rows per expert
-            x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16)
+            x = torch.randn(tokens, HIDDEN, dtype=getattr(torch, args.dtype))
             ids = torch.arange(EXPERTS, dtype=torch.int32)[None].expand(tokens, TOP_K).contiguous()
             w = torch.ones(tokens, TOP_K)
             for form in args.forms:
