@@ -30,6 +30,11 @@ the INT4 codes meet the activations (docs/moe.md, "W4A16 fast path"):
 nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` adds a
 register double buffer of the next K block's words.
 
+``PLANE_TILE`` (INT4, ``BLOCK_M > 1``, ``fused_moe(..., int4_tile="planes")``, opt-in, unmeasured) is the plane
+form of the tensor-core tile (``_int4_plane_tile_step``): the words stay in their [BLOCK_K/8, BLOCK_N] load
+layout, the activations arrive as unscaled nibble planes in their own dtype (``plane_order(..., scaled=False)``;
+the gate-up epilogue writes ``h`` so), and each plane i is one ``tl.dot(a_plane_i, codes_i · scale)``.
+
 With ``GATED`` the program holds two accumulators (gate and up rows of the same columns) and its
 epilogue writes ``silu(gate) * up`` (the SwiGLU of the expert) in the activation dtype; otherwise (the
 down projection) it multiplies each row by its routing weight and writes fp32. ``_moe_combine_kernel``
@@ -501,7 +506,8 @@ GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1
                                 (16, 1024, 8, 1), (64, 256, 8, 1)])
 
 # INT4 plane tensor-core tile (PLANE_TILE, BLOCK_M > 1, fused_moe(..., int4_tile="planes")): each dot's K is
-# BLOCK_K/8 words (>= 16 for the bf16 MMA), so BLOCK_K >= 128; the usual pruning (_prune) applies.
+# BLOCK_K/8 words (>= 16 for the bf16 MMA), so BLOCK_K >= 128; the usual pruning (_prune) applies. 64x512 spilled
+# (228 B, gate-up at BLOCK_M 16, Triton 3.6): not a candidate.
 PLANE_TILE_CONFIGS = [triton.Config({**c.kwargs, "PLANE_TILE": True}, num_warps=c.num_warps, num_stages=c.num_stages)
                       for c in _configs([(32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3),
                                          (128, 256, 8, 3)])]
