@@ -50,8 +50,8 @@ from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, auto
 def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr, VEC: tl.constexpr):
     """``_gemm_utils.int4_plane_dot`` reading the activation row as it is (no ``plane_order`` launch): ``x_ptrs``
     [BK/8, 1] point at element 8w of each word w, so plane i is ``x_ptrs + i``, loaded in the words' row layout
-    (the row is L1/L2-resident), converted to fp32 and scaled by 16^-j(i) in registers (a power of two: exact).
-    The same products, in the same order. ``VEC`` (x 16-byte aligned, unmasked, compiled): each word's 8
+    (the row is L1/L2-resident) and converted to fp32; the plane scale 16^-j(i) goes onto the codes
+    (:func:`_x_products`), not the activations. The same exact products, in the same order. ``VEC`` (x 16-byte aligned, unmasked, compiled): each word's 8
     activations come in 128-bit loads (``_ld4``: one for bf16/fp16, two for fp32) and are split into the planes
     in registers (bf16: a shift or a mask per value); otherwise one strided scalar load per plane."""
     hi = words >> 20
@@ -60,38 +60,49 @@ def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.co
         v0, v1, v2, v3 = _ld4(x_ptrs)
         if DT == tl.float32:
             v4, v5, v6, v7 = _ld4(x_ptrs + 4)
-            acc = _nibble_products(words, hi, _scaled(v0.to(tl.float32, bitcast=True), 0), 0, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v1.to(tl.float32, bitcast=True), 1), 1, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v2.to(tl.float32, bitcast=True), 2), 2, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v3.to(tl.float32, bitcast=True), 3), 3, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v4.to(tl.float32, bitcast=True), 4), 4, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v5.to(tl.float32, bitcast=True), 5), 5, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v6.to(tl.float32, bitcast=True), 6), 6, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(v7.to(tl.float32, bitcast=True), 7), 7, INTERPRET)
+            acc = _x_products(words, hi, v0.to(tl.float32, bitcast=True), 0, INTERPRET)
+            acc += _x_products(words, hi, v1.to(tl.float32, bitcast=True), 1, INTERPRET)
+            acc += _x_products(words, hi, v2.to(tl.float32, bitcast=True), 2, INTERPRET)
+            acc += _x_products(words, hi, v3.to(tl.float32, bitcast=True), 3, INTERPRET)
+            acc += _x_products(words, hi, v4.to(tl.float32, bitcast=True), 4, INTERPRET)
+            acc += _x_products(words, hi, v5.to(tl.float32, bitcast=True), 5, INTERPRET)
+            acc += _x_products(words, hi, v6.to(tl.float32, bitcast=True), 6, INTERPRET)
+            acc += _x_products(words, hi, v7.to(tl.float32, bitcast=True), 7, INTERPRET)
         else:  # two 16-bit activations per 32-bit lane: element 2p low, 2p + 1 high
-            acc = _nibble_products(words, hi, _scaled(_half(v0, False, DT), 0), 0, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v0, True, DT), 1), 1, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v1, False, DT), 2), 2, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v1, True, DT), 3), 3, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v2, False, DT), 4), 4, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v2, True, DT), 5), 5, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v3, False, DT), 6), 6, INTERPRET)
-            acc += _nibble_products(words, hi, _scaled(_half(v3, True, DT), 7), 7, INTERPRET)
+            acc = _x_products(words, hi, _half(v0, False, DT), 0, INTERPRET)
+            acc += _x_products(words, hi, _half(v0, True, DT), 1, INTERPRET)
+            acc += _x_products(words, hi, _half(v1, False, DT), 2, INTERPRET)
+            acc += _x_products(words, hi, _half(v1, True, DT), 3, INTERPRET)
+            acc += _x_products(words, hi, _half(v2, False, DT), 4, INTERPRET)
+            acc += _x_products(words, hi, _half(v2, True, DT), 5, INTERPRET)
+            acc += _x_products(words, hi, _half(v3, False, DT), 6, INTERPRET)
+            acc += _x_products(words, hi, _half(v3, True, DT), 7, INTERPRET)
     else:
-        acc = _nibble_products(words, hi, _scaled(load_k(x_ptrs, x_mask, EVEN).to(tl.float32), 0), 0, INTERPRET)
+        acc = _x_products(words, hi, load_k(x_ptrs, x_mask, EVEN).to(tl.float32), 0, INTERPRET)
         for i in tl.static_range(1, 8):
             a_i = load_k(x_ptrs + i, x_mask, EVEN).to(tl.float32)
-            acc += _nibble_products(words, hi, _scaled(a_i, i), i, INTERPRET)
+            acc += _x_products(words, hi, a_i, i, INTERPRET)
     return acc
 
 
 @triton.jit
-def _scaled(a, I: tl.constexpr):
-    """Plane I's value: a · 16^-j(I) (j = I for I < 5, I - 5 after; a power of two: exact)."""
+def _x_products(words, hi, a, I: tl.constexpr, INTERPRET: tl.constexpr):
+    """(n_I - 8) · a for nibble I of every word, ``a`` the activation itself (not a plane value a·16^-j): the
+    16^-j moves from the activation onto the in-place code, ``v · 16^-j - (2^23 + 8·16^j) · 16^-j`` = n - 8
+    exactly (v = 2^23 + n·16^j; powers of two), one FFMA where ``_gemm_utils._nibble_products`` has an FADD —
+    so no multiply per activation. j = I for I < 5, I - 5 after."""
     J: tl.constexpr = I if I < 5 else I - 5
-    if J > 0:
-        a = a * (1.0 / (16 ** J))
-    return a
+    if J == 0:
+        return _nibble_products(words, hi, a, I, INTERPRET)
+    src = words if I < 5 else hi
+    mask = tl.full(src.shape, 0xF << (4 * J), tl.int32)
+    if INTERPRET:
+        bits = (src & mask) | 0x4B000000
+    else:  # one LOP3, as in _gemm_utils._nibble_products
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x4B000000, 0xEA;", "=r,r,r", [src, mask],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    inv: tl.constexpr = 1.0 / (16 ** J)
+    return tl.fma(bits.to(tl.float32, bitcast=True), inv, -(8388608.0 + 8.0 * (16 ** J)) * inv) * a
 
 
 @triton.jit
