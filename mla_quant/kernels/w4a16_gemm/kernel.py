@@ -22,6 +22,11 @@ plane GEMV core shared with ``fused_moe`` (``_gemm_utils.int4_plane_gemv_step``)
 planes (``_gemm_utils.plane_order``), words stay in their ``[BK/8, BN]`` load layout, one LOP3 + FADD + FFMA
 per weight, the scale once per 32 K (docs/moe.md "The INT4 plane GEMV").
 
+``PLANES1`` (opt-in, ``gemv="planes1"``, unmeasured) is that GEMV in one launch: no ``plane_order``; each thread
+reads its words' activations from x (``int4_x_plane_dot``: one 128-bit load per word when x is 16-byte aligned,
+``X_VEC``) and the plane scale 16^-j goes onto the codes (``_x_products``); its own configs and split-K
+(``planes1_split``: ~4 programs per SM). docs/moe.md "W4A16 at M = 1 in one launch".
+
 ``FAST_DEQUANT`` (0 = off, the default; ``w4a16_gemm(..., fast_dequant=1 or 2)`` or ``config["FAST_DEQUANT"]``)
 changes the tensor-core paths (``BM >= 16``; also usable at one token, the row tile then re-reading the one
 row) to the group-scaled form: per group, the codes ``q = n - 8`` are made directly in the activation dtype
