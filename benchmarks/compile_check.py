@@ -345,6 +345,10 @@ def cases_fused_moe() -> Iterator[Case]:
                 yield (f"kind={kind} act_quant={act_quant} T={tokens} x={_dt(x_dtype)}",
                        partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype), torch.rand(tokens, top_k),
                                ids, gate, up, down, kind=kind, act_quant=act_quant))
+                if kind == "int4_group" and tokens > 1:  # the opt-in plane tensor-core tile
+                    yield (f"kind={kind} int4_tile=planes T={tokens} x={_dt(x_dtype)}",
+                           partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype), torch.rand(tokens, top_k),
+                                   ids, gate, up, down, kind=kind, int4_tile="planes"))
 
 
 OPS: dict[str, Callable[[], Iterator[Case]]] = {
