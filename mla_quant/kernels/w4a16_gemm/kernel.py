@@ -56,9 +56,10 @@ def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.co
     """``_gemm_utils.int4_plane_dot`` reading the activation row as it is (no ``plane_order`` launch): ``x_ptrs``
     [BK/8, 1] point at element 8w of each word w, so plane i is ``x_ptrs + i``, loaded in the words' row layout
     (the row is L1/L2-resident) and converted to fp32; the plane scale 16^-j(i) goes onto the codes
-    (:func:`_x_products`), not the activations. The same exact products, in the same order. ``VEC`` (x 16-byte aligned, unmasked, compiled): each word's 8
-    activations come in 128-bit loads (``_ld4``: one for bf16/fp16, two for fp32) and are split into the planes
-    in registers (bf16: a shift or a mask per value); otherwise one strided scalar load per plane."""
+    (:func:`_x_products`), not the activations. The same exact products, in the same order. ``VEC`` (x 16-byte
+    aligned, unmasked, compiled): each word's 8 activations come in 128-bit loads (``_ld4``: one for bf16/fp16,
+    two for fp32) and are split in registers (bf16: a shift or a mask per value); otherwise one strided scalar
+    load per plane."""
     hi = words >> 20
     if VEC and EVEN and not INTERPRET:
         DT: tl.constexpr = x_ptrs.dtype.element_ty
