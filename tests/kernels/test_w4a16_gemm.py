@@ -469,6 +469,22 @@ def test_planes1_half_lanes_unpack_exactly(triton_backend, dtype):
     assert torch.equal(torch.stack([lo, hi], 1).reshape(-1).cpu(), a.float().cpu())  # element 2p low, 2p + 1 high
 
 
+def test_planes1_with_unaligned_activations(triton_backend):
+    """x not 16-byte aligned (a view one element in): no 128-bit activation loads; a pinned tile the strided
+    per-plane loads do not suit (BK/8 = 128 threads) runs another GEMV — the result is the same."""
+    from mla_quant.kernels.w4a16_gemm.kernel import planes1_tile_ok
+
+    dev = triton_backend
+    assert planes1_tile_ok(1024, 4, True) and not planes1_tile_ok(1024, 4, False) and planes1_tile_ok(512, 4, False)
+    packed, scale = _weights(40, 1024, 32, dev)
+    x = torch.randn(1, 1025, device=dev)[:, 1:]
+    assert x.data_ptr() % 16
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    for cfg in (_cfg(1, 16, 1024, 1), _cfg(1, 16, 512, 2)):
+        y = w4a16_gemm(x, packed, scale, 32, config=cfg, gemv="planes1")
+        assert_rel_close(y, ref, 1e-5, str(cfg))
+
+
 def test_planes1_at_several_tokens_runs_the_usual_paths(triton_backend):
     dev = triton_backend
     packed, scale = _weights(24, 256, 32, dev)
@@ -490,3 +506,5 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), tol, f"{n}x{k}")
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), tol, "planes1 vs planes")
     assert_bitwise_equal(y, w4a16_gemm(x, packed, scale, 32, gemv="planes1"), "deterministic")
+    x_odd = torch.cat([x.new_zeros(1, 1), x], 1)[:, 1:]  # not 16-byte aligned: the strided per-plane loads
+    assert_rel_close(w4a16_gemm(x_odd, packed, scale, 32, gemv="planes1").float(), y.float(), tol, "strided")
