@@ -15,7 +15,9 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
 * ``int4_g32_tile`` (M = 1 only) the previous one-token GEMV (``w4a16_gemm(..., gemv="tile")``) beside
                 ``int4_g32``, whose M = 1 rows are the default plane GEMV (docs/moe.md "The INT4 plane GEMV").
 * ``int4_g32_planes1`` (M = 1 only) the plane GEMV in one launch (``w4a16_gemm(..., gemv="planes1")``: no
-                ``plane_order`` launch, its own split-K; docs/moe.md "W4A16 at M = 1 in one launch").
+                ``plane_order`` launch, its own split-K; docs/moe.md "W4A16 at M = 1 in one launch");
+                ``int4_g32_planes1_ws`` the same with split-K counters kept across calls (``counters=``: no
+                ``torch.zeros`` launch per call either, so exactly one kernel).
 
 Goals (issue 6 / issue 5): W4A16 ≥ 2× tinygemm at M = 1 and faster at every M ≤ 64; FP8 block ≥ 0.7×
 ``_scaled_mm`` and ≥ 1.4× bf16 cuBLAS at M ≥ 512 — each row says ``goal`` and ``goal_met``. Inputs are
@@ -39,7 +41,9 @@ NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288)
 GROUP = 32
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
-GEMV_FORMATS = {"tile": TILE_FORMAT, "planes1": "int4_g32_planes1"}  # M = 1 variants beside int4_g32
+# M = 1 variants beside int4_g32: row format -> (gemv form, pass kept split-K counters)
+GEMV_FORMATS = {TILE_FORMAT: ("tile", False), "int4_g32_planes1": ("planes1", False),
+                "int4_g32_planes1_ws": ("planes1", True)}
 
 
 def _tinygemm_pack(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,9 +151,10 @@ def run(ctx: Context) -> list[dict]:
                              peer_median_us=t_tiny, cublas_bf16_us=round(t_bf16, 3),
                              speedup_vs_bf16=round(t_bf16 / t_int4, 3)))
             n_fast = 0
-            for form, fmt in GEMV_FORMATS.items() if m == 1 else ():  # other one-token GEMVs beside the default
+            for fmt, (form, kept) in GEMV_FORMATS.items() if m == 1 else ():  # other one-token GEMVs
+                counters = torch.zeros(n, dtype=torch.int32, device=dev) if kept else None  # left zero by each call
                 try:
-                    t_gemv = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, gemv=form))
+                    t_gemv = timed(lambda s: w4a16_gemm(x, s["p4"], s["s4"], GROUP, gemv=form, counters=counters))
                     n_fast += 1
                     rows.append(case("gemm", {"format": fmt, "M": m, "N": n, "K": k}, t_gemv,
                                      bytes=_bytes("int4_g32", m, n, k), flops=flops, peer="tinygemm_int4",

@@ -508,3 +508,24 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
     assert_bitwise_equal(y, w4a16_gemm(x, packed, scale, 32, gemv="planes1"), "deterministic")
     x_odd = torch.cat([x.new_zeros(1, 1), x], 1)[:, 1:]  # not 16-byte aligned: the strided per-plane loads
     assert_rel_close(w4a16_gemm(x_odd, packed, scale, 32, gemv="planes1").float(), y.float(), tol, "strided")
+
+
+def test_caller_counters_are_left_zero_and_reused(triton_backend):
+    """counters=: the split-K arrival counters from the caller (no torch.zeros launch per call); every launch
+    leaves them zero, so one buffer serves repeated calls; too short, wrong dtype: a clear error."""
+    dev = triton_backend
+    packed, scale = _weights(40, 512, 32, dev)
+    x = torch.randn(1, 512, device=dev)
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    counters = torch.zeros(40, dtype=torch.int32, device=dev)
+    for gemv, cfg in (("planes1", _cfg(1, 16, 128, 4)), ("planes1", None), ("planes", _cfg(1, 16, 256, 2))):
+        for _ in range(2):
+            y = w4a16_gemm(x, packed, scale, 32, config=cfg, gemv=gemv, counters=counters,
+                           out=poisoned_empty((1, 40), torch.float32, dev))
+            assert_rel_close(y, ref, 1e-5, f"{gemv} {cfg}")
+            assert not counters.any()
+    with pytest.raises(ValueError, match="counters: 2 entries"):
+        w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 128, 4), gemv="planes1",
+                   counters=torch.zeros(2, dtype=torch.int32, device=dev))
+    with pytest.raises((TypeError, ValueError), match="counters"):
+        w4a16_gemm(x, packed, scale, 32, counters=torch.zeros(40, device=dev))

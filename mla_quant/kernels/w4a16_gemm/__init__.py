@@ -56,7 +56,7 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int = 0, gemv: str = "planes") -> torch.Tensor:
+               fast_dequant: int = 0, gemv: str = "planes", counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -80,6 +80,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     M = 1 in one launch") is the plane GEMV in one launch: each program reads its activations from x itself
     (no ``plane_order``), with its own configs and split-K (``kernel.planes1_split``); a pinned BM = 1 config
     needs ``kernel.planes1_tile_ok`` (else the tile GEMV runs).
+
+    ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
+    may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at
+    zero again — a buffer kept across calls (on one stream) saves the ``torch.zeros`` launch of each call.
     """
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
@@ -91,6 +95,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         check_same_device(x=x, out=out)
         if tuple(out.shape) != (*lead, n):
             raise ValueError(f"out: shape {tuple(out.shape)}, expected {(*lead, n)}")
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, ndim=1, contiguous=True)
+        check_same_device(x=x, counters=counters)
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
@@ -131,7 +138,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms, fast_dequant, planes1)
     # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
-    count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
+    if counters is None:
+        count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
+    elif max_split > 1 and counters.numel() < max_tiles:
+        raise ValueError(f"counters: {counters.numel()} entries, this launch needs {max_tiles} (one per output tile)")
+    else:
+        count = counters
     planes = (m == 1 and gemv == "planes" and not fast_dequant
               and (cfg is None or (cfg["BM"] == 1 and planes_tile_ok(cfg["BK"], cfg["num_warps"]))))
     common = dict(GROUP=group_size, INTERPRET=interpreted,
