@@ -314,6 +314,12 @@ def cases_w4a16_gemm() -> Iterator[Case]:
         for fast in (0, 1, 2):
             yield f"M={m} fast_dequant={fast}", partial(w4a16_gemm, torch.randn(m, k, dtype=BF16), packed, scale,
                                                         32, fast_dequant=fast)
+    # M = 1 in one launch (opt-in), at a Kimi width where split-K runs
+    n, k = 2048, 7168
+    packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
+    for x_dtype in (BF16, torch.float32):
+        yield f"M=1 gemv=planes1 {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(1, k, dtype=x_dtype),
+                                                                   packed, scale, 32, gemv="planes1")
 
 
 def cases_moe_align() -> Iterator[Case]:
