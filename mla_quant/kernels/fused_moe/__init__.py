@@ -154,11 +154,11 @@ def fused_moe(
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
     overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only; 0 = off, the
-    default; 1 or True, 2; unmeasured) selects the kernel's FAST_DEQUANT level and its own autotuned configs
+    default; 1 or True, 2; measured slower on the H200) selects the kernel's FAST_DEQUANT level and its own autotuned configs
     (docs/moe.md, "W4A16 fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
     ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (default: the activations re-ordered into
     fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same
-    with the next K block's words loaded before this block's products; unmeasured) or ``"tile"`` (the
+    with the next K block's words loaded before this block's products; 1.03× the planes on the H200) or ``"tile"`` (the
     previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with ``fast_dequant``).
     ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"dequant"`` (default: the words unpacked
     into a [BLOCK_N, BLOCK_K] tile) or ``"planes"`` (unmeasured: the words kept in their load layout, one dot per
