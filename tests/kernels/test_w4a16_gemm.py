@@ -321,6 +321,21 @@ def test_fast_dequant_autotuned_on_real_shapes(m, n, k, level):
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), 1e-2, f"fast vs default M={m}")
 
 
+def _every_nibble_case(seed: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, 256], packed int32 [8, 32], scale bf16 [8, 8] (group 32): word j holds nibble (j + i) % 16 at position
+    i, rows rotate the words; power-of-two scales and signed activations keep every partial sum exact in fp32."""
+    j = torch.arange(16)
+    nib = (j[:, None] + torch.arange(8)[None, :]) % 16  # [16 words, 8 positions]
+    word = (nib << (4 * torch.arange(8))).sum(1).to(torch.int64)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    packed = torch.stack([word.repeat(2).roll(r) for r in range(8)]).to(dev)  # [8 rows, 32 words]: K = 256
+    g = torch.Generator().manual_seed(seed)
+    scale = (2.0 ** torch.randint(-2, 3, (8, 8), generator=g)).to(torch.bfloat16).to(dev)
+    sign = torch.where(torch.rand(1, 256, generator=g) < 0.5, -1.0, 1.0)
+    x = (2.0 ** torch.randint(-2, 3, (1, 256), generator=g) * sign).to(dev)
+    return x, packed, scale
+
+
 # --- the one-token plane GEMV (gemv="planes", the default at M = 1) ---
 
 @pytest.mark.parametrize("n,k,group,cfg", [
@@ -348,15 +363,7 @@ def test_plane_gemv_is_exact_for_every_nibble_at_every_position(triton_backend):
     """Word j holds nibble (j + i) % 16 at position i: every code at every position (the in-place AND-OR and
     the 16^-j folding of nibbles 0-4 and 5-7); power-of-two scales and activations keep every sum exact."""
     dev = triton_backend
-    j = torch.arange(16)
-    nib = (j[:, None] + torch.arange(8)[None, :]) % 16  # [16 words, 8 positions]
-    word = (nib << (4 * torch.arange(8))).sum(1).to(torch.int64)
-    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    packed = torch.stack([word.repeat(2).roll(r) for r in range(8)]).to(dev)  # [8 rows, 32 words]: K = 256
-    g = torch.Generator().manual_seed(0)
-    scale = (2.0 ** torch.randint(-2, 3, (8, 8), generator=g)).to(torch.bfloat16).to(dev)
-    sign = torch.where(torch.rand(1, 256, generator=g) < 0.5, -1.0, 1.0)
-    x = (2.0 ** torch.randint(-2, 3, (1, 256), generator=g) * sign).to(dev)  # every partial sum exact in fp32
+    x, packed, scale = _every_nibble_case(0, dev)
     y = w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 256, 1))
     assert torch.equal(y.cpu(), w4a16_gemm_reference(x, packed, scale, 32).cpu())
 
@@ -410,15 +417,7 @@ def test_planes1_gemv_is_exact_for_every_nibble_and_deterministic(triton_backend
     sum exact), so the in-place planes (x · 16^-j in registers) must equal the reference bit for bit; split-K
     (4 splits of one 64-K block) sums in a fixed order: two runs are bitwise equal."""
     dev = triton_backend
-    j = torch.arange(16)
-    nib = (j[:, None] + torch.arange(8)[None, :]) % 16
-    word = (nib << (4 * torch.arange(8))).sum(1).to(torch.int64)
-    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    packed = torch.stack([word.repeat(2).roll(r) for r in range(8)]).to(dev)  # [8 rows, 32 words]: K = 256
-    g = torch.Generator().manual_seed(1)
-    scale = (2.0 ** torch.randint(-2, 3, (8, 8), generator=g)).to(torch.bfloat16).to(dev)
-    sign = torch.where(torch.rand(1, 256, generator=g) < 0.5, -1.0, 1.0)
-    x = (2.0 ** torch.randint(-2, 3, (1, 256), generator=g) * sign).to(dev)
+    x, packed, scale = _every_nibble_case(1, dev)
     ref = w4a16_gemm_reference(x, packed, scale, 32).cpu()
     for cfg in (_cfg(1, 16, 256, 1), _cfg(1, 8, 64, 4)):
         y = w4a16_gemm(x, packed, scale, 32, config=cfg, gemv="planes1")
