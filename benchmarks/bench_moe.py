@@ -27,10 +27,12 @@ GEMV and rows ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="t
 the plane GEMV with a register double buffer (``gemv="prefetch"``), on the same experts and routings
 (``speedup_vs_int4_g32`` > 1 means that form beats the default; docs/moe.md "The INT4 plane GEMV").
 
-Rows ``int4_g32_planes_tile`` (at 16, 64 and 256 tokens) time the opt-in INT4 plane tensor-core tile
-(``fused_moe(..., int4_tile="planes")``, docs/moe.md "The INT4 plane tile") on the same experts and routings, at
-``block_m`` = max(the default's, 16) (at 16 tokens the default is the GEMV: the row then runs 16-row tiles);
-``speedup_vs_dequant_tile`` compares it with the default dequantized tile at that same ``block_m``.
+Where the INT4 experts run on the tensor cores (``block_m`` > 1), ``int4_g32`` is the default plane tile
+(``int4_tile="auto"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
+tile") and rows ``int4_g32_dequant_tile`` (at 16, 64, 256 and 1024 tokens) time the dequantized tile
+(``fused_moe(..., int4_tile="dequant")``, the default until the H200 run of 8b4c3e0) on the same experts and
+routings at ``block_m`` = max(the default's, 16) (at 16 tokens the default is the GEMV: the row then runs 16-row
+tiles); ``plane_tile_us`` is the plane tile at that same ``block_m`` and ``speedup_of_planes`` the ratio.
 """
 from __future__ import annotations
 
@@ -54,8 +56,8 @@ SETS = 8  # routings cycled per timing
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # fused_moe(fast_dequant=level) -> row format
 # fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="planes")
 GEMV_FORMATS = {"tile": "int4_g32_tile", "prefetch": "int4_g32_prefetch"}
-# fused_moe(int4_tile="planes") -> row format, at these token counts beside int4_g32
-PLANE_TILE_FORMAT, PLANE_TILE_TOKENS = "int4_g32_planes_tile", (16, 64, 256)
+# fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
+DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 
 
 def _graph_us(fn, reps: int) -> tuple[float, bool]:
@@ -180,7 +182,7 @@ def _layer(name: str, projs: dict, dev) -> MoE:
 
 def run(ctx: Context) -> list[dict]:
     dev = ctx.device
-    tokens_all = (1, 16, 256) if ctx.quick else TOKENS
+    tokens_all = (1, 16, 256, 1024) if ctx.quick else TOKENS
     rows: list[dict] = []
     times: dict[tuple[str, str, int], float] = {}
     peer: dict[tuple[str, int], float] = {}
@@ -230,22 +232,23 @@ def run(ctx: Context) -> list[dict]:
                                          active_experts=active))
                     except Exception as e:  # noqa: BLE001
                         ctx.notes.append(f"moe: {form_name} failed at T={t}: {type(e).__name__}: {str(e)[:160]}")
-                if name == "int4_g32" and t in PLANE_TILE_TOKENS:
-                    # the plane tensor-core tile (unmeasured variant: a failure is noted, the other rows stay)
+                if name == "int4_g32" and t in DEQUANT_TILE_TOKENS:
+                    # the dequantized tensor-core tile beside the default plane tile (a failure is noted, the
+                    # other rows stay)
                     tile_bm = max(bm, 16)
-                    dequant_us = t_moe if bm == tile_bm else extra.get("alt_us")  # the default tile at tile_bm
+                    planes_us = t_moe if bm == tile_bm else extra.get("alt_us")  # the plane tile at tile_bm
                     try:
-                        t_pt, graphed = _graph_us(lambda: routed(tile_bm, int4_tile="planes"), SETS)
+                        t_dq, graphed = _graph_us(lambda: routed(tile_bm, int4_tile="dequant"), SETS)
                     except Exception as e:  # noqa: BLE001
-                        ctx.notes.append(f"moe: {PLANE_TILE_FORMAT} failed at T={t}: {type(e).__name__}: "
+                        ctx.notes.append(f"moe: {DEQUANT_TILE_FORMAT} failed at T={t}: {type(e).__name__}: "
                                          f"{str(e)[:160]}")
                     else:
-                        times[("moe", PLANE_TILE_FORMAT, t)] = t_pt
-                        rows.append(case("moe", {"format": PLANE_TILE_FORMAT, "tokens": t}, t_pt, bytes=nbytes,
+                        times[("moe", DEQUANT_TILE_FORMAT, t)] = t_dq
+                        rows.append(case("moe", {"format": DEQUANT_TILE_FORMAT, "tokens": t}, t_dq, bytes=nbytes,
                                          flops=flops, peer="torch_grouped_mm_bf16",
                                          peer_median_us=peer.get(("moe", t)), cuda_graph=graphed, block_m=tile_bm,
-                                         active_experts=active, dequant_tile_us=dequant_us,
-                                         speedup_vs_dequant_tile=round(dequant_us / t_pt, 3) if dequant_us else None))
+                                         active_experts=active, plane_tile_us=planes_us,
+                                         speedup_of_planes=round(t_dq / planes_us, 3) if planes_us else None))
                 for level, fast_name in (FAST_FORMATS.items() if name == "int4_g32" else ()):
                     # the FAST_DEQUANT levels on the same experts and routings (unmeasured variants: a failure
                     # is noted and must not lose the other rows)
@@ -291,7 +294,7 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        variants = (*FAST_FORMATS.values(), *GEMV_FORMATS.values(), PLANE_TILE_FORMAT)
+        variants = (*FAST_FORMATS.values(), *GEMV_FORMATS.values(), DEQUANT_TILE_FORMAT)
         if name in variants:
             r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
         if name == "int4_g32" or name in variants:

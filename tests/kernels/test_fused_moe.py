@@ -391,7 +391,7 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     assert torch.equal(got, planes)  # the same products in the same order; only the load schedule differs
 
 
-# --- the INT4 plane tensor-core tile (int4_tile="planes", opt-in at block_m > 1) ---
+# --- the INT4 plane tensor-core tile (int4_tile="planes", the default at block_m > 1) vs the dequantized tile ---
 
 # (hidden, intermediate, group, dtype, block_m): K blocks (128 interpreted) ragged (320, 224) or whole (256, 128);
 # N tiles (64 interpreted) ragged at 224; groups of 64; 21 tokens x 2 slots over 3 experts: rows per expert not a
@@ -410,7 +410,10 @@ def test_plane_tile_matches_reference_and_the_dequant_tile(triton_backend, hidde
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m,
                     int4_tile="planes", out=out)
     assert got is out
-    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m)
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m,
+                     int4_tile="dequant")
+    assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group,
+                                      block_m=block_m)), "int4_tile='auto' is the plane tile"
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
                               group_size=group)
@@ -455,7 +458,7 @@ def test_unscaled_plane_order_is_the_permutation(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_plane_tile_real_widths(t, block_m, dtype):
     """Kimi's widths (every K block whole) at 32-256 tokens: the compiled plane tile against the reference and
-    the default dequantized tile."""
+    the dequantized tile."""
     e, k = 24, 8
     gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
     x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
@@ -463,7 +466,7 @@ def test_gpu_plane_tile_real_widths(t, block_m, dtype):
     out = poisoned_empty((t, 7168), dtype, "cuda")
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, int4_tile="planes", out=out)
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
-    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m)
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, int4_tile="dequant")
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert_rel_close(got.float(), ref.float(), tol, f"plane tile T={t} block_m={block_m}")
     assert_rel_close(got.float(), tile.float(), tol, f"plane tile vs dequant T={t} block_m={block_m}")
