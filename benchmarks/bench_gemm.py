@@ -13,11 +13,11 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 levels, each with its own autotuned configs, docs/recipes.md), same weights, peers and goal,
                 next to ``int4_g32`` (``speedup_vs_int4_g32``).
 * ``int4_g32_tile`` (M = 1 only) the previous one-token GEMV (``w4a16_gemm(..., gemv="tile")``) beside
-                ``int4_g32``, whose M = 1 rows are the default plane GEMV (docs/moe.md "The INT4 plane GEMV").
-* ``int4_g32_planes1`` (M = 1 only) the plane GEMV in one launch (``w4a16_gemm(..., gemv="planes1")``: no
-                ``plane_order`` launch, its own split-K; docs/moe.md "W4A16 at M = 1 in one launch");
-                ``int4_g32_planes1_ws`` the same with split-K counters kept across calls (``counters=``: no
-                ``torch.zeros`` launch per call either, so exactly one kernel).
+                ``int4_g32``, whose M = 1 rows are the default one-launch plane GEMV (``gemv="planes1"``,
+                docs/moe.md "W4A16 at M = 1 in one launch"); ``int4_g32_planes`` the two-launch plane GEMV
+                (``gemv="planes"``: ``plane_order``, then the GEMV; the default until 8b4c3e0);
+                ``int4_g32_planes1_ws`` the default with split-K counters kept across calls (``counters=``:
+                no ``torch.zeros`` launch per call either, so exactly one kernel).
 
 Goals (issue 6 / issue 5): W4A16 ≥ 2× tinygemm at M = 1 and faster at every M ≤ 64; FP8 block ≥ 0.7×
 ``_scaled_mm`` and ≥ 1.4× bf16 cuBLAS at M ≥ 512 — each row says ``goal`` and ``goal_met``. Inputs are
@@ -42,7 +42,7 @@ GROUP = 32
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
 # M = 1 variants beside int4_g32: row format -> (gemv form, pass kept split-K counters)
-GEMV_FORMATS = {TILE_FORMAT: ("tile", False), "int4_g32_planes1": ("planes1", False),
+GEMV_FORMATS = {TILE_FORMAT: ("tile", False), "int4_g32_planes": ("planes", False),
                 "int4_g32_planes1_ws": ("planes1", True)}
 
 

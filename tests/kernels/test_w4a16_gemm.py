@@ -336,7 +336,7 @@ def _every_nibble_case(seed: int, dev) -> tuple[torch.Tensor, torch.Tensor, torc
     return x, packed, scale
 
 
-# --- the one-token plane GEMV (gemv="planes", the default at M = 1) ---
+# --- the one-token plane GEMV in two launches (gemv="planes": plane_order, then the GEMV) ---
 
 @pytest.mark.parametrize("n,k,group,cfg", [
     (37, 256, 32, _cfg(1, 16, 256, 1)),    # ragged N, one whole K block
@@ -350,7 +350,7 @@ def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, n, k, gr
     packed, scale = _weights(n, k, group, dev, seed=n)
     x = torch.randn(1, k, device=dev).to(dtype)
     out = poisoned_empty((1, n), dtype, dev)
-    y = w4a16_gemm(x, packed, scale, group, out=out, config=cfg)
+    y = w4a16_gemm(x, packed, scale, group, out=out, config=cfg, gemv="planes")
     assert y.data_ptr() == out.data_ptr()
     tile = w4a16_gemm(x, packed, scale, group, config=cfg, gemv="tile")
     ref = w4a16_gemm_reference(x, packed, scale, group)
@@ -364,7 +364,7 @@ def test_plane_gemv_is_exact_for_every_nibble_at_every_position(triton_backend):
     the 16^-j folding of nibbles 0-4 and 5-7); power-of-two scales and activations keep every sum exact."""
     dev = triton_backend
     x, packed, scale = _every_nibble_case(0, dev)
-    y = w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 256, 1))
+    y = w4a16_gemm(x, packed, scale, 32, config=_cfg(1, 16, 256, 1), gemv="planes")
     assert torch.equal(y.cpu(), w4a16_gemm_reference(x, packed, scale, 32).cpu())
 
 
@@ -386,13 +386,13 @@ def test_gpu_plane_gemv_real_shapes(n, k, dtype):
     """Every K block whole (the compiled inline-asm path); against the reference and the previous GEMV."""
     packed, scale = _weights(n, k, 32, "cuda")
     x = torch.randn(1, k, device="cuda", dtype=dtype)
-    y = w4a16_gemm(x, packed, scale, 32)
+    y = w4a16_gemm(x, packed, scale, 32, gemv="planes")
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), tol, f"{n}x{k}")
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, gemv="tile").float(), tol, "planes vs tile")
 
 
-# --- the one-launch plane GEMV (gemv="planes1", opt-in): x read in place, no plane_order launch ---
+# --- the one-launch plane GEMV (gemv="planes1", the default at M = 1): x read in place, no plane_order launch ---
 
 @pytest.mark.parametrize("n,k,group,cfg", [
     (37, 256, 32, None),                   # ragged N, the interpreter's config (one whole K block)

@@ -12,8 +12,9 @@ from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-GEMV_FORMS = ("planes", "tile", "planes1")  # the one-token GEMV: nibble planes (default), the previous form,
-# or the plane GEMV in one launch (opt-in, unmeasured)
+# the one-token GEMV: the plane GEMV in one launch (default: 8.97 / 12.7 µs on the H200 at 2048 / 4096 x 7168,
+# 1.20 / 1.04x the two-launch form), nibble planes after a plane_order launch, or the previous form
+GEMV_FORMS = ("planes1", "planes", "tile")
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS"]
@@ -56,7 +57,7 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int = 0, gemv: str = "planes", counters: torch.Tensor | None = None) -> torch.Tensor:
+               fast_dequant: int = 0, gemv: str = "planes1", counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -72,14 +73,13 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     partial; 2: biased codes, no float op per weight) and its own autotuned configs, which also try the
     16-row tile at one token. Unmeasured: see docs/recipes.md.
 
-    ``gemv`` picks the one-token GEMV (M = 1, BM = 1, ``fast_dequant`` off): ``"planes"`` (default: x
-    re-ordered into fp32 nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md
-    "The INT4 plane GEMV") or ``"tile"`` (the previous nibble-plane loop reading x with strided loads). A
-    pinned BM = 1 config whose K tile the plane GEMV cannot use (``kernel.planes_tile_ok``: BK a multiple of
-    256 and BK/8 < 32·num_warps) runs the tile GEMV. ``"planes1"`` (opt-in, unmeasured: docs/moe.md "W4A16 at
-    M = 1 in one launch") is the plane GEMV in one launch: each program reads its activations from x itself
-    (no ``plane_order``), with its own configs and split-K (``kernel.planes1_split``); a pinned BM = 1 config
-    needs ``kernel.planes1_tile_ok`` (else the tile GEMV runs).
+    ``gemv`` picks the one-token GEMV (M = 1, BM = 1, ``fast_dequant`` off): ``"planes1"`` (default: the plane
+    GEMV in one launch: each program reads its activations from x itself, with its own configs and split-K,
+    ``kernel.planes1_split``; docs/moe.md "W4A16 at M = 1 in one launch"), ``"planes"`` (x re-ordered into fp32
+    nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md "The INT4 plane GEMV")
+    or ``"tile"`` (the previous nibble-plane loop reading x with strided loads). A pinned BM = 1 config whose K
+    tile the chosen plane GEMV cannot use (``kernel.planes1_tile_ok`` / ``kernel.planes_tile_ok``) runs the
+    tile GEMV.
 
     ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
     may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at
