@@ -141,11 +141,13 @@ def test_kernels_take_the_scale_from_finite_values_only(triton_backend, op):
     _check_against_reference(q, s, qr, sr, x)
 
 
-@pytest.mark.parametrize("config", [{"BLOCK_T": 1, "num_warps": 1}, {"BLOCK_T": 16, "num_warps": 8},
+@pytest.mark.parametrize("config", [{"BLOCK_T": 1, "num_warps": 1, "STAGES": 0},
+                                    {"BLOCK_T": 16, "num_warps": 8, "STAGES": 0},
                                     {"BLOCK_T": 4, "STAGES": 3, "PROGRAMS_PER_SM": 2}])
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_kv_quant_launch_configs_agree(triton_backend, config, per_tensor):
-    # persistent configs (STAGES): 2 programs loop over the 10 tiles of 4 rows, the last one partial
+    # one tile per program (STAGES 0) and persistent (the default, STAGES 3; here 2 programs loop over the 10
+    # tiles of 4 rows, the last one partial)
     x = torch.randn(37, 576).to(triton_backend)
     x[9, 3] = float("inf")  # one tile takes the finite-only branch
     scale = torch.tensor([0.02], device=triton_backend) if per_tensor else None
@@ -210,7 +212,7 @@ def test_act_quant_bit_exact_on_gpu_large(numel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, {"BLOCK_T": 8, "num_warps": 4, "STAGES": 3, "PROGRAMS_PER_SM": 4},
-                                    {"BLOCK_T": 16, "num_warps": 8}])
+                                    {"BLOCK_T": 16, "num_warps": 8, "STAGES": 0}])
 def test_kv_quant_bit_exact_on_gpu_large(config):
     # 20001 MLA rows: persistent programs loop ~5 times; a partial last tile; non-finite values
     x = torch.randn(20001, 576, device="cuda", dtype=torch.bfloat16) * 3

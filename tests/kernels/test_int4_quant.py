@@ -85,6 +85,26 @@ def test_quantize_launch_configs_agree(triton_backend, config):
     assert_bitwise_equal(s2, scale, "scale")
 
 
+@pytest.mark.parametrize("config", [{"BN": 2, "BK": 128, "num_warps": 1, "STREAM": True},
+                                    {"BN": 4, "BK": 256, "num_warps": 2, "STREAM": False}])
+def test_dequantize_launch_configs_agree(triton_backend, config):
+    # ragged row and K tiles (65 x 320); streaming stores (STREAM) must write the same values
+    w = torch.randn(65, 320).to(triton_backend)
+    packed, scale = I.int4_quantize(w, 32, torch.float32)
+    out = I.int4_dequantize(packed, scale, 32, torch.float32, config=config)
+    assert_bitwise_equal(out, I.int4_dequantize_reference(packed, scale, 32, torch.float32), f"dequant {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, {"BN": 4, "BK": 1024, "num_warps": 1, "STREAM": True}])
+def test_dequantize_bit_exact_on_gpu_large(config):
+    # 2049 x 7168 (a partial last row block), bf16 and fp32 out
+    packed, scale = I.int4_quantize(torch.randn(2049, 7168, device="cuda", dtype=torch.bfloat16), 32)
+    for out in (torch.bfloat16, torch.float32):
+        assert_bitwise_equal(I.int4_dequantize(packed, scale, 32, out, config=config),
+                             I.int4_dequantize_reference(packed, scale, 32, out), f"dequant {out}")
+
+
 def test_sqnr_of_gaussian_weights_matches_the_int4_grid():
     w = torch.randn(512, 2048)
     deq = I.int4_dequantize(*I.int4_quantize(w, 32), 32, torch.float32)
