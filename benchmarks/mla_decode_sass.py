@@ -19,15 +19,17 @@ import torch
 from benchmarks import compile_check as cc
 from benchmarks.sass_tools import collect_compiled, loop_profile
 
-COLUMNS = ("LDGSTS", "LDG", "STS", "LDS", "LDSM", "BAR", "HMMA", "HGMMA", "F2F", "F2FP", "PRMT", "LOP3", "SHF",
-           "STL", "LDL")
+COLUMNS = ("LDGSTS", "LDG", "STS", "LDS", "LDSM", "BAR", "HMMA", "QMMA", "HGMMA", "QGMMA", "F2F", "F2FP", "PRMT",
+           "LOP3", "SHF", "STL", "LDL")
 CASES = (("bf16", "convert"), ("fp8_e4m3", "convert"), ("fp8_e4m3", "bitcast"), ("fp8_e4m3", "fp16"),
-         ("fp8_ds_mla", "convert"), ("fp8_ds_mla", "bitcast"), ("fp8_ds_mla", "fp16"))
+         ("fp8_ds_mla", "convert"), ("fp8_ds_mla", "bitcast"), ("fp8_ds_mla", "fp16"), ("fp8_e4m3", "fp8mma"),
+         ("fp8_e4m3", "fp8mma_pv"), ("fp8_e4m3", "fp8mma_q1"), ("fp8_e4m3", "fp8mma_pv_q1"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--scale", choices=("token", "tensor"), default="token", help="fp8_e4m3 scale kind")
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     parser.add_argument("--only", nargs="*", help="kind_dequant cases to compile (default: all), e.g. fp8_e4m3_fp16")
     args = parser.parse_args(argv)
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, dequant in CASES:
             if args.only and f"{kind}_{dequant}" not in args.only:
                 continue
-            data, scales = cc._kv_pages(kind, "token", table.numel())
+            data, scales = cc._kv_pages(kind, args.scale if kind == "fp8_e4m3" else "token", table.numel())
             q = torch.randn(2, 1, args.heads, cc.D_LATENT + cc.D_ROPE, dtype=torch.bfloat16)
             start = len(compiled)
             mla_decode(q, data, scales, table, lens, 0.1, kind, cc.D_LATENT, fp8_dequant=dequant, num_splits=2)

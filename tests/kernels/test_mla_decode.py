@@ -610,3 +610,93 @@ def test_auto_fp8_dequant_rule():
     assert not _use_bitcast("auto", "fp8_ds_mla", pages, 128) and not _use_bitcast("auto", "bf16", pages, 128)
     assert not _use_bitcast("auto", "fp8_e4m3", torch.zeros(4, 16, 577, dtype=torch.float8_e4m3fn)[..., :576], 128)
     assert _use_bitcast("bitcast", "fp8_ds_mla", pages, 1) and not _use_bitcast("convert", "fp8_e4m3", pages, 128)
+
+
+# ------------------------------------------------------------------- fp8 tensor-core dots (fp8mma)
+# (output rel. error, lse abs. error) bounds per choice against the fp32 reference over the same e4m3 rows, bf16
+# queries; measured (torch emulation at 512 + 64 and the interpreter here, docs/mla.md "fp8 tensor-core dots"):
+# q as hi + lo/16 (~2^-8 relative) with fp16 p: ~4e-3 (the bf16 output rounding dominates, as for "convert");
+# p in e4m3 (2^-4 relative per weight): 0.8-3e-2; q in one e4m3 term: 3-5e-2 and lse 0.06-0.1 (a relative score
+# error ~2^-4/sqrt(3) per term, so the lse error grows with |lse|: 2e-3 relative for a 30x sharper row); bounds
+# ~2.5x the largest seen. (output rel. error, lse atol, lse rtol)
+FP8MMA_TOL = {"fp8mma": (1.5e-2, 1e-2, 1e-3), "fp8mma_pv": (8e-2, 1e-2, 1e-3), "fp8mma_q1": (1e-1, 0.25, 5e-3),
+              "fp8mma_pv_q1": (1.2e-1, 0.25, 5e-3)}
+FP8MMA_TEST_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False),  # transposed dots (S^T = K·q^T)
+                       dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=True, PREFETCH=True),  # split load ignored
+                       dict(BLOCK_M=64, BLOCK_N=32, QK_SPLIT_LOAD=False)]  # 64-row blocks: q·K^T as is
+
+
+@pytest.mark.parametrize("dequant", list(FP8MMA_TOL))
+@pytest.mark.parametrize("tensor_scale", [None, 0.05])
+def test_fp8mma_matches_reference(triton_backend, dequant, tensor_scale):
+    """fp8_dequant="fp8mma*" (fp8_e4m3 pages: e4m3 score dots, q rounded per row; PV in fp16 or e4m3): every
+    kernel form (transposed dots, prefetch, 64-row blocks), forced splits, NaN-poisoned outputs and unused slots,
+    within FP8MMA_TOL of the reference; the two-term q (fp8mma) also close to the conversion."""
+    dev = triton_backend
+    lengths, page_size, d_latent, d_rope = [37, 70, 1], 16, 128, 32
+    table = torch.tensor([[0, 1, 2, -1, -1], [3, 4, 5, 6, 7], [8, -1, -1, -1, -1]], dtype=torch.int32)
+    kv, scales, _ = build_pages(lengths, table, 9, page_size, "fp8_e4m3", tensor_scale, d_latent, d_rope, seed=5,
+                                device=dev)
+    q = torch.randn(3, 1, 3, d_latent + d_rope).to(torch.bfloat16)
+    q[1, 0, 2] *= 30  # rows of different magnitudes: per-row scales
+    args = (q.to(dev), kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev), 0.1,
+            "fp8_e4m3", d_latent)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    o_conv, _ = mla_decode(*args, fp8_dequant="convert", config=dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False))
+    tol_o, atol_lse, rtol_lse = FP8MMA_TOL[dequant]
+    for config, splits in zip(FP8MMA_TEST_CONFIGS, (1, 3, 2)):
+        out = poisoned_empty((3, 1, 3, d_latent), dtype=torch.bfloat16, device=dev)
+        lse = poisoned_empty((3, 1, 3), device=dev)
+        mla_decode(*args, num_splits=splits, out=out, lse=lse, config=config, fp8_dequant=dequant)
+        assert_all_written(out, "out")
+        assert_all_written(lse, "lse")
+        err = rel_err(out.float().cpu(), o_ref.float().cpu())
+        assert err < tol_o, (config, err)
+        assert torch.allclose(lse.cpu(), lse_ref.cpu(), rtol=rtol_lse, atol=atol_lse), config
+        if dequant == "fp8mma":
+            assert rel_err(out.float().cpu(), o_conv.float().cpu()) < tol_o
+
+
+def test_fp8mma_leaves_other_pages_and_fp32_queries_to_their_paths(triton_backend):
+    """fp8mma on bf16 and fp8_ds_mla pages runs the usual kernel (bit-equal to "convert"); fp32 queries on fp8_e4m3
+    pages take the e4m3 dots too (q is quantized whatever its dtype) within the fp8mma bound."""
+    dev = triton_backend
+    lengths, table = [37, 20], torch.tensor([[0, 1, 2], [4, 3, -1]], dtype=torch.int32)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
+    for kind in ("bf16", "fp8_ds_mla"):
+        kv, _, _ = build_pages(lengths, table, 5, 16, kind, None, 128, 32, seed=8, device=dev)
+        q = torch.randn(2, 1, 4, 160).to(torch.bfloat16).to(dev)
+        args = (q, kv, None, table.to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev), 0.1, kind, 128)
+        a, b = mla_decode(*args, fp8_dequant="fp8mma", config=cfg), mla_decode(*args, fp8_dequant="convert", config=cfg)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), kind
+    kv, scales, _ = build_pages(lengths, table, 5, 16, "fp8_e4m3", None, 128, 32, seed=8, device=dev)
+    args = (torch.randn(2, 1, 4, 160, device=dev), kv, scales, table.to(dev),
+            torch.tensor(lengths, dtype=torch.int32, device=dev), 0.1, "fp8_e4m3", 128)
+    o, lse = mla_decode(*args, fp8_dequant="fp8mma", config=cfg)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    assert rel_err(o.cpu(), o_ref.cpu()) < 1.5e-2 and (lse - lse_ref).abs().max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor_scale", [None, 0.05])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("dequant", list(FP8MMA_TOL))
+def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
+    """fp8mma choices on the GPU at real dims (512 + 64, page size 64), contexts 1 / 63 / 4096 / 65537, poisoned
+    outputs, splits chosen and forced, and (16 heads) every FP8_MMA_CONFIGS candidate forced: FP8MMA_TOL."""
+    from mla_quant.kernels.mla_decode.kernel import FP8_MMA_CONFIGS
+
+    lengths = [1, 63, 4096, 65537] if heads == 16 else [63, 4096]
+    args = _real_dim_args("fp8_e4m3", tensor_scale, heads, 1, lengths, seed=3)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=sp, num_warps=w, num_stages=st, PREFETCH=pf)
+               for bm, bn, sp, w, st, pf in FP8_MMA_CONFIGS if heads == 16 or bm == 64]
+    tol_o, atol_lse, rtol_lse = FP8MMA_TOL[dequant]
+    for splits, config in [(s, None) for s in (None, 1, 7)] + [(None, c) for c in configs]:
+        out = poisoned_empty(tuple(o_ref.shape), dtype=torch.bfloat16, device="cuda")
+        lse = poisoned_empty(tuple(lse_ref.shape), device="cuda")
+        mla_decode(*args, num_splits=splits, out=out, lse=lse, fp8_dequant=dequant, config=config)
+        assert_all_written(out, "out")
+        assert_all_written(lse, "lse")
+        assert rel_err(out.float(), o_ref.float()) < tol_o, f"splits={splits}, config={config}"
+        assert torch.allclose(lse, lse_ref, rtol=rtol_lse, atol=atol_lse), f"splits={splits}, config={config}"

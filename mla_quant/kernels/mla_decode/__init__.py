@@ -23,8 +23,11 @@ __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_s
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
-# how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant", "fp16 dot operands")
-FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16")
+# how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant", "fp16 dot operands", "fp8 tensor-core dots")
+FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1")
+# the kernel's FP8_MMA constexpr per choice: e4m3 score dots with q as two e4m3 terms (hi + lo/16, 3 and 4) or one
+# (q1: 1 and 2) per row scale; the PV dot in fp16 (odd) or e4m3 (even)
+FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2}
 # "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
 # conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
@@ -139,7 +142,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``fp8_dequant``: ``"convert"`` (Triton's e4m3 conversion, ds_mla tile scales multiplied into the tile),
     ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within rounding;
     docs/mla.md), ``"fp16"`` (the conversion to fp16 dot operands, q and p pre-scaled by powers of two; bf16 /
-    fp16 queries only, fp32 queries keep the conversion) or ``"auto"`` (default: the bitcast for fp8_e4m3 pages
+    fp16 queries only, fp32 queries keep the conversion), ``"fp8mma"`` (fp8_e4m3 pages: the score dots take the
+    e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
+    the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
+    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: the bitcast for fp8_e4m3 pages
     with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion). Only the
     Triton path of FP8 pages is affected.
     """
@@ -177,14 +183,15 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config,
                               _use_bitcast(fp8_dequant, kind, kv_data, s_q * heads),
-                              fp8_dequant == "fp16" and kind != "bf16")
+                              fp8_dequant == "fp16" and kind != "bf16",
+                              FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0)
 
 
 def _use_bitcast(fp8_dequant: str, kind: str, kv_data: torch.Tensor, rows: int) -> bool:
     """The FP8_BITCAST switch for one call (see ``fp8_dequant`` in :func:`mla_decode`)."""
     if kind == "bf16" or fp8_dequant == "convert":
         return False
-    if fp8_dequant in ("bitcast", "fp16"):
+    if fp8_dequant in ("bitcast", "fp16") or fp8_dequant in FP8_MMA_LEVELS:
         return fp8_dequant == "bitcast"
     aligned = not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
     return kind == "fp8_e4m3" and rows >= BITCAST_MIN_ROWS and aligned
@@ -204,7 +211,7 @@ def tuned_config() -> str | None:
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots):
+                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots, fp8_mma=0):
     from .kernel import _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
@@ -237,7 +244,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots)
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma)
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)

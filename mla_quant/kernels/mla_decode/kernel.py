@@ -24,6 +24,8 @@ PREFETCH loads the next tile's bytes one iteration ahead into registers (docs/ml
 import triton
 import triton.language as tl
 
+from .._triton_utils import cast_fp8_saturating, reciprocal, rint
+
 # how the latent part of a row is scaled (mirrors kv_layout.py)
 SCALE_NONE = tl.constexpr(0)    # bf16
 SCALE_TOKEN = tl.constexpr(1)   # fp8_e4m3, one fp32 per row (latent and rope)
@@ -39,6 +41,39 @@ BITCAST_UNSCALE_FP16 = tl.constexpr(2.0 ** 8)
 # F16_DOTS: p·(scale / tile max) is scaled to [0, 2^15] before its fp16 rounding (undone on the accumulator)
 F16_TOP = tl.constexpr(2.0 ** 15)
 F16_UNTOP = tl.constexpr(2.0 ** -15)
+# FP8_MMA == 2: p·(scale / tile max) is scaled to [0, 2^8] before its e4m3 rounding (≤ 448: no saturation; e4m3
+# subnormals reach 2^-9, so p down to 2^-17 of the tile's largest keeps a nonzero image)
+P8_TOP = tl.constexpr(2.0 ** 8)
+# FP8_MMA ≥ 3: q's residual after its e4m3 rounding, times 2^4, rounded to e4m3 again (≤ 16·16 = 256 < 448)
+Q_LO_SCALE = tl.constexpr(16.0)
+Q_LO_UNSCALE = tl.constexpr(1.0 / 16.0)
+P8_UNTOP = tl.constexpr(2.0 ** -8)
+
+
+@triton.jit
+def _round_e4m3(x, f8_ty: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 x (finite, |x| ≤ 448) rounded to e4m3 (nearest, ties to even), as f8_ty. The interpreter's fp32 -> e4m3
+    cast rounds wrongly (DESIGN.md), so it gets the rounding in fp32: x / ulp rounded to an integer, times the ulp
+    of x's binade (2^(e-3); 2^-9 for e4m3's subnormals), both powers of two (exact)."""
+    if INTERPRET:
+        e = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)   # biased fp32 exponent, ≥ 2^-6's
+        ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)
+        inv_ulp = ((257 - e) << 23).to(tl.float32, bitcast=True)         # 2^(3 - (e - 127))
+        return tl.minimum(tl.maximum(rint(x * inv_ulp) * ulp, -448.0), 448.0).to(f8_ty)
+    else:
+        return cast_fp8_saturating(x).to(f8_ty)
+
+
+@triton.jit
+def _split_e4m3(x, f8_ty: tl.constexpr, LO: tl.constexpr, INTERPRET: tl.constexpr):
+    """x (fp32, |x| ≤ 448) -> (hi, lo) as f8_ty holding e4m3 values: hi = e4m3(x), lo = e4m3((x - hi)·16)
+    (x ≈ hi + lo/16: relative error ~2^-8 instead of e4m3's 2^-4); lo = hi when not LO (unused)."""
+    hi = _round_e4m3(x, f8_ty, INTERPRET)
+    if LO:
+        lo = _round_e4m3((x - hi.to(tl.float32)) * Q_LO_SCALE, f8_ty, INTERPRET)
+    else:
+        lo = hi
+    return hi, lo
 
 
 @triton.jit
@@ -156,7 +191,7 @@ def _mla_decode_kernel(
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, SCALE_MODE: tl.constexpr,
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
-    F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -165,7 +200,11 @@ def _mla_decode_kernel(
     F16_DOTS (FP8 pages, 16-bit queries): converted tiles are fp16 dot operands (e4m3 ⊂ fp16: one packed
     conversion per two values), q rows pre-scaled by powers of two, p by 2^15·scale/(the tile's largest scale);
     QK_SPLIT_LOAD is ignored. PREFETCH (one-load path, not FP8_BITCAST): the next tile's bytes are loaded into
-    registers one iteration ahead (loop-carried), hiding a load the pipeliner leaves synchronous."""
+    registers one iteration ahead (loop-carried), hiding a load the pipeliner leaves synchronous.
+    FP8_MMA (fp8_e4m3 pages; 0 off): the score dots take the e4m3 bytes as they are, with q rounded to e4m3 by a
+    per-row scale (fp8 tensor-core dots, no conversion of K); the PV dot takes the bytes converted to fp16 with p
+    as for F16_DOTS (1), or the bytes as they are with p·scale/(tile max)·2^8 rounded to e4m3 (2). QK_SPLIT_LOAD
+    is ignored; fp8_ds_mla and bf16 pages run the usual kernel."""
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
@@ -190,11 +229,19 @@ def _mla_decode_kernel(
     # [64, 512] wgmma accumulator spills (sm_90)
     BATCHED: tl.constexpr = TILED or (BITCAST and BLOCK_M >= 64 and D_LAT % TILE == 0)
     NT: tl.constexpr = D_LAT // TILE if BATCHED else 1
-    F16: tl.constexpr = (F16_DOTS and not FP8_BITCAST and SCALE_MODE != SCALE_NONE
+    MMA8: tl.constexpr = (FP8_MMA > 0 and not FP8_BITCAST
+                          and (SCALE_MODE == SCALE_TOKEN or SCALE_MODE == SCALE_TENSOR))
+    # fewer than 64 query rows: the transposed dots S^T = K·q^T and O^T += V^T·P^T put the tokens on the M side
+    # (sm_90: an fp8 dot runs as wgmma only with M ≥ 64; Triton promotes an fp8 mma.sync to fp16 there)
+    SWAP: tl.constexpr = MMA8 and BLOCK_M < 64
+    Q_LO: tl.constexpr = MMA8 and FP8_MMA >= 3  # q's e4m3 residual as a second score dot (error 2^-4 -> ~2^-8)
+    PV8: tl.constexpr = MMA8 and FP8_MMA % 2 == 0  # the PV dot in e4m3 too
+    F16: tl.constexpr = (F16_DOTS and not FP8_BITCAST and SCALE_MODE != SCALE_NONE and not MMA8
                          and q_ptr.dtype.element_ty != tl.float32)
     # RAW: one load of the stored bytes feeds both dots, converted after the load (optionally prefetched)
-    RAW: tl.constexpr = not BITCAST and (F16 or not QK_SPLIT_LOAD)
+    RAW: tl.constexpr = not BITCAST and (F16 or MMA8 or not QK_SPLIT_LOAD)
     f16_ty = tl.float32 if INTERPRET else tl.float16  # F16 dot operands (rounded to fp16 either way)
+    f8_ty = tl.float32 if INTERPRET else tl.float8e4nv  # FP8_MMA dot operands (rounded to e4m3 either way)
     if BITCAST:  # dots return (true value)·2^-56 (fp16: 2^-8); `unscale` goes into the scores and the output
         if TO_FP16:
             pre = 1.0
@@ -216,9 +263,21 @@ def _mla_decode_kernel(
         if SCALE_MODE != SCALE_TILE:
             q_pe = (q_pe.to(tl.float32) * q_up[:, None]).to(tl.float16).to(f16_ty)
         u_prev = sm_scale_log2 * 0.0 + 1.0  # fp32 scalar: the accumulator holds (true value) / u_prev
+    elif MMA8:  # q ≈ (hi + lo/16)·q_sc per row, hi and lo e4m3, the row's largest |q| (latent and rope) at 448
+        amax = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+        q_sc = tl.where(amax > 0.0, amax / 448.0, 1.0)  # [M] (rows of zeros: any scale)
+        q_inv = reciprocal(q_sc)
+        q_lat, q_lat_lo = _split_e4m3(q_lat.to(tl.float32) * q_inv[:, None], f8_ty, Q_LO, INTERPRET)
+        q_pe, q_pe_lo = _split_e4m3(q_pe.to(tl.float32) * q_inv[:, None], f8_ty, Q_LO, INTERPRET)
+        if SWAP:  # [D, M]: the B operands of S^T = K·q^T
+            q_lat = tl.trans(q_lat)
+            q_pe = tl.trans(q_pe)
+            q_lat_lo = tl.trans(q_lat_lo)
+            q_pe_lo = tl.trans(q_pe_lo)
+        u_prev = sm_scale_log2 * 0.0 + 1.0
     else:
         q_lat = q_lat.to(dot_ty)
-    if not F16 or SCALE_MODE == SCALE_TILE:
+    if not (F16 or MMA8) or SCALE_MODE == SCALE_TILE:
         q_pe = q_pe.to(dot_ty)
     if BATCHED:  # [NT, M, TILE]: one batch entry per 128-column tile
         q_lat = tl.permute(tl.reshape(q_lat, (BLOCK_M, NT, TILE)), (1, 0, 2))
@@ -238,13 +297,18 @@ def _mla_decode_kernel(
         qk_scale = qk_scale * unscale
     if F16:
         qk_row = qk_scale * q_down  # [M]
+    if MMA8:
+        qk_row = qk_scale * q_sc  # [M]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if BATCHED:
         acc = tl.zeros([NT, BLOCK_M, TILE], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
+        if SWAP:
+            acc = tl.zeros([D_LAT, BLOCK_M], tl.float32)  # O^T
+        else:
+            acc = tl.zeros([BLOCK_M, D_LAT], tl.float32)
     PREFETCHED: tl.constexpr = PREFETCH and RAW
     if PREFETCHED:  # the first tile's bytes; each iteration then loads the next one before using these
         nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(start, end, bt_row, lat_ptr, rope_ptr, scale_ptr, stride_lat_page,
@@ -290,6 +354,34 @@ def _mla_decode_kernel(
                     s = s * qk_row[:, None] * sc_raw[None, :]
                 else:
                     s = s * qk_row[:, None]
+        elif RAW and MMA8:  # e4m3 score dots on the stored bytes; per-row q scale and per-token scale on s
+            k8 = k_raw.to(f8_ty)
+            k8_pe = k_pe_raw.to(f8_ty)
+            if SWAP:  # S^T [N, M], transposed back for the softmax (a [N, M] fp32 relayout, small)
+                s = tl.dot(k8_pe, q_pe, tl.dot(k8, q_lat, input_precision=DOT_PRECISION),
+                           input_precision=DOT_PRECISION)
+                if Q_LO:
+                    s_lo = tl.dot(k8_pe, q_pe_lo, tl.dot(k8, q_lat_lo, input_precision=DOT_PRECISION),
+                                  input_precision=DOT_PRECISION)
+                    s = s + s_lo * Q_LO_UNSCALE
+                s = tl.trans(s)
+            else:
+                s = tl.dot(q_pe, tl.trans(k8_pe), tl.dot(q_lat, tl.trans(k8), input_precision=DOT_PRECISION),
+                           input_precision=DOT_PRECISION)
+                if Q_LO:
+                    s_lo = tl.dot(q_pe_lo, tl.trans(k8_pe), tl.dot(q_lat_lo, tl.trans(k8),
+                                                                   input_precision=DOT_PRECISION),
+                                  input_precision=DOT_PRECISION)
+                    s = s + s_lo * Q_LO_UNSCALE
+            if SCALE_MODE == SCALE_TOKEN:
+                c_t = tl.max(sc_raw, 0)
+                s = s * qk_row[:, None] * sc_raw[None, :]
+            else:
+                s = s * qk_row[:, None]
+            if PV8:
+                k = k_raw.to(f8_ty)
+            else:
+                k = k_raw.to(f16_ty)
         elif RAW:  # the conversion to q's dtype (fp8_ds_mla: tile scales multiplied in, in fp32)
             k = k_raw
             if SCALE_MODE == SCALE_TILE:
@@ -329,13 +421,13 @@ def _mla_decode_kernel(
             k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
             s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
-        if SCALE_MODE == SCALE_TOKEN and not F16:
+        if SCALE_MODE == SCALE_TOKEN and not (F16 or MMA8):
             if RAW:
                 tok_sc = sc_raw
             else:
                 tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
             s = s * (tok_sc * qk_scale)[None, :]
-        elif not F16:
+        elif not (F16 or MMA8):
             s = s * qk_scale
         visible = tok_ok[None, :] & (toks[None, :] < limit[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -345,19 +437,37 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if F16:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·2^15 in fp16 (≤ 2^15), the accumulator in units of c_t·2^-15
-            if SCALE_MODE == SCALE_TENSOR:  # units 2^-15 throughout
-                acc = tl.dot((p * F16_TOP).to(tl.float16).to(f16_ty), k, acc * alpha[:, None],
-                             input_precision=DOT_PRECISION)
+        if F16 or MMA8:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·TOP rounded to fp16 (≤ 2^15) or e4m3 (PV8: ≤ 2^8),
+            # the accumulator in units of c_t / TOP
+            if PV8:
+                TOP: tl.constexpr = P8_TOP
+                UNTOP: tl.constexpr = P8_UNTOP
+                p_ty: tl.constexpr = tl.float8e4nv
+                pv_ty: tl.constexpr = f8_ty
+            else:
+                TOP: tl.constexpr = F16_TOP
+                UNTOP: tl.constexpr = F16_UNTOP
+                p_ty: tl.constexpr = tl.float16
+                pv_ty: tl.constexpr = f16_ty
+            if SCALE_MODE == SCALE_TENSOR:  # units 1/TOP throughout
+                p = p * TOP
+                rescale = alpha
             else:
                 if SCALE_MODE == SCALE_TOKEN:
-                    p = p * (sc_raw * (F16_TOP / c_t))[None, :]
+                    p = p * (sc_raw * (TOP / c_t))[None, :]
                 else:
-                    p = p * F16_TOP
-                u_t = c_t * F16_UNTOP
-                acc = tl.dot(p.to(tl.float16).to(f16_ty), k, acc * (alpha * (u_prev / u_t))[:, None],
-                             input_precision=DOT_PRECISION)
+                    p = p * TOP
+                u_t = c_t * UNTOP
+                rescale = alpha * (u_prev / u_t)
                 u_prev = u_t
+            if PV8:
+                p_op = _round_e4m3(p, f8_ty, INTERPRET)
+            else:
+                p_op = p.to(p_ty).to(pv_ty)
+            if SWAP:  # O^T [D_LAT, M] += V^T·P^T
+                acc = tl.dot(tl.trans(k), tl.trans(p_op), acc * rescale[None, :], input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(p_op, k, acc * rescale[:, None], input_precision=DOT_PRECISION)
         elif BATCHED:  # p (·scale_t for each tile t), times 2^PRE
             if SCALE_MODE == SCALE_TOKEN:
                 p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
@@ -374,9 +484,13 @@ def _mla_decode_kernel(
             acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if F16 and SCALE_MODE == SCALE_TENSOR:
+    if SWAP:
+        acc = tl.trans(acc)
+    if PV8 and SCALE_MODE == SCALE_TENSOR:
+        acc = acc * P8_UNTOP
+    elif (F16 or MMA8) and SCALE_MODE == SCALE_TENSOR:
         acc = acc * F16_UNTOP
-    elif F16:
+    elif F16 or MMA8:
         acc = acc * u_prev
 
     if BATCHED:
@@ -420,7 +534,12 @@ def _prune_decode_configs(configs, named_args, **kwargs):
     def flag(name):
         return kwargs.get(name, named_args.get(name, False))
 
-    table = BITCAST_CONFIGS if flag("FP8_BITCAST") else F16_CONFIGS if flag("F16_DOTS") else DECODE_CONFIGS
+    if flag("FP8_BITCAST"):
+        table = BITCAST_CONFIGS
+    elif flag("FP8_MMA"):
+        table = FP8_MMA_CONFIGS
+    else:
+        table = F16_CONFIGS if flag("F16_DOTS") else DECODE_CONFIGS
     if table is F16_CONFIGS and rows > 16:
         want = {16, 32}
     keys = config_keys(table)
@@ -467,11 +586,19 @@ F16_CONFIGS = (
     (16, 32, False, 8, 2, True), (16, 16, False, 4, 2, True),
     (32, 32, False, 8, 2, False),
 )
+# FP8_MMA launches (fp8_e4m3 pages, e4m3 score dots; docs/mla.md "fp8 tensor-core dots"): BLOCK_N ≥ 32 (the K of
+# an e4m3 mma is 32, which the PV dot of FP8_MMA == 2 needs over tokens).
+FP8_MMA_CONFIGS = (
+    (16, 64, False, 4, 2, False), (16, 64, False, 4, 3, False), (16, 128, False, 8, 2, False),
+    (16, 64, False, 4, 2, True), (32, 64, False, 4, 2, False),
+    (64, 32, False, 8, 2, False), (64, 64, False, 8, 2, False), (64, 32, False, 4, 2, False),
+)
 _mla_decode_kernel_tuned = triton.autotune(
     [triton.Config({"BLOCK_M": k[0], "BLOCK_N": k[1], "QK_SPLIT_LOAD": k[2], "PREFETCH": k[5]}, num_warps=k[3],
                    num_stages=k[4])
-     for k in sorted(config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS) | config_keys(F16_CONFIGS))],
-    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST", "F16_DOTS"],
+     for k in sorted(config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS) | config_keys(F16_CONFIGS)
+                     | config_keys(FP8_MMA_CONFIGS))],
+    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST", "F16_DOTS", "FP8_MMA"],
     prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
 
