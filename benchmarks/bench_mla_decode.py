@@ -9,7 +9,9 @@ combine kernel), so the Python launcher's overhead is not timed — as an engine
 
 FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: "fp16"`` (fp8_dequant="fp16":
 fp16 dot operands, its candidates with and without the register prefetch) for both FP8 formats, and ``variant:
-"bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer timed); peer =
+"bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer timed), and
+``"fp8mma"`` / ``"fp8mma_pv"`` / ``"fp8mma_pv_q1"`` for fp8_e4m3 (e4m3 tensor-core score dots, q rounded to e4m3
+in two terms or one; PV in fp16 or e4m3 — lossier, docs/mla.md "fp8 tensor-core dots"); peer =
 the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs). Rows without a ``variant`` key
 time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
 Every row logs ``config``: the autotuner's choice for it (``mla_decode.tuned_config()``, e.g. ``m16n32w8s2p``).
@@ -113,7 +115,8 @@ def _try_variant(kind: str, variant: str, fn) -> tuple[bool, object]:
 
 def _variants(kind: str) -> list[str]:
     """The fp8_dequant values timed besides "convert" for a KV format."""
-    return {"bf16": [], "fp8_e4m3": ["bitcast", "fp16"], "fp8_ds_mla": ["fp16"]}[kind]
+    return {"bf16": [], "fp8_e4m3": ["bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_pv_q1"],
+            "fp8_ds_mla": ["fp16"]}[kind]
 
 
 SPLIT_VARIANTS = (2, 8, 16)  # forced split counts for the BF16 short-context rows
