@@ -233,7 +233,8 @@ def cases_mla_decode() -> Iterator[Case]:
     for (kind, scale), heads in ((f, h) for f in KV_FORMATS for h in (16, 128)):
         data, scales = _kv_pages(kind, scale, table.numel())
         q = torch.randn(2, 1, heads, D_LATENT + D_ROPE, dtype=BF16)
-        for fp8_dequant in ("auto", "convert", "bitcast", "fp16") if kind != "bf16" else ("auto",):
+        dequants = ("auto", "convert", "bitcast", "fp16") + (("fp8mma", "fp8mma_pv") if kind == "fp8_e4m3" else ())
+        for fp8_dequant in dequants if kind != "bf16" else ("auto",):
             yield (f"kind={kind} scale={scale} heads={heads} fp8_dequant={fp8_dequant}",
                    partial(mla_decode, q, data, scales, table, lens, 0.1, kind, D_LATENT, fp8_dequant=fp8_dequant))
 
@@ -297,13 +298,18 @@ def cases_topk() -> Iterator[Case]:
 
 
 def cases_fp8_gemm() -> Iterator[Case]:
-    from mla_quant.kernels.fp8_gemm import fp8_gemm
+    from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, default_config, fp8_gemm
     n, k = 512, 1024
     b, b_scale = torch.zeros(n, k, dtype=FP8), torch.ones(n // 128, k // 128)
     for m in (1, 16, 100):
         for out_dtype in (BF16, torch.float32):
-            yield f"M={m} out={_dt(out_dtype)}", partial(fp8_gemm, torch.zeros(m, k, dtype=FP8),
-                                                    torch.ones(m, k // 128), b, b_scale, (128, 128), out_dtype)
+            a, a_scale = torch.zeros(m, k, dtype=FP8), torch.ones(m, k // 128)
+            yield f"M={m} out={_dt(out_dtype)}", partial(fp8_gemm, a, a_scale, b, b_scale, (128, 128), out_dtype,
+                                                         variant="portable")
+            # the Hopper (TMA) variant: its default at this M, and every candidate of the sweep at M = 100
+            for config in (default_config(m), *(TMA_CANDIDATES if m == 100 else ())):
+                yield (f"M={m} out={_dt(out_dtype)} tma {config}",
+                       partial(fp8_gemm, a, a_scale, b, b_scale, (128, 128), out_dtype, config=config, variant="tma"))
 
 
 def cases_w4a16_gemm() -> Iterator[Case]:
@@ -345,16 +351,16 @@ def cases_fused_moe() -> Iterator[Case]:
     for kind, act_quant in (("bf16", False), ("fp8_block", False), ("fp8_block", True), ("int4_group", False)):
         gate, up = _moe_weights(kind, experts, inter, hidden), _moe_weights(kind, experts, inter, hidden)
         down = _moe_weights(kind, experts, hidden, inter)
-        for tokens in (1, 16, 256):
+        for tokens in (1, 16, 256, 2048):  # block_m 1 (INT4) or 16, 16, 64, 128
             ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int()
             for x_dtype in (BF16, torch.float32):
                 yield (f"kind={kind} act_quant={act_quant} T={tokens} x={_dt(x_dtype)}",
                        partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype), torch.rand(tokens, top_k),
                                ids, gate, up, down, kind=kind, act_quant=act_quant))
-                if kind == "int4_group" and tokens > 1:  # the opt-in plane tensor-core tile
-                    yield (f"kind={kind} int4_tile=planes T={tokens} x={_dt(x_dtype)}",
+                if kind == "int4_group" and tokens > 1:  # the dequantized tile beside the default plane tile
+                    yield (f"kind={kind} int4_tile=dequant T={tokens} x={_dt(x_dtype)}",
                            partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype), torch.rand(tokens, top_k),
-                                   ids, gate, up, down, kind=kind, int4_tile="planes"))
+                                   ids, gate, up, down, kind=kind, int4_tile="dequant"))
 
 
 OPS: dict[str, Callable[[], Iterator[Case]]] = {

@@ -1,10 +1,11 @@
-"""Block-scaled FP8 GEMM: the Triton kernel (interpreted on CPU, real on GPU) against its reference."""
+"""Block-scaled FP8 GEMM: the Triton kernels — portable and Hopper TMA variants (interpreted on CPU, real on
+GPU) — against the reference."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_quant.kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
+from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, default_config, fp8_gemm, fp8_gemm_reference
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8_reference, block_quant_fp8_reference
 from mla_quant.testing import assert_rel_close, odd_sizes, poisoned_empty, realistic_tensor
 from tests.conftest import FP8_MMA_REL_TOL
@@ -53,6 +54,34 @@ def test_default_config_over_shapes(triton_backend, m, n, kb, seed):
     a, a_s, b, b_s = _operands(m, n, 128 * kb, device=triton_backend, seed=seed)
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
     assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), FP8_MMA_REL_TOL)
+
+
+TMA_CFG = {"BM": 32, "BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 37, 256, (128, 128)), (63, 200, 384, (128, 128)),
+                                         (40, 70, 256, (64, 128)), (17, 33, 128, (32, 32)), (70, 100, 256, (16, 128))])
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_tma_variant_matches_reference(triton_backend, m, n, k, block, persistent):
+    # the descriptors zero-fill ragged M / N edges; bn < BN (16 < 32) takes the per-column scale path,
+    # bn >= BN the scalar one; persistent: fewer programs than tiles (4 "SMs" on the CPU) walk all tiles
+    a, a_s, b, b_s = _operands(m, n, k, block, triton_backend)
+    out = poisoned_empty((m, n), torch.float32, triton_backend)
+    c = fp8_gemm(a, a_s, b, b_s, block, torch.float32, out=out, config={**TMA_CFG, "PERSISTENT": persistent},
+                 variant="tma")
+    assert c.data_ptr() == out.data_ptr()
+    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, block, torch.float32), 1e-5, f"{m}x{n}x{k}")
+
+
+def test_tma_variant_bad_inputs(triton_backend):
+    a, a_s, b, b_s = _operands(3, 20, 256, device=triton_backend)
+    with pytest.raises(ValueError, match="variant"):
+        fp8_gemm(a, a_s, b, b_s, variant="wgmma")
+    with pytest.raises(ValueError, match="config: unknown keys"):
+        fp8_gemm(a, a_s, b, b_s, config={**TMA_CFG, "SPLIT_K": 2}, variant="tma")
+    misaligned = torch.empty(20 * 256 + 1, dtype=FP8, device=triton_backend)[1:].view(20, 256)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8_gemm(a, a_s, misaligned, b_s, variant="tma")
 
 
 def test_reference_is_the_sum_of_scaled_block_products():
@@ -105,4 +134,25 @@ def test_gpu_fp32_output_is_close_to_exact():
     a, a_s, b, b_s = _operands(256, 384, 1024, device="cuda")
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
     # fp8 tensor-core accumulation is inexact inside a block; promotion every 128 keeps it small
+    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 63, 1000, 8192])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (1000, 2048)])  # N = 1000: a ragged last column tile
+def test_tma_variant_on_real_and_odd_shapes(m, n, k):
+    a, a_s, b, b_s = _operands(m, n, k, device="cuda")
+    ref = fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32)
+    for config in (default_config(m), *TMA_CANDIDATES):
+        out = poisoned_empty((m, n), torch.bfloat16, "cuda")
+        c = fp8_gemm(a, a_s, b, b_s, out=out, config=config, variant="tma")
+        assert_rel_close(c.float(), ref, 1e-2, f"M={m} {config}")
+
+
+@pytest.mark.gpu
+def test_auto_variant_is_tma_on_hopper_past_64_tokens():
+    a, a_s, b, b_s = _operands(256, 384, 1024, device="cuda")
+    c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
+    assert torch.equal(c, fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32,
+                                   variant="tma" if torch.cuda.get_device_capability()[0] == 9 else "portable"))
     assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)

@@ -1,6 +1,8 @@
 """Block-scaled FP8 GEMM (W8A8, the prefill path of FP8 checkpoints): e4m3 activations with per-token 1×bk
 scales (from ``fp8_quant.act_quant_fp8``) times e4m3 weights with bn×bk block scales (``weight_scale_inv``),
-fp32 accumulation per scale block, bf16 out. Reference in ``reference.py``, kernel in ``kernel.py``."""
+fp32 accumulation per scale block, bf16 out. Reference in ``reference.py``; kernels in ``kernel.py`` (portable:
+pointer loads, autotuned; the interpreter runs it) and ``kernel_tma.py`` (Hopper: TMA descriptors, optional
+optional persistent grid; configuration from ``default_config``)."""
 from __future__ import annotations
 
 import torch
@@ -8,15 +10,43 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
-from .._gemm_utils import m_bucket
+from .._gemm_utils import m_bucket, num_sms
 from ..fp8_quant import FP8
 from .reference import fp8_gemm_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")
+TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
+VARIANTS = ("auto", "portable", "tma")
+# the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
+# 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
+# group (two programs per SM: 4 stages of 24 KB each)
+TMA_CANDIDATES = tuple(
+    {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st, "PERSISTENT": p}
+    for bm, bn, w, st, p in ((128, 128, 8, 4, 1), (128, 128, 8, 4, 0), (128, 128, 8, 5, 1), (128, 128, 8, 3, 1),
+                             (64, 128, 4, 4, 0), (128, 64, 4, 4, 0)))
 
-__all__ = ["fp8_gemm", "fp8_gemm_reference", "CONFIG_KEYS"]
+__all__ = ["fp8_gemm", "fp8_gemm_reference", "default_config", "CONFIG_KEYS", "TMA_CONFIG_KEYS", "TMA_CANDIDATES",
+           "VARIANTS"]
 
+
+def default_config(m: int) -> dict:
+    """The "tma" variant's configuration for M tokens (keys ``TMA_CONFIG_KEYS``): up to 64 tokens one warp
+    group on 64 × 128 tiles; above, 128 × 128 tiles in two warp groups (64 fp32 accumulator + 64 product
+    registers per thread, 154-183 in all), 4 stages of 32 KB, a persistent grid. Unmeasured: the lead sets
+    these from ``benchmarks/sweep_fp8_gemm.py``."""
+    if m <= 64:
+        return {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "PERSISTENT": 0}
+    return {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}
+
+
+def _tma_ok(a, b) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides (the output is stored with plain stores)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b))
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 def _check(a, a_scale, b, b_scale, block, out_dtype) -> tuple[int, int, int]:
     check_tensor("a", a, dtype=FP8, ndim=2, contiguous=True)
@@ -45,14 +75,19 @@ def _check(a, a_scale, b, b_scale, block, out_dtype) -> tuple[int, int, int]:
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              block: tuple[int, int] = (128, 128), out_dtype: torch.dtype = torch.bfloat16, *,
-             out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, config: dict | None = None, variant: str = "auto") -> torch.Tensor:
     """C = A @ B.T with per-block scales.
 
     a: e4m3 [M, K] (contiguous); a_scale: fp32 [M, K/bk] (one scale per token and bk-wide group);
     b: e4m3 [N, K] (last dim contiguous); b_scale: fp32 [⌈N/bn⌉, K/bk]; K % bk == 0.
     Returns C: [M, N] ``out_dtype`` (written into ``out`` if given: contiguous, that shape and dtype).
-    ``config`` (keys of ``CONFIG_KEYS``) pins a kernel configuration instead of the autotuned one.
+    ``config`` (keys of ``CONFIG_KEYS``; for ``variant="tma"`` optionally ``PERSISTENT``)
+    pins a kernel configuration instead of the autotuned (portable) or ``default_config`` (tma) one.
+    ``variant``: "portable" (``kernel.py``), "tma" (``kernel_tma.py``: TMA-aligned a and b, CUDA sm_90 or the
+    interpreter), or "auto": "tma" on Hopper for M > 64 when a and b are TMA-aligned, else "portable".
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: {variant!r}, expected one of {VARIANTS}")
     m, n, k = _check(a, a_scale, b, b_scale, block, out_dtype)
     if out is not None:
         check_tensor("out", out, dtype=out_dtype, ndim=2, contiguous=True)
@@ -62,12 +97,16 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     if not use_triton(a, a_scale, b, b_scale):
         c = fp8_gemm_reference(a, a_scale, b, b_scale, block, out_dtype)
         return c if out is None else out.copy_(c)
-    from .kernel import _fp8_gemm_kernel, fp8_gemm_autotuned
-
     c = torch.empty((m, n), dtype=out_dtype, device=a.device) if out is None else out
     if m == 0 or n == 0:
         return c
     interpreted = triton_interpreted()
+    if variant == "auto":
+        variant = "tma" if m > 64 and not interpreted and _tma_ok(a, b) and _is_hopper(a.device) else "portable"
+    if variant == "tma":
+        return _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted)
+    from .kernel import _fp8_gemm_kernel, fp8_gemm_autotuned
+
     if config is None and interpreted:
         config = {"BM": 32, "BN": 32, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
     args = (a, a_scale, b, b_scale, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), m_bucket(m))
@@ -80,4 +119,30 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         fp8_gemm_autotuned[grid](*args, **common)
     else:
         _fp8_gemm_kernel[grid(config)](*args, **common, **config)
+    return c
+
+
+def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .kernel_tma import _fp8_gemm_tma_kernel
+
+    if not _tma_ok(a, b):
+        raise ValueError("variant: 'tma' needs a and b with 16-byte aligned data and row strides")
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = {**default_config(m), **(config or {})}
+    unknown = set(cfg) - set(TMA_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {TMA_CONFIG_KEYS}")
+    bn_s, bk = int(block[0]), int(block[1])
+    a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], bk])
+    b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk])
+    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    programs = min(tiles, num_sms(a.device)) if cfg["PERSISTENT"] else tiles
+    _fp8_gemm_tma_kernel[(programs,)](
+        a_desc, a_scale, b_desc, b_scale, c, m, n, k, c.stride(0), programs, BN_S=bn_s, BK=bk, BM=cfg["BM"],
+        BN=cfg["BN"], GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg["PERSISTENT"]), STAGES=cfg["num_stages"],
+        INTERPRET=interpreted,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return c
