@@ -4,7 +4,9 @@ measured in the same run.
 Rows (case keys ``format``, ``M``, ``N``, ``K``):
 
 * ``bf16``      cuBLAS (``x @ W.T``) — the baseline of the others (no peer);
-* ``fp8_block`` the Triton block-scaled W8A8 GEMM on pre-quantized activations; peer ``torch_scaled_mm``
+* ``fp8_block`` the Triton block-scaled W8A8 GEMM on pre-quantized activations, the launcher's default (on
+                Hopper past 64 tokens the TMA variant with ``default_config``, else the autotuned portable
+                kernel; ``benchmarks/sweep_fp8_gemm.py`` compares them); peer ``torch_scaled_mm``
                 (cuBLASLt fp8 with per-tensor scales, M padded to 16 where cuBLASLt needs it); also
                 ``cublas_bf16_us`` and ``act_quant_us`` (the 1×128 activation quantization it needs);
 * ``int4_g32``  the Triton W4A16 GEMM (group 32, bf16 scales); peer ``tinygemm_int4``
