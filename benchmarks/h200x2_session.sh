@@ -6,7 +6,7 @@
 # The device returns at most 8 files: everything lands in $OUT/session.tgz; the logs' tails go to stdout.
 # Usage: MLA_QUANT_COMMIT=<hash> bash benchmarks/h200x2_session.sh [benches, comma-separated] [pytest args]
 #   FID, TESTS, PARALLEL (0/1); BENCH0 (benches for GPU 0 after the tests) and GPU0_CMD (a command for GPU 0 after
-#   them, $R = the results folder); TEST_GPU=1 runs the tests on GPU 1 before the benches (TEST_TIMEOUT) instead of
+#   them, $R = the results folder), GPU1_CMD (the same for GPU 1 after its benches); TEST_GPU=1 runs the tests on GPU 1 before the benches (TEST_TIMEOUT) instead of
 #   beside the fidelity run; STAGE_S bounds each parallel stage (seconds, default 540); BENCH_ARGS.
 #   Carry .whl (pytest-xdist, execnet) to spread the compile-bound test suite over the CPU cores.
 set -uo pipefail
@@ -59,14 +59,20 @@ if [ "${TESTS:-1}" = 1 ] && [ "${TEST_GPU:-0}" = 1 ]; then  # tests first on GPU
   echo "tests: exit $? after $(( $(date +%s) - start ))s"
   bench_s=$(( STAGE_S - ($(date +%s) - t0) ))
 fi
+t1=$(date +%s)
 CUDA_VISIBLE_DEVICES=1 timeout "$bench_s" python -m benchmarks ${1:+--only $1} ${BENCH_ARGS:-} --out "$R/h200.json" \
   >"$R/bench.log" 2>&1
 echo "benches: exit $? after $(( $(date +%s) - start ))s"
+left=$(( bench_s - ($(date +%s) - t1) ))
+if [ -n "${GPU1_CMD:-}" ] && [ "$left" -gt 10 ]; then  # a command for GPU 1 after its benches (e.g. a sweep)
+  CUDA_VISIBLE_DEVICES=1 R="$R" timeout "$left" bash -c "$GPU1_CMD" >"$R/gpu1_cmd.log" 2>&1
+  echo "GPU 1 command: exit $? after $(( $(date +%s) - start ))s"
+fi
 for p in "${pids[@]}"; do wait "$p"; done
 echo "all stages done after $(( $(date +%s) - start ))s"
 tar czf "$OUT/session.tgz" -C "$R" .
 grep -E "^\[|ceilings|wrote|Error|error" "$R/bench.log" "$R/bench_gpu0.log" 2>/dev/null | tail -30
-tail -5 "$R/gpu0_cmd.log" 2>/dev/null
+tail -5 "$R/gpu0_cmd.log" "$R/gpu1_cmd.log" 2>/dev/null
 grep -E "passed|failed" "$R/gpu_tests.log" 2>/dev/null | tail -2
 grep -E "(FAILED|ERROR)" "$R/gpu_tests.log" 2>/dev/null | grep -v "^E " | head -30
 tail -6 "$R/fid/session.log" 2>/dev/null
