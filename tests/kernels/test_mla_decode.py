@@ -389,11 +389,12 @@ def test_candidate_tables_reach_only_their_launches():
     """Default launches tune among exactly DECODE_CONFIGS (unchanged tuning), FP8_BITCAST launches among
     BITCAST_CONFIGS, F16_DOTS launches among F16_CONFIGS (more than 16 rows: 16- and 32-row blocks);
     no candidate is listed twice."""
-    from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, F16_CONFIGS, _config_key,
-                                                     _mla_decode_kernel_tuned, _prune_decode_configs, config_keys)
+    from mla_quant.kernels.mla_decode.kernel import (BITCAST_CONFIGS, DECODE_CONFIGS, F16_CONFIGS, FP8_MMA_CONFIGS,
+                                                     _config_key, _mla_decode_kernel_tuned, _prune_decode_configs,
+                                                     config_keys)
     configs = _mla_decode_kernel_tuned.configs
     keys = [_config_key(c) for c in configs]
-    tables = (DECODE_CONFIGS, BITCAST_CONFIGS, F16_CONFIGS)
+    tables = (DECODE_CONFIGS, BITCAST_CONFIGS, F16_CONFIGS, FP8_MMA_CONFIGS)
     assert len(keys) == len(set(keys)) and set(keys) == set().union(*map(config_keys, tables))
     assert all(len(t) == len(set(t)) for t in tables)
     for heads, want in ((8, {16}), (32, {16, 32}), (128, {32, 64})):
@@ -403,6 +404,7 @@ def test_candidate_tables_reach_only_their_launches():
         assert pruned(FP8_BITCAST=True) == {k for k in config_keys(BITCAST_CONFIGS) if k[0] in want}
         f16_want = want if heads <= 16 else {16, 32}
         assert pruned(F16_DOTS=True) == {k for k in config_keys(F16_CONFIGS) if k[0] in f16_want}
+        assert pruned(FP8_MMA=3) == {k for k in config_keys(FP8_MMA_CONFIGS) if k[0] in want}
     assert not any(k[5] for k in config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS))  # no PREFETCH there
 
 
@@ -619,8 +621,9 @@ def test_auto_fp8_dequant_rule():
 # p in e4m3 (2^-4 relative per weight): 0.8-3e-2; q in one e4m3 term: 3-5e-2 and lse 0.06-0.1 (a relative score
 # error ~2^-4/sqrt(3) per term, so the lse error grows with |lse|: 2e-3 relative for a 30x sharper row); bounds
 # ~2.5x the largest seen. (output rel. error, lse atol, lse rtol)
-FP8MMA_TOL = {"fp8mma": (1.5e-2, 1e-2, 1e-3), "fp8mma_pv": (8e-2, 1e-2, 1e-3), "fp8mma_q1": (1e-1, 0.25, 5e-3),
-              "fp8mma_pv_q1": (1.2e-1, 0.25, 5e-3)}
+# At real dims (576, scores of std ~5, 63-65537 tokens, torch emulation) q1 reaches 7e-2 and lse 0.37.
+FP8MMA_TOL = {"fp8mma": (1.5e-2, 3e-2, 1e-3), "fp8mma_pv": (8e-2, 3e-2, 1e-3), "fp8mma_q1": (1.6e-1, 0.6, 5e-3),
+              "fp8mma_pv_q1": (1.6e-1, 0.6, 5e-3)}
 FP8MMA_TEST_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False),  # transposed dots (S^T = K·q^T)
                        dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=True, PREFETCH=True),  # split load ignored
                        dict(BLOCK_M=64, BLOCK_N=32, QK_SPLIT_LOAD=False)]  # 64-row blocks: q·K^T as is
