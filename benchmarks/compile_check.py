@@ -286,15 +286,19 @@ def cases_indexer_scores() -> Iterator[Case]:
     table, lens = _table([65536])
     req, pos = torch.tensor([0], dtype=torch.int32), lens - 1
     cache = torch.zeros(table.numel(), PAGE, 128, dtype=FP8)
-    yield "indexer_topk fused, 64k keys, top-2048", partial(
-        indexer_topk, torch.zeros(1, 64, 128, dtype=FP8), torch.ones(1, 64), cache, torch.ones(table.numel(), PAGE),
-        table, req, pos, 2048)
+    for fused in (True, False):  # fused: the old radix's first digit counted by the scores kernel
+        yield f"indexer_topk fused={fused}, 64k keys, top-2048", partial(
+            indexer_topk, torch.zeros(1, 64, 128, dtype=FP8), torch.ones(1, 64), cache,
+            torch.ones(table.numel(), PAGE), table, req, pos, 2048, fused=fused)
 
 
 def cases_topk() -> Iterator[Case]:
     from mla_quant.kernels.topk import RADIX_MAX_ROWS, topk_indices
-    for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (64, 8192), (3, 3001)):
+    for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (64, 8192), (3, 3001)):  # "auto": the row select
         yield f"rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048)
+    for rows, n in ((1, 65536), (64, 8192)):                                      # the multi-program radix
+        for bits in (8, 11):
+            yield f"radix{bits} rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048, "radix", bits)
 
 
 def cases_fp8_gemm() -> Iterator[Case]:
