@@ -1,8 +1,7 @@
 """``topk_indices``: per-row top-k column indices with -1 for masked (-inf) entries. Semantics: ``reference.py``.
 
 Backends (``_backend.use_triton``): the reference (``torch.topk(sorted=False)`` + one ``where``) on CPU tensors;
-on CUDA (or ``TRITON_INTERPRET=1``) the one-program-per-row select (``row_kernel.py``, ``method="row"``, below)
-or the multi-program radix select (``kernel.py``, ``method="radix"``): histogram rounds over the
+on CUDA (or ``TRITON_INTERPRET=1``) a Triton radix select (``kernel.py``): histogram rounds over the
 order-preserving integer keys of the scores (``radix_bits`` 11: three rounds of 11, 11 and 10 bits, the
 default; 8: four rounds of 8 bits, ~2.5x less histogram work per element for one launch more), then one select
 pass, each split over ``rows × chunks`` programs so that one row of 64k–128k spreads over the GPU (torch.topk
@@ -13,9 +12,8 @@ host sync. ``radix_topk_from`` continues a select whose first rounds another ker
 Length threshold: a row with N ≤ k columns needs no selection (all of it is the answer) and takes one
 ``where`` over an ``arange``.
 
-Row threshold: under ``method="auto"`` a Triton select (the row select below since it was written; the radix
-select before) serves up to ``RADIX_MAX_ROWS`` rows (decode at small batch) and more while rows · N ≤
-``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). Radix select, measured: with
+Row threshold: under ``method="auto"`` the radix select serves up to ``RADIX_MAX_ROWS`` rows (decode at small
+batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). With
 8-bit digits (the default since the H200 run of commit 2bed842) the select took 19.5 µs at one row of 64k
 (torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115). Measured on the H200 with k = 2048 and 11-bit digits
 (``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
@@ -48,7 +46,7 @@ from .reference import topk_indices_reference
 __all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "row_sample_rank", "RADIX_MAX_ROWS", "RADIX_MAX_ELEMENTS",
            "RADIX_BITS"]
 
-RADIX_MAX_ROWS = 4  # rows always served by a Triton select (now the row select) under "auto" (docstring)
+RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measured, docstring)
 RADIX_MAX_ELEMENTS = 1 << 20  # ... and more rows while rows · N stays within this (64 rows of 8k: yes; of 64k: no)
 RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of 2048 at every measured shape
 RADIX_CHOICES = (8, 11)
