@@ -6,18 +6,15 @@ Every request's pages are scattered over one pool; inputs rotate over several bl
 until one pass reads more than 3× the L2 cache.
 
 ``dsa_decode`` (one query token per request): the whole attention step after the projections — indexer
-scores over the ``ctx`` cached keys and top-k (``indexer_topk``'s default: scores, then ``topk_indices``'
-"auto", the one-launch row select at ≤ 4 rows), sparse absorbed attention over the gathered rows
-(``sparse_mla_decode``) — timed as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same
-``kv``, heads, batch and context. Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk),
-``indexer_us`` (indexer_scores only), ``topk_us`` (``topk_indices`` of the step's scores, default path),
-``topk_row_us`` / ``topk_radix8_us`` / ``topk_radix11_us`` / ``topk_torch_us`` (the row select, the radix
-select with 8- or 11-bit digits, torch.topk, each forced — to place RADIX_MAX_ROWS for the row select and
+scores over the ``ctx`` cached keys and top-k (``indexer_topk``: at ≤ 4 rows the scores kernel also counts the
+radix select's first digit), sparse absorbed attention over the gathered rows (``sparse_mla_decode``) — timed
+as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``kv``, heads, batch and context.
+Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer_us`` (indexer_scores only),
+``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
+``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
 RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
 ``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at 64k is
-≤ 0.35), ``fused_step_us`` / ``fused_index_topk_us`` (the step and indexer_topk with ``fused=True``: the
-scores kernel counts the radix select's first digit, the previous default at ≤ 4 rows),
-``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
+≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
 ``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in
 a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and
 out (the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer)
@@ -27,7 +24,6 @@ out (the least the step reads; the fp32 scores round trip is not counted); ``flo
 recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
 attention (the same kernel, one program per token and head block), against H2's dense ``mla_prefill`` over the
 expanded keys and values of the whole context (its up-projection not timed — which favours the peer).
-``topk_us`` is the default top-k (torch.topk at this many rows), ``topk_row_us`` the row select forced.
 """
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ IDX_HEADS, IDX_DIM, TOPK = 32, 128, 2048
 NOPE, V = 192, 256                    # GLM 5.2 qk_nope_head_dim / v_head_dim (the prefill peer's expanded form)
 SCALE = 256 ** -0.5                   # GLM 5.2 softmax scale (no YaRN)
 INDEX_KEY_BYTES = IDX_DIM + 4         # e4m3 key + fp32 scale
-TOPK_VARIANTS = (("row", {"method": "row"}), ("radix8", {"method": "radix", "radix_bits": 8}),
-                 ("radix11", {"method": "radix", "radix_bits": 11}),
+TOPK_VARIANTS = (("radix8", {"method": "radix", "radix_bits": 8}), ("radix11", {"method": "radix", "radix_bits": 11}),
                  ("torch", {"method": "torch"}))   # top-k paths timed alone on the step's scores
 
 
@@ -115,8 +110,8 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             q = torch.randn(batch, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
             q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
 
-            def index_topk(tb, fused=False):
-                return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n, fused=fused)
+            def index_topk(tb):
+                return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n)
 
             top = [index_topk(tb) for tb in tables]
             scores = indexer_scores(q_idx, w_idx, keys, key_scales, tables[0], req_ids, positions, n)
@@ -127,8 +122,8 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             def attend(tb, idx):
                 return sparse_mla_decode(q_nope, q_pe, pool, scales, kind, tb, seq_lens, req_ids, idx, SCALE)
 
-            def step(tb, fused=False):
-                return attend(tb, index_topk(tb, fused))
+            def step(tb):
+                return attend(tb, index_topk(tb))
 
             def step_unfused(tb):
                 return attend(tb, topk_indices(index(tb), TOPK))
@@ -142,8 +137,6 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             t_unfused = _graph_us(lambda: [step_unfused(tb) for tb in tables], reps)
             t_index = _graph_us(lambda: [index(tb) for tb in tables], reps)
             t_index_topk = _graph_us(lambda: [index_topk(tb) for tb in tables], reps)
-            t_fused = _graph_us(lambda: [step(tb, True) for tb in tables], reps)
-            t_fused_index_topk = _graph_us(lambda: [index_topk(tb, True) for tb in tables], reps)
             t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
             t_topk_alt = {f"topk_{name}_us": round(_graph_us(lambda: [topk_indices(scores, TOPK, **kw)
                                                                         for _ in tables], reps), 3)
@@ -160,8 +153,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                 bytes=moved, flops=flops, peer=f"mla_decode_{kind}", peer_median_us=t_dense,
                 indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), index_topk_us=round(t_index_topk, 3),
                 sparse_us=round(t_sparse, 3), indexer_share=round(t_index_topk / t_step, 3),
-                ratio_vs_dense=round(t_step / t_dense, 3), fused_step_us=round(t_fused, 3),
-                fused_index_topk_us=round(t_fused_index_topk, 3), unfused_step_us=round(t_unfused, 3),
+                ratio_vs_dense=round(t_step / t_dense, 3), unfused_step_us=round(t_unfused, 3),
                 unfused_ratio_vs_dense=round(t_unfused / t_dense, 3), **t_topk_alt,
                 step_device_ops=_device_ops(lambda: step(tables[0])), graph_captured=captured, input_sets=reps))
             del tables, top, scores
@@ -198,7 +190,6 @@ def _prefill_cases(ctx: Context, heads_list, contexts, tokens: int) -> list[dict
         t_step = median_us(lambda: attend(topk_indices(index(), TOPK)))
         t_index = median_us(index)
         t_topk = median_us(lambda: topk_indices(scores, TOPK))
-        t_topk_row = median_us(lambda: topk_indices(scores, TOPK, method="row"))
         t_sparse = median_us(lambda: attend(top))
         del scores
         qd = torch.randn(tokens, heads, NOPE + D_ROPE, device=dev, dtype=torch.bfloat16)
@@ -215,8 +206,8 @@ def _prefill_cases(ctx: Context, heads_list, contexts, tokens: int) -> list[dict
         cases.append(case(
             "dsa_prefill", {"kv": kind, "heads": heads, "batch": 1, "ctx": n, "topk": TOPK, "tokens": tokens},
             t_step, bytes=moved, flops=flops, peer="mla_prefill_bf16", peer_median_us=t_dense,
-            indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), topk_row_us=round(t_topk_row, 3),
-            sparse_us=round(t_sparse, 3), indexer_share=round((t_index + t_topk) / t_step, 3), ratio_vs_dense=round(t_step / t_dense, 3)))
+            indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), sparse_us=round(t_sparse, 3),
+            indexer_share=round((t_index + t_topk) / t_step, 3), ratio_vs_dense=round(t_step / t_dense, 3)))
     del pool, scales, keys, key_scales
     torch.cuda.empty_cache()
     return cases
