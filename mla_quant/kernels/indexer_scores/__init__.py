@@ -88,12 +88,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
                  block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor, topk: int,
-                 max_ctx: int | None = None, validate: bool = False, fused: bool = False) -> torch.Tensor:
+                 max_ctx: int | None = None, validate: bool = False, fused: bool = True) -> torch.Tensor:
     """``topk_indices(indexer_scores(...), topk)``: int32 [T, min(topk, max_ctx)] logical key positions (-1
-    unused, unordered). By default the select is ``topk_indices``' "auto" (the one-launch row select at small
-    batch: it needs nothing from the scores kernel). ``fused`` (the older path, kept to compare: Triton
-    backend, ≤ ``RADIX_MAX_ROWS`` rows, ``max_ctx > topk``): the scores kernel also counts the multi-program
-    radix select's first digit, which then runs one histogram launch and one pass over the scores fewer."""
+    unused, unordered). ``fused`` (Triton backend, rows the radix select serves under ``topk_indices``'s
+    "auto", ``max_ctx > topk``): the scores kernel also counts the radix select's first digit, so the select
+    runs one histogram launch and one pass over the scores fewer (decode at small batch)."""
     n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate)
     t = q.shape[0]
     if not (fused and use_triton(q, k_cache) and 0 < t <= RADIX_MAX_ROWS and n > topk):
