@@ -1,14 +1,12 @@
-"""topk_indices: the Triton selects (the one-program-per-row select, method "row", and the multi-program radix
-select) against the torch.topk reference, compared as selections (sets of columns whose values are the k
-largest, ties in any order), on random rows, exact ties, -inf tails, NaN, lengths around k, tiny tiles (many
-tiles per row; for the radix select many programs per row: the atomics), a sample that misjudges the row (the
-row select's second candidate pass), and real sizes on the GPU."""
+"""topk_indices: the Triton radix select against the torch.topk reference, compared as selections (sets of
+columns whose values are the k largest, ties in any order), on random rows, exact ties, -inf tails, NaN,
+lengths around k, tiny tiles with many programs per row (the atomics), and real sizes on the GPU."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_quant.kernels.topk import _radix_topk, _row_topk, row_sample_rank, topk_indices, topk_indices_reference
+from mla_quant.kernels.topk import _radix_topk, topk_indices, topk_indices_reference
 from tests.conftest import HAS_CUDA
 
 NEG_INF = float("-inf")
@@ -41,12 +39,6 @@ def radix(scores, k, **kw):
     """The Triton path into an output poisoned with int32 min, so a slot left unwritten fails the check."""
     out = torch.full((scores.shape[0], min(k, scores.shape[1])), POISON, dtype=torch.int32, device=scores.device)
     return _radix_topk(scores, k, out=out, **kw)
-
-
-def row(scores, k, **kw):
-    """The row select into an output poisoned with int32 min."""
-    out = torch.full((scores.shape[0], min(k, scores.shape[1])), POISON, dtype=torch.int32, device=scores.device)
-    return _row_topk(scores, k, out=out, **kw)
 
 
 def test_fewer_valid_than_k_pads_with_minus_one():
@@ -156,86 +148,6 @@ def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks
     selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits), k)
 
 
-# ------------------------------------------------------------------------------ the one-program-per-row select
-SMALL = {"tile": 16, "list_tile": 16, "sample": 16}     # many tiles per row even at N of a few hundred
-
-
-@pytest.mark.parametrize("rows, n, k", [(3, 1000, 100), (2, 63, 10), (1, 4097, 300), (4, 1025, 7), (2, 2049, 2048)])
-def test_row_random_rows(triton_backend, rows, n, k):
-    """Odd lengths, default (interpreter) tiles and small ones; k from 7 to N - 1."""
-    g = torch.Generator().manual_seed(n + k)
-    scores = torch.randn(rows, n, generator=g).to(triton_backend)
-    selection_is_valid(scores, row(scores, k, **(SMALL if n < 100 else {})), k)
-
-
-@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "inf_tail", "all_masked", "specials", "narrow"])
-def test_row_hard_rows(triton_backend, kind):
-    """Exact ties at the threshold (one value, two, a few), -inf tails of k - 1, k, k + 1 visible columns, an
-    all -inf row, NaN / ±inf / ±0 / denormals, keys that differ only in their last 10 bits."""
-    g = torch.Generator().manual_seed(1)
-    k, n = 100, 301
-    scores = rows_of_kind(kind, 4, n, k, g).to(triton_backend)
-    selection_is_valid(scores, row(scores, k, **SMALL), k)
-
-
-@pytest.mark.parametrize("n", [99, 100, 101])
-def test_row_lengths_around_k(triton_backend, n):
-    """N = k - 1 and k take the no-selection path (every column); k + 1 the row select."""
-    scores = torch.randn(3, n, device=triton_backend)
-    scores[1, 50:] = NEG_INF
-    idx = row(scores, 100, **SMALL)
-    assert idx.shape == (3, min(100, n))
-    selection_is_valid(scores, idx, 100)
-
-
-def test_row_sample_misjudges_the_row(triton_backend):
-    """The sampled columns hold the row's largest values, so fewer than k columns reach the sampled pivot: the
-    select repeats its candidate pass with every key above -inf and is still exact (some rows -inf-masked)."""
-    n, k, sample = 1000, 100, 16
-    picks = torch.arange(sample) * n // sample                   # the kernel's sampled columns
-    scores = torch.randn(3, n)
-    scores[:, picks] = 10.0 + torch.rand(3, sample)
-    scores[2, 600:] = NEG_INF
-    rank = row_sample_rank(n, k, sample)
-    assert rank <= sample and int((scores[0] >= 10.0).sum()) < k  # the pivot is ≥ 10: too few keys reach it
-    scores = scores.to(triton_backend)
-    selection_is_valid(scores, row(scores, k, tile=64, list_tile=32, sample=sample), k)
-
-
-def test_row_half_precision_strided_rows(triton_backend):
-    wide = torch.randn(3, 900, device=triton_backend)
-    view = wide[:, :700]
-    selection_is_valid(view, row(view, 64), 64)
-    for dtype in (torch.bfloat16, torch.float16):
-        scores = wide.to(dtype)
-        selection_is_valid(scores, topk_indices(scores, 64, method="row"), 64)
-    transposed = torch.randn(300, 2, device=triton_backend).t()
-    selection_is_valid(transposed, topk_indices(transposed, 50, method="row"), 50)
-    assert topk_indices(torch.randn(0, 300, device=triton_backend), 10, method="row").shape == (0, 10)
-
-
-def test_row_sample_rank():
-    """~3σ above the expected count, clamped to the sample."""
-    assert row_sample_rank(65536, 2048, 1024) == 32 + 17 + 2
-    assert row_sample_rank(101, 100, 64) == 64 and row_sample_rank(10 ** 9, 1, 64) == 3
-
-
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
-@given(k=st.integers(1, 40), n=st.integers(1, 200), rows=st.integers(1, 3), seed=st.integers(0, 2**16),
-       kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow", "specials"]),
-       tile=st.sampled_from([16, 64]), list_tile=st.sampled_from([16, 32]), sample=st.sampled_from([16, 64]))
-def test_row_hypothesis(triton_backend, k, n, rows, seed, kind, tile, list_tile, sample):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "randn":
-        scores = torch.randn(rows, n, generator=g)
-    elif kind == "specials":
-        scores = rows_of_kind(kind, rows, max(n, 60), k, g)[:, :n]
-    else:
-        scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
-    scores = scores.to(triton_backend)
-    selection_is_valid(scores, row(scores, k, tile=tile, list_tile=list_tile, sample=sample), k)
-
-
 def test_bad_inputs():
     with pytest.raises(ValueError, match="k"):
         topk_indices(torch.randn(2, 4), 0)
@@ -285,66 +197,19 @@ def test_gpu_hard_rows_long(kind, bits):
     selection_is_valid(scores, radix(scores, 2048, radix_bits=bits), 2048)
 
 
-def selected_values_match(scores, idx, k):
-    """The selected scores (-inf for -1 slots), sorted, equal the reference's."""
-    ref = topk_indices_reference(scores, k)
-    got = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
-    want = torch.where(ref >= 0, scores.gather(1, ref.clamp(min=0).long()), NEG_INF).sort(1).values
-    assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 64])
-@pytest.mark.parametrize("n", [8192, 65536, 131072])
-def test_gpu_row_real_sizes(rows, n):
-    k = 2048
-    scores = realistic_scores(rows, n, seed=n + rows + 7)
-    idx = row(scores, k)
-    selection_is_valid(scores, idx, k)
-    selected_values_match(scores, idx, k)
-    randn = torch.randn(rows, n, device="cuda")            # signed scores: keys on both sides of the sign bit
-    selected_values_match(randn, row(randn, k), k)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "inf_tail", "all_masked", "specials", "narrow"])
-def test_gpu_row_hard_rows_long(kind):
-    g = torch.Generator().manual_seed(2)
-    scores = rows_of_kind(kind, 4, 65536, 2048, g).cuda()
-    idx = row(scores, 2048)
-    selection_is_valid(scores, idx, 2048)
-    selected_values_match(scores, idx, 2048)
-
-
-@pytest.mark.gpu
-def test_gpu_row_sorted_and_aliased_rows():
-    """Ascending and descending rows, and a row whose sampled columns hold its largest values (the second
-    candidate pass), at 64k."""
-    n, k = 65536, 2048
-    picks = torch.arange(1024, device="cuda") * n // 1024
-    aliased = torch.randn(n, device="cuda")
-    aliased[picks] = 100.0 + torch.rand(1024, device="cuda")
-    up = torch.arange(n, device="cuda", dtype=torch.float32)
-    scores = torch.stack([up, up.flip(0), aliased])
-    idx = row(scores, k)
-    selection_is_valid(scores, idx, k)
-    selected_values_match(scores, idx, k)
-
-
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay():
     """The op captures in a CUDA graph (no host sync) and selects correctly for new data on replay."""
     scores = realistic_scores(2, 65536, seed=0)
-    for method in ("row", "radix"):
-        topk_indices(scores, 2048, method=method)       # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            idx = topk_indices(scores, 2048, method=method)
-        for seed in (1, 2):
-            scores.copy_(realistic_scores(2, 65536, seed=seed))
-            graph.replay()
-            torch.cuda.synchronize()
-            selection_is_valid(scores, idx, 2048)
+    topk_indices(scores, 2048)                          # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx = topk_indices(scores, 2048)
+    for seed in (1, 2):
+        scores.copy_(realistic_scores(2, 65536, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        selection_is_valid(scores, idx, 2048)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU only: the default backend there is the reference")
@@ -354,25 +219,23 @@ def test_cpu_default_is_reference():
 
 
 def test_many_rows_take_torch_topk(triton_backend, monkeypatch):
-    """Above RADIX_MAX_ROWS rows and RADIX_MAX_ELEMENTS scores "auto" is torch.topk (until the row select is
-    measured there); within either bound, the row select. Forced methods take their path."""
+    """Above RADIX_MAX_ROWS rows and RADIX_MAX_ELEMENTS scores the op is torch.topk (faster there on the H200);
+    within either bound, the radix select."""
     from mla_quant.kernels import topk as topk_mod
 
     calls = []
-    monkeypatch.setattr(topk_mod, "_row_topk",
-                        lambda s, k, **kw: calls.append(("row", s.shape[0])) or topk_indices_reference(s, k))
     monkeypatch.setattr(topk_mod, "_radix_topk",
-                        lambda s, k, **kw: calls.append(("radix", s.shape[0])) or topk_indices_reference(s, k))
+                        lambda s, k, **kw: calls.append(s.shape[0]) or topk_indices_reference(s, k))
     monkeypatch.setattr(topk_mod, "RADIX_MAX_ELEMENTS", 1000)
     max_rows = topk_mod.RADIX_MAX_ROWS
     for rows, n in ((1, 300), (max_rows, 300), (max_rows + 1, 300), (64, 300), (max_rows + 4, 100)):
         scores = torch.randn(rows, n, device=triton_backend)
         selection_is_valid(scores, topk_mod.topk_indices(scores, 40), 40)
-    assert calls == [("row", 1), ("row", max_rows), ("row", max_rows + 4)]    # 8 x 100 <= 1000 scores
-    scores = torch.randn(9, 300, device=triton_backend)                          # forced methods
-    for method in ("row", "radix", "torch"):
-        selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method=method), 40)
-    assert calls[3:] == [("row", 9), ("radix", 9)]
+    assert calls == [1, max_rows, max_rows + 4]                          # 8 x 100 <= 1000 scores: radix
+    scores = torch.randn(9, 300, device=triton_backend)                  # forced methods
+    selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method="radix"), 40)
+    selection_is_valid(scores, topk_mod.topk_indices(scores, 40, method="torch"), 40)
+    assert calls == [1, max_rows, max_rows + 4, 9]
 
 
 def test_radix_many_rows_both_digit_widths(triton_backend):
