@@ -20,47 +20,33 @@ batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take `
 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs
 per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows
 at 64k and ~20 at 8k. The bench times 8-bit digits (``topk_radix8_us``) at the same shapes.
-
-``method="row"``: the one-program-per-row select (``row_kernel.py``): one launch, no memset, no atomics; a
-sampled pivot, one compare pass over the row (256 KB per 64k row, from L2) that lists the columns of the few
-thousand keys at or above it, then 8-bit histogram rounds over that list only. Expected (not yet measured):
-~9 µs at one row of 64k, where the radix select measured 19.5 µs in 5 launches + a memset. Scratch: int32
-[T, N] (uninitialised). ``"auto"`` takes it wherever it took the radix select (≤ ``RADIX_MAX_ROWS`` rows or
-≤ ``RADIX_MAX_ELEMENTS`` scores). Many rows (64 × 64k decode, 2048-row prefill) keep torch.topk under "auto"
-until measured, although one program per row (64 rows = 64 SMs at once) is expected to win there too: the
-bench times ``topk_row_us`` at every shape to place the threshold.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 
-from .._backend import triton_interpreted, use_triton
+from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
 from .kernel import rounds, work_ints
 from .reference import topk_indices_reference
 
-__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "row_sample_rank", "RADIX_MAX_ROWS", "RADIX_MAX_ELEMENTS",
+__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_MAX_ROWS", "RADIX_MAX_ELEMENTS",
            "RADIX_BITS"]
 
 RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measured, docstring)
 RADIX_MAX_ELEMENTS = 1 << 20  # ... and more rows while rows · N stays within this (64 rows of 8k: yes; of 64k: no)
 RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of 2048 at every measured shape
 RADIX_CHOICES = (8, 11)
-METHODS = ("auto", "row", "radix", "torch")
-ROW_SAMPLE = 1024   # the row select's sample (its pivot); 64 under the interpreter
-ROW_TILE = 4096     # columns per tile of its candidate pass (8 per thread at 16 warps)
-ROW_LIST_TILE = 512  # list entries per tile of its rounds (one per thread: the histograms' cost is per entry)
+METHODS = ("auto", "radix", "torch")
 
 
 def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS) -> torch.Tensor:
     """scores [T, N] float -> int32 [T, min(k, N)] (unordered; -1 where the score is -inf). ``method``:
-    ``"auto"`` (on the Triton backend the row select for ≤ ``RADIX_MAX_ROWS`` rows or ≤ ``RADIX_MAX_ELEMENTS``
-    scores, else torch.topk), ``"row"`` (the one-program-per-row Triton select whenever the backend is Triton),
-    ``"radix"`` (the multi-program Triton radix select) or ``"torch"``; ``radix_bits``: the
+    ``"auto"`` (on the Triton backend the radix select for ≤ ``RADIX_MAX_ROWS`` rows or ≤ ``RADIX_MAX_ELEMENTS``
+    scores, else torch.topk),
+    ``"radix"`` (the Triton radix select whenever the backend is Triton) or ``"torch"``; ``radix_bits``: the
     radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024)."""
     check_tensor("scores", scores, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     if not isinstance(k, int) or k < 1:
@@ -72,55 +58,10 @@ def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits:
     if radix_bits not in RADIX_CHOICES:
         raise ValueError(f"radix_bits: {radix_bits!r} not in {RADIX_CHOICES}")
     rows, n = scores.shape
-    if method == "auto":
-        method = "row" if rows <= RADIX_MAX_ROWS or rows * n <= RADIX_MAX_ELEMENTS else "torch"
-    if not use_triton(scores) or method == "torch":
+    radix = method == "radix" or (method == "auto" and (rows <= RADIX_MAX_ROWS or rows * n <= RADIX_MAX_ELEMENTS))
+    if not use_triton(scores) or not radix:
         return topk_indices_reference(scores, k)
-    if method == "row":
-        return _row_topk(scores, k)
     return _radix_topk(scores, k, radix_bits=radix_bits)
-
-
-def row_sample_rank(n: int, k: int, sample: int) -> int:
-    """The rank in the row select's sample of its pivot: ~3σ above the k·sample/n sampled keys expected above
-    the row's k-th largest (binomial), so that k keys are at or above the pivot with high probability."""
-    expected = k * sample / n
-    return max(1, min(sample, math.ceil(expected + 3 * math.sqrt(expected)) + 2))
-
-
-def _row_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, tile: int | None = None,
-              list_tile: int | None = None, sample: int | None = None) -> torch.Tensor:
-    """The one-program-per-row Triton select (``row_kernel.py``). ``out`` (int32 [T, min(k, N)], rows
-    contiguous) and the tile sizes (powers of two; defaults ``ROW_TILE``, ``ROW_LIST_TILE``, ``ROW_SAMPLE``,
-    small under the interpreter) are exposed for tests and the bench."""
-    rows, n = scores.shape
-    out = _no_selection(scores, k, out)
-    if n <= k or rows == 0:
-        return out
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    from .row_kernel import _row_topk_kernel
-
-    interpreted = triton_interpreted()
-    tile = tile or (64 if interpreted else ROW_TILE)
-    list_tile = list_tile or (32 if interpreted else ROW_LIST_TILE)
-    sample = sample or (64 if interpreted else ROW_SAMPLE)
-    lists = torch.empty(rows, n, dtype=torch.int32, device=scores.device)
-    _row_topk_kernel[(rows,)](scores, scores.stride(0), lists, out, out.stride(0), n, k,
-                              row_sample_rank(n, k, sample), TILE=tile, LIST_TILE=list_tile, SAMPLE=sample,
-                              num_warps=16)
-    return out
-
-
-def _no_selection(scores: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor:
-    """The output buffer; filled here when N ≤ k (every column is selected: -1 where the score is -inf)."""
-    rows, n = scores.shape
-    if out is None:
-        out = torch.empty(rows, min(k, n), dtype=torch.int32, device=scores.device)
-    if n <= k:
-        cols = torch.arange(n, dtype=torch.int32, device=scores.device)
-        out.copy_(torch.where(scores == float("-inf"), -1, cols))
-    return out
 
 
 def radix_block(rows: int, n: int, device: torch.device) -> int:
@@ -149,8 +90,12 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
     ``work``/``rounds_done``: see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
-    out = _no_selection(scores, k, out)
-    if n <= k or rows == 0:
+    if out is None:
+        out = torch.empty(rows, kk, dtype=torch.int32, device=scores.device)
+    if n <= k:                                   # every column is selected
+        cols = torch.arange(n, dtype=torch.int32, device=scores.device)
+        return out.copy_(torch.where(scores == float("-inf"), -1, cols))
+    if rows == 0:
         return out
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
