@@ -294,7 +294,7 @@ def cases_indexer_scores() -> Iterator[Case]:
 
 def cases_topk() -> Iterator[Case]:
     from mla_quant.kernels.topk import RADIX_MAX_ROWS, topk_indices
-    for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (64, 8192), (3, 3001)):  # "auto": the row select
+    for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (64, 8192), (3, 3001)):  # "auto"
         yield f"rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048)
     for rows, n in ((1, 65536), (64, 8192)):                                      # the multi-program radix
         for bits in (8, 11):
