@@ -680,6 +680,32 @@ def test_fp8mma_leaves_other_pages_and_fp32_queries_to_their_paths(triton_backen
     assert rel_err(o.cpu(), o_ref.cpu()) < 1.5e-2 and (lse - lse_ref).abs().max() < 1e-2
 
 
+def test_auto_takes_fp8mma_for_many_cached_tokens(triton_backend):
+    """"auto" on fp8_e4m3 pages: "fp8mma" once batch × max_seq_len reaches FP8_MMA_MIN_TOKENS (bf16 / fp16 q), the
+    conversion below it (16 heads: fewer than BITCAST_MIN_ROWS rows) and for fp32 q; fp8_ds_mla never."""
+    from mla_quant.kernels.mla_decode import FP8_MMA_MIN_TOKENS
+
+    dev = triton_backend
+    lengths, table = [37, 20], torch.tensor([[0, 1, 2], [4, 3, -1]], dtype=torch.int32)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
+    big, small = FP8_MMA_MIN_TOKENS // 2, 48  # host bounds of seq_lens (two requests)
+    for kind in ("fp8_e4m3", "fp8_ds_mla"):
+        kv, scales, _ = build_pages(lengths, table, 5, 16, kind, None, 128, 32, seed=9, device=dev)
+        for dtype in (torch.bfloat16, torch.float32):
+            q = torch.randn(2, 1, 4, 160).to(dtype).to(dev)
+            args = (q, kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev), 0.1, kind, 128)
+
+            def run(dequant, bound):
+                return mla_decode(*args, fp8_dequant=dequant, config=cfg, num_splits=2, max_seq_len=bound)
+
+            mma = kind == "fp8_e4m3" and dtype == torch.bfloat16
+            for bound, want in ((big, "fp8mma" if mma else "convert"), (small, "convert")):
+                got, ref = run("auto", bound), run(want, bound)
+                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (kind, dtype, bound, want)
+            if mma:  # the two paths differ here, so the check above can tell them apart
+                assert not torch.equal(run("fp8mma", big)[0], run("convert", big)[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor_scale", [None, 0.05])
 @pytest.mark.parametrize("heads", [16, 128])

@@ -32,6 +32,11 @@ FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
 # conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
 BITCAST_MIN_ROWS = 64
+# ... and the fp8 tensor-core dots ("fp8mma") for fp8_e4m3 pages and bf16 / fp16 queries once a call covers this
+# many cached tokens (batch x max_seq_len): measured on the H200 (run of 71d17aa, mla_decode rows with variant
+# "fp8mma"), 1.27x the conversion at 16 heads x batch 64 x 4k, 1.26x at 64k, 1.23x at batch 1 x 64k, 1.40x the
+# bitcast at 128 heads x batch 64; slower at batch 1 x 4k (0.88x the conversion at 16 heads, 0.64x the bitcast at 128)
+FP8_MMA_MIN_TOKENS = 32768
 
 
 def _is_pow2(n: int) -> bool:
@@ -145,9 +150,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     fp16 queries only, fp32 queries keep the conversion), ``"fp8mma"`` (fp8_e4m3 pages: the score dots take the
     e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
     the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
-    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: the bitcast for fp8_e4m3 pages
-    with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion). Only the
-    Triton path of FP8 pages is affected.
+    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages "fp8mma" when q is
+    bf16 / fp16 and batch × max_seq_len ≥ ``FP8_MMA_MIN_TOKENS``, else the bitcast with ≥ ``BITCAST_MIN_ROWS``
+    query rows per request and 4-byte aligned pages, else the conversion). Only the Triton path of FP8 pages is
+    affected.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -180,6 +186,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         return out.copy_(o_ref), lse.copy_(lse_ref)
     if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
+    if fp8_dequant == "auto" and kind == "fp8_e4m3" and q.dtype != torch.float32:
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        if bsz * max_len >= FP8_MMA_MIN_TOKENS:
+            fp8_dequant = "fp8mma"
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config,
                               _use_bitcast(fp8_dequant, kind, kv_data, s_q * heads),
