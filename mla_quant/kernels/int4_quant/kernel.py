@@ -53,9 +53,7 @@ def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn, n_kb,
 
 @triton.jit
 def _int4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, N, K,
-                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STREAM: tl.constexpr):
-    # STREAM: the output (4x the bytes read) is stored with the streaming hint (st.global.cs: evict first), so
-    # the write stream does not push the packed words and scales still to be read out of L2
+                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rw = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
     words = tl.load(packed_ptr + rn[:, None].to(tl.int64) * (K // 8) + rw[None, :],
@@ -67,10 +65,5 @@ def _int4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, N, K,
                 mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP), other=0.0).to(tl.float32)
     w = tl.reshape(q.to(tl.float32), (BN, BK // GROUP, GROUP)) * s[:, :, None]
     rk = tl.program_id(1) * BK + tl.arange(0, BK)
-    out_ptrs = out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
-    w = tl.reshape(w, (BN, BK)).to(out_ptr.dtype.element_ty)
-    mask = (rn[:, None] < N) & (rk[None, :] < K)
-    if STREAM:
-        tl.store(out_ptrs, w, mask=mask, cache_modifier=".cs")
-    else:
-        tl.store(out_ptrs, w, mask=mask)
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
+             tl.reshape(w, (BN, BK)).to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
