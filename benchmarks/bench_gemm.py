@@ -13,7 +13,8 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 (``torch.ops.aten._weight_int4pack_mm``, group 32); also ``cublas_bf16_us``.
 * ``int4_g32_fast``, ``int4_g32_fast2`` the same GEMM with ``fast_dequant=1`` / ``2`` (the FAST_DEQUANT
                 levels, each with its own autotuned configs, docs/recipes.md), same weights, peers and goal,
-                next to ``int4_g32`` (``speedup_vs_int4_g32``).
+                next to ``int4_g32`` (``speedup_vs_int4_g32``); ``int4_g32_fast0`` with ``fast_dequant=0`` where
+                the default (``"auto"``) takes level 1 (2 to ``FAST_AUTO_MAX_M`` tokens).
 * ``int4_g32_tile`` (M = 1 only) the previous one-token GEMV (``w4a16_gemm(..., gemv="tile")``) beside
                 ``int4_g32``, whose M = 1 rows are the default one-launch plane GEMV (``gemv="planes1"``,
                 docs/moe.md "W4A16 at M = 1 in one launch"); ``int4_g32_planes`` the two-launch plane GEMV
@@ -32,7 +33,7 @@ import torch
 from mla_quant.kernels.fp8_gemm import fp8_gemm
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 from mla_quant.kernels.int4_quant import int4_quantize
-from mla_quant.kernels.w4a16_gemm import w4a16_gemm
+from mla_quant.kernels.w4a16_gemm import FAST_AUTO_MAX_M, w4a16_gemm
 
 from .common import Context, case, graph_us, rotating
 
@@ -41,7 +42,7 @@ M_ALL = (1, 4, 16, 64, 512, 2048, 8192)
 # 7168×18432 (down), GLM's dense 6144×12288.
 NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288))
 GROUP = 32
-FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
+FAST_FORMATS = {0: "int4_g32_fast0", 1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
 # M = 1 variants beside int4_g32: row format -> (gemv form, pass kept split-K counters)
 GEMV_FORMATS = {TILE_FORMAT: ("tile", False), "int4_g32_planes": ("planes", False),
@@ -156,7 +157,8 @@ def run(ctx: Context) -> list[dict]:
             variants = [(fmt, {"gemv": form, "counters": torch.zeros(n, dtype=torch.int32, device=dev) if kept
                                else None})  # kept counters: left zero by each call
                         for fmt, (form, kept) in (GEMV_FORMATS.items() if m == 1 else ())]
-            variants += [(fmt, {"fast_dequant": level}) for level, fmt in FAST_FORMATS.items()]
+            variants += [(fmt, {"fast_dequant": level}) for level, fmt in FAST_FORMATS.items()
+                         if level or 1 < m <= FAST_AUTO_MAX_M]  # level 0: where "auto" takes level 1
             n_fast = 0
             for fmt, kwargs in variants:
                 try:  # an unmeasured variant failing must not lose the other rows

@@ -294,6 +294,24 @@ def test_fast_dequant_keyword_selects_the_fast_path(triton_backend, m, level):
     assert_rel_close(fast, w4a16_gemm(x, packed, scale, 32), 1e-5, "fast vs default")
 
 
+def test_fast_dequant_auto_takes_level_1_for_a_few_tokens(triton_backend):
+    """"auto": FAST_DEQUANT 1 for 2..FAST_AUTO_MAX_M tokens (bit-equal to fast_dequant=1 there), off at one token
+    and above, and off whenever a config is pinned."""
+    from mla_quant.kernels.w4a16_gemm import FAST_AUTO_MAX_M
+
+    dev = triton_backend
+    packed, scale = _weights(24, 160, 32, dev, seed=5)
+    for m, level in ((1, 0), (2, 1), (FAST_AUTO_MAX_M, 1), (FAST_AUTO_MAX_M + 1, 0)):
+        x = torch.randn(m, 160, device=dev)
+        assert torch.equal(w4a16_gemm(x, packed, scale, 32), w4a16_gemm(x, packed, scale, 32, fast_dequant=level)), m
+    x = torch.randn(6, 160, device=dev)
+    cfg = _cfg(16, 16, 128)
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32, config=cfg),
+                       w4a16_gemm(x, packed, scale, 32, config=cfg, fast_dequant=0))
+    assert not torch.equal(w4a16_gemm(x, packed, scale, 32, fast_dequant=0),
+                           w4a16_gemm(x, packed, scale, 32, fast_dequant=1)), "the two paths must differ here"
+
+
 def test_fast_configs_are_separate_from_the_default_ones():
     from mla_quant.kernels.w4a16_gemm.kernel import _configs, _prune
 

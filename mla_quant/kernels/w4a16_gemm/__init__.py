@@ -17,7 +17,7 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_FORMS = ("planes1", "planes", "tile")
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
-__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS"]
+__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M"]
 
 
 def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
@@ -39,9 +39,18 @@ def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
     return n, k
 
 
-def _fast_level(value) -> int:
+# fast_dequant="auto" takes FAST_DEQUANT 1 for 2..FAST_AUTO_MAX_M tokens: on the H200 (runs of 8b4c3e0 and 71d17aa,
+# bench rows int4_g32_fast at M = 16) 24.0 vs 31.8-41.5 µs at 2048 x 7168 and 37.7-38.0 vs 56.1-56.7 at 4096 x 7168;
+# at M >= 512 it is 1.7-2x slower, and M = 1 runs the plane GEMV
+FAST_AUTO_MAX_M = 16
+
+
+def _fast_level(value, m: int, pinned: bool) -> int:
+    """The FAST_DEQUANT level for ``m`` tokens: ``value`` (0 / False, 1 / True, 2 or "auto")."""
+    if value == "auto" and not isinstance(value, bool):
+        return 1 if not pinned and 1 < m <= FAST_AUTO_MAX_M else 0
     if value not in (0, 1, 2):  # False / True compare equal to 0 / 1
-        raise ValueError(f"fast_dequant: {value!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels)")
+        raise ValueError(f"fast_dequant: {value!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels) or 'auto'")
     return int(value)
 
 
@@ -57,7 +66,7 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int = 0, gemv: str = "planes1", counters: torch.Tensor | None = None) -> torch.Tensor:
+               fast_dequant: int | str = "auto", gemv: str = "planes1", counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -68,10 +77,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     autotuned choice, for tests and benchmarks. BM = 1 selects the one-token GEMV path, 16 the small-batch
     ``mma`` path, ≥ 32 the tiled path.
 
-    ``fast_dequant`` (0 = off, the default; 1 or True, 2; also ``config["FAST_DEQUANT"]``) selects the
-    group-scaled tensor-core form of ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group
-    partial; 2: biased codes, no float op per weight) and its own autotuned configs, which also try the
-    16-row tile at one token. Unmeasured: see docs/recipes.md.
+    ``fast_dequant`` (0 = off; 1 or True, 2; also ``config["FAST_DEQUANT"]``; ``"auto"``, the default: 1 for 2 to
+    ``FAST_AUTO_MAX_M`` tokens without a pinned config, else 0) selects the group-scaled tensor-core form of
+    ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group partial; 2: biased codes, no float op
+    per weight) and its own autotuned configs, which also try the 16-row tile at one token (docs/recipes.md).
 
     ``gemv`` picks the one-token GEMV (M = 1, BM = 1, ``fast_dequant`` off): ``"planes1"`` (default: the plane
     GEMV in one launch: each program reads its activations from x itself, with its own configs and split-K,
@@ -87,8 +96,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     """
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
-    fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant))
     n, k = _check(x, weight_packed, weight_scale, group_size)
+    fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
+                               x.numel() // k if k else 0, config is not None)
     lead = x.shape[:-1]
     if out is not None:
         check_tensor("out", out, dtype=x.dtype, contiguous=True)
