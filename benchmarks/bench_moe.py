@@ -23,9 +23,11 @@ path"), side by side with ``int4_g32``; at ≤ 16 tokens their ``alt_us`` is the
 same level (at one token: the 16-row tensor-core tiles; the GEMV is the same at both levels).
 
 Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default plane
-GEMV and rows ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_prefetch``
-the plane GEMV with a register double buffer (``gemv="prefetch"``), on the same experts and routings
-(``speedup_vs_int4_g32`` > 1 means that form beats the default; docs/moe.md "The INT4 plane GEMV").
+GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows ``int4_g32_tile``
+time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV without the double
+buffer (``gemv="planes"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1 means that form beats
+the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of 5a85563 and before are the
+double-buffered form when it was opt-in.
 
 Where the INT4 experts run on the tensor cores (``block_m`` > 1), ``int4_g32`` is the default plane tile
 (``int4_tile="auto"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
@@ -54,8 +56,8 @@ TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
 FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # fused_moe(fast_dequant=level) -> row format
-# fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="planes")
-GEMV_FORMATS = {"tile": "int4_g32_tile", "prefetch": "int4_g32_prefetch"}
+# fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="prefetch")
+GEMV_FORMATS = {"tile": "int4_g32_tile", "planes": "int4_g32_planes"}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 
@@ -221,7 +223,7 @@ def run(ctx: Context) -> list[dict]:
                                  peer="torch_grouped_mm_bf16" if peer_name is None else peer_name,
                                  peer_median_us=peer.get(("moe", t)), **extra))
                 for form, form_name in (GEMV_FORMATS.items() if name == "int4_g32" and bm == 1 else ()):
-                    # the other INT4 GEMVs on the same experts and routings, beside the default plane GEMV
+                    # the other INT4 GEMVs on the same experts and routings, beside the default (prefetch) GEMV
                     # (a failure is noted and must not lose the other rows)
                     try:
                         t_form, graphed = _graph_us(lambda: routed(gemv=form), SETS)

@@ -369,7 +369,7 @@ def test_gpu_plane_gemv_real_widths(t, dtype):
     x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
     w, ids = routing(t, e, k, device="cuda")
     out = poisoned_empty((t, 7168), dtype, "cuda")
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, out=out)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes", out=out)
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
     tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="tile")
     tol = 1e-4 if dtype == torch.float32 else 1e-2
@@ -387,8 +387,9 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     w, ids = routing(2, 3, 2, seed=9, device=dev)
     out = poisoned_empty((2, hidden), torch.float32, dev)
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch", out=out)
-    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes")
     assert torch.equal(got, planes)  # the same products in the same order; only the load schedule differs
+    assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)), "the default"
 
 
 # --- the INT4 plane tensor-core tile (int4_tile="planes", the default at block_m > 1) vs the dequantized tile ---

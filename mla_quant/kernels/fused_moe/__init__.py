@@ -21,9 +21,10 @@ from .reference import KINDS, dequantize_expert, fused_moe_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# the INT4 GEMV (block_m == 1): nibble planes (default), the same with a register double buffer of the next K
-# block's words, or the previous tile form
-GEMV_FORMS = ("planes", "prefetch", "tile")
+# the INT4 GEMV (block_m == 1): nibble planes with a register double buffer of the next K block's words (the
+# default: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
+# plain planes, or the previous tile form
+GEMV_FORMS = ("prefetch", "planes", "tile")
 # the INT4 tensor-core tile (block_m > 1): nibble planes (what "auto" takes: 2.05x the dequantized tile at 256
 # Kimi tokens on the H200, 5.25 vs 10.75 ms) or the dequantized [BLOCK_N, BLOCK_K] tile (what fast_dequant runs)
 INT4_TILE_FORMS = ("auto", "planes", "dequant")
@@ -146,7 +147,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     fast_dequant: int = 0,
-    gemv: str = "planes",
+    gemv: str = "prefetch",
     int4_tile: str = "auto",
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
@@ -157,10 +158,11 @@ def fused_moe(
     overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only; 0 = off, the
     default; 1 or True, 2; measured slower on the H200) selects the kernel's FAST_DEQUANT level and its own autotuned configs
     (docs/moe.md, "W4A16 fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
-    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (default: the activations re-ordered into
-    fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same
-    with the next K block's words loaded before this block's products; 1.03× the planes on the H200) or ``"tile"`` (the
-    previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with ``fast_dequant``).
+    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (the activations re-ordered into fp32 nibble
+    planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (default: the same with
+    the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200) or
+    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with
+    ``fast_dequant``).
     ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (the words kept in their load
     layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md "The INT4
     plane tile"; 2.05x the dequantized tile at 256 Kimi tokens on the H200), ``"dequant"`` (the words unpacked
