@@ -5,11 +5,13 @@ cases made by :func:`case` (schema in DESIGN.md, "Benchmark results file").
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import itertools
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,21 @@ class Context:
     copy_tbps: float = 0.0
     bf16_tflops: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+
+def sweep_args(doc: str, out: str, budget_s: float, argv: list[str] | None = None,
+               extra=lambda ap: None) -> argparse.Namespace | None:
+    """Arguments of a one-call GPU sweep or profile (``--out``, ``--budget-s``, and what ``extra`` adds to the
+    parser); None (after saying so) when there is no CUDA device to run on."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new settings after this long")
+    extra(ap)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{ap.prog} needs CUDA (run it on the H200)", file=sys.stderr)
+        return None
+    return args
 
 
 def median_us(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:

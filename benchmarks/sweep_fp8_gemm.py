@@ -12,9 +12,7 @@ remaining settings are listed as skipped (the shapes go large-M first so the goa
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 
 import torch
@@ -22,7 +20,7 @@ import torch
 from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, fp8_gemm
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 
-from .common import L2_BYTES, Context, graph_us, meta
+from .common import L2_BYTES, Context, graph_us, meta, sweep_args
 
 NK = ((4096, 7168), (7168, 2048), (24576, 1536))  # Kimi/GLM widths: q_b-like, o_proj-like, wide q_b
 MS = (8192, 2048, 512)
@@ -47,13 +45,9 @@ def _weights(n: int, k: int, sets: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="sweep_fp8_gemm.json")
-    ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting new settings after this long")
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma-separated")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the sweep needs CUDA (run it on the H200)", file=sys.stderr)
+    args = sweep_args(__doc__, "sweep_fp8_gemm.json", 120.0, argv, lambda ap: ap.add_argument(
+        "--ms", default=",".join(map(str, MS)), help="token counts, comma-separated"))
+    if args is None:
         return 2
     start = time.time()
     ctx = Context()

@@ -12,15 +12,13 @@ the best setting per op, and writes them as JSON to ``--out``. Mostly Triton com
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 
 import torch
 
 from .bench_quant import ROWS, K, quant_ops
-from .common import Context, graph_us, measure_ceilings, meta
+from .common import Context, graph_us, measure_ceilings, meta, sweep_args
 
 ACT = [{"BLOCK_G": g, "num_warps": w} for g, w in ((16, 4), (32, 8), (64, 8), (16, 2))]  # 64 with 4 warps spills
 BLOCK_QUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8, 16) for f in (False, True)] + [
@@ -42,13 +40,9 @@ GRID = {"kv_quant_fp8_token": KV, "int4_quantize_g32": INT4_QUANT, "block_quant_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="sweep_quant.json")
-    ap.add_argument("--ops", default="", help=f"comma-separated ops (default: all of {', '.join(GRID)})")
-    ap.add_argument("--budget-s", type=float, default=55.0, help="stop starting new settings after this long")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the sweep needs CUDA (run it on the H200)", file=sys.stderr)
+    args = sweep_args(__doc__, "sweep_quant.json", 55.0, argv, lambda ap: ap.add_argument(
+        "--ops", default="", help=f"comma-separated ops (default: all of {', '.join(GRID)})"))
+    if args is None:
         return 2
     start = time.time()
     ctx = Context()
