@@ -215,6 +215,28 @@ def split_k_for(tiles: int, k_iters: int, target_programs: int, max_split: int =
     return split
 
 
+@triton.jit
+def store_split_k(acc, y_ptrs, out_mask, part_ptrs, stride_part, pid_k, count_ptr, SPLIT_K: tl.constexpr):
+    """Store a program's fp32 ``acc`` [BM, BN] of one output tile (``y_ptrs``, ``out_mask``). SPLIT_K == 1: directly.
+    Else ``acc`` is split ``pid_k``'s partial, written to ``part_ptrs + pid_k · stride_part`` (part [SPLIT_K, M, N]
+    fp32, ``stride_part`` = M·N, so no index product overflows int32); the last of the tile's SPLIT_K programs to
+    arrive at its counter (``count_ptr``, acq_rel) sums the partials in split order — deterministic — stores them,
+    and resets the counter to 0 for the next launch (a kept counter buffer needs no zeroing between calls)."""
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(part_ptrs + pid_k.to(tl.int64) * stride_part, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for _ in range(0, SPLIT_K):
+                total += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_part
+            tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr, 0)
+
+
 def autotune_bench(fn, quantiles=None):
     """The timing the GEMM autotuners use: short (they tune once per shape bucket, and a prefill
     benchmark meets many buckets), median of a few runs."""

@@ -48,6 +48,29 @@ def test_scales_apply_per_k_block_and_per_weight_block(triton_backend):
     assert torch.equal(c, expected)
 
 
+@pytest.mark.parametrize("split", [2, 3, 4])  # 5 K blocks: splits of 3 / 2+2+1 / 2+2+1+none (an empty split)
+def test_split_k_matches_reference_and_is_deterministic(triton_backend, split):
+    m, n, k, block = 17, 70, 160, (32, 32)
+    a, a_s, b, b_s = _operands(m, n, k, block, triton_backend, seed=split)
+    out = poisoned_empty((m, n), torch.float32, triton_backend)
+    cfg = {**CFG, "SPLIT_K": split}
+    c = fp8_gemm(a, a_s, b, b_s, block, torch.float32, out=out, config=cfg)
+    assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, block, torch.float32), 1e-5, f"split {split}")
+    again = fp8_gemm(a, a_s, b, b_s, block, torch.float32, config=cfg)  # partials summed in split order
+    assert torch.equal(again, c)
+    whole = fp8_gemm(a, a_s, b, b_s, block, torch.float32, config={**CFG, "SPLIT_K": 1})
+    assert_rel_close(c, whole, 1e-5, "split vs whole K")
+
+
+def test_split_k_only_where_the_tiles_leave_sms_idle():
+    from mla_quant.kernels.fp8_gemm.kernel import split_k
+
+    assert split_k(1, 2048, 7168, 64, 128, 128, 132) == 16   # 16 tiles -> 256 programs, 3-4 K blocks each
+    assert split_k(16, 7168, 2048, 64, 128, 128, 132) == 4    # 56 tiles, 16 K blocks
+    assert split_k(512, 4096, 7168, 64, 128, 128, 132) == 1   # 256 tiles fill the GPU
+    assert split_k(1, 2048, 256, 64, 128, 128, 132) == 1      # 2 K blocks: nothing to split
+
+
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(m=odd_sizes(1, 70), n=odd_sizes(1, 150), kb=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
 def test_default_config_over_shapes(triton_backend, m, n, kb, seed):

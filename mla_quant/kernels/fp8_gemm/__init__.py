@@ -15,7 +15,7 @@ from ..fp8_quant import FP8
 from .reference import fp8_gemm_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")
+CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable kernel's; SPLIT_K optional
 TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
 VARIANTS = ("auto", "portable", "tma")
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
@@ -80,7 +80,9 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     a: e4m3 [M, K] (contiguous); a_scale: fp32 [M, K/bk] (one scale per token and bk-wide group);
     b: e4m3 [N, K] (last dim contiguous); b_scale: fp32 [⌈N/bn⌉, K/bk]; K % bk == 0.
     Returns C: [M, N] ``out_dtype`` (written into ``out`` if given: contiguous, that shape and dtype).
-    ``config`` (keys of ``CONFIG_KEYS``; for ``variant="tma"`` optionally ``PERSISTENT``)
+    ``config`` (keys of ``CONFIG_KEYS``; for the portable kernel optionally ``SPLIT_K``, else ``kernel.split_k``
+    of the config: K splits while the tiles give fewer than ~2 programs per SM; for ``variant="tma"`` optionally
+    ``PERSISTENT``)
     pins a kernel configuration instead of the autotuned (portable) or ``default_config`` (tma) one.
     ``variant``: "portable" (``kernel.py``), "tma" (``kernel_tma.py``: TMA-aligned a and b, CUDA sm_90 or the
     interpreter), or "auto": "tma" on Hopper for M > 64 when a and b are TMA-aligned, else "portable".
@@ -104,20 +106,32 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         variant = "tma" if m > 64 and not interpreted and _tma_ok(a, b) and _is_hopper(a.device) else "portable"
     if variant == "tma":
         return _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted)
-    from .kernel import _fp8_gemm_kernel, fp8_gemm_autotuned
+    from .kernel import _fp8_gemm_kernel, fp8_gemm_autotuned, split_k, workspace_bounds
 
     if config is None and interpreted:
         config = {"BM": 32, "BN": 32, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
-    args = (a, a_scale, b, b_scale, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), m_bucket(m))
-    common = dict(BN_S=int(block[0]), BK=int(block[1]), INTERPRET=interpreted)
+    bk, sms = int(block[1]), num_sms(a.device)
+    if config is not None:
+        config = dict(config)
+        split = config.pop("SPLIT_K", None) or split_k(m, n, k, config["BM"], config["BN"], bk, sms)
+        max_split, max_tiles = split, triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+    else:
+        max_split, max_tiles = workspace_bounds(m, n, k, bk, sms)
+    # split-K workspace: fp32 partials and one arrival counter per output tile (left zero by every launch)
+    part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=a.device)
+    count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=a.device)
+    args = (a, a_scale, b, b_scale, c, part, count, m, n, k, a.stride(0), b.stride(0), c.stride(0), m * n,
+            m_bucket(m), sms)
+    common = dict(BN_S=int(block[0]), BK=bk, INTERPRET=interpreted)
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if config is None:
         fp8_gemm_autotuned[grid](*args, **common)
     else:
-        _fp8_gemm_kernel[grid(config)](*args, **common, **config)
+        meta = {**config, "SPLIT_K": split}
+        _fp8_gemm_kernel[grid(meta)](*args, **common, **meta)
     return c
 
 

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, autotune_bench, grouped_tile, int4_codes,
-                           int4_plane_gemv_step, load_k, m_bucket, plane_offsets, split_k_for)
+                           int4_plane_gemv_step, load_k, m_bucket, plane_offsets, split_k_for, store_split_k)
 
 
 @triton.jit
@@ -287,22 +287,9 @@ def _w4a16_gemm_kernel(
         acc = tl.reshape(tl.sum(acc_e, axis=1), (1, BN))
 
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # part [SPLIT_K, M, N]: pointers advance by stride_part (= M·N) so no index product overflows int32
-        part_ptrs = part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :])
-        tl.store(part_ptrs + pid_k.to(tl.int64) * stride_part, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last program of this tile: sum the partials in split order
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for _ in range(0, SPLIT_K):
-                total += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_part
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
+    store_split_k(acc, y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out_mask,
+                  part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :]), stride_part, pid_k, count_ptr + pid,
+                  SPLIT_K)
 
 
 def _configs(fast: int = 0) -> list[triton.Config]:
