@@ -274,6 +274,6 @@ def fused_moe(
     shared = shared_out if shared_out is not None else y
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        y, topk_ids, shared, result, hidden, top_k, num_experts, y.stride(0), shared.stride(0), result.stride(0),
-        HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
+        y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
     return result

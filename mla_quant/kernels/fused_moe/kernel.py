@@ -391,18 +391,21 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, top_k, E,
+def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, E,
                         stride_yt, stride_st, stride_ot,
-                        HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
-    # out[t] = sum_j y[t * top_k + j] (j in order; dropped expert ids skipped) (+ shared[t]), rounded once.
+                        TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = sum_j y[t * TOP_K + j] (j in order; dropped expert ids skipped) (+ shared[t]), rounded once.
+    # The j loop is unrolled (TOP_K constexpr), so the TOP_K row loads are independent instructions that can be
+    # in flight together instead of one memory round trip per expert (a loop over a runtime top_k was 8 round
+    # trips: 4.0 µs of the one-token MoE on the H200 for 230 KB).
     t = tl.program_id(0).to(tl.int64)
     rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = rh < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(0, top_k):
-        eid = tl.load(ids_ptr + t * top_k + j + tl.zeros_like(rh))  # broadcast: one id for the whole row
+    for j in tl.static_range(TOP_K):
+        eid = tl.load(ids_ptr + t * TOP_K + j + tl.zeros_like(rh))  # broadcast: one id for the whole row
         kept = h_ok & (eid >= 0) & (eid < E)
-        acc += tl.load(y_ptr + (t * top_k + j) * stride_yt + rh, mask=kept, other=0.0)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yt + rh, mask=kept, other=0.0)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * stride_st + rh, mask=h_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
