@@ -17,10 +17,8 @@ achieved rate with the copy bandwidth of the same run. Goals at one token (issue
 ≥ 1.6× FP8 (ideal by bytes 3.55× and 1.78×); int4 rows say ``goal`` / ``goal_met``. For ≤ 16 tokens the
 rows also carry ``alt_block_m`` / ``alt_us``: the other decode path (GEMV vs 16-row tensor-core tiles).
 
-``moe`` rows with format ``int4_g32_fast`` / ``int4_g32_fast2`` time the same INT4 experts and routings
-through ``fused_moe(..., fast_dequant=1 / 2)`` (the kernel's FAST_DEQUANT levels, docs/moe.md "W4A16 fast
-path"), side by side with ``int4_g32``; at ≤ 16 tokens their ``alt_us`` is the other decode regime at the
-same level (at one token: the 16-row tensor-core tiles; the GEMV is the same at both levels).
+Rows ``int4_g32_fast`` / ``int4_g32_fast2`` in results up to 5a85563 timed ``fused_moe(..., fast_dequant=1 / 2)``,
+the FAST_DEQUANT levels removed after that run (0.40-0.61x the plane tile above 16 tokens, equal below).
 
 Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default plane
 GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows ``int4_g32_tile``
@@ -30,7 +28,7 @@ the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in r
 double-buffered form when it was opt-in.
 
 Where the INT4 experts run on the tensor cores (``block_m`` > 1), ``int4_g32`` is the default plane tile
-(``int4_tile="auto"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
+(``int4_tile="planes"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
 tile") and rows ``int4_g32_dequant_tile`` (at 16, 64, 256 and 1024 tokens) time the dequantized tile
 (``fused_moe(..., int4_tile="dequant")``, the default until the H200 run of 8b4c3e0) on the same experts and
 routings at ``block_m`` = max(the default's, 16) (at 16 tokens the default is the GEMV: the row then runs 16-row
@@ -55,7 +53,6 @@ E, HIDDEN, INTER, TOP_K, SCALE = 384, 7168, 2048, 8, 2.827
 TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
-FAST_FORMATS = {1: "int4_g32_fast", 2: "int4_g32_fast2"}  # fused_moe(fast_dequant=level) -> row format
 # fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="prefetch")
 GEMV_FORMATS = {"tile": "int4_g32_tile", "planes": "int4_g32_planes"}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
@@ -204,9 +201,9 @@ def run(ctx: Context) -> list[dict]:
                 flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
                 bm = choose_block_m(t * TOP_K, E, args["kind"])
 
-                def routed(block_m=None, **fast):
+                def routed(block_m=None, **form):
                     return [fused_moe(x, w, ids, projs["gate_proj"], projs["up_proj"], projs["down_proj"],
-                                      block_m=block_m, **args, **fast) for x, (w, ids) in zip(xs, routings)]
+                                      block_m=block_m, **args, **form) for x, (w, ids) in zip(xs, routings)]
 
                 t_moe, graphed = _graph_us(routed, SETS)
                 times[("moe", name, t)] = t_moe
@@ -251,26 +248,6 @@ def run(ctx: Context) -> list[dict]:
                                          peer_median_us=peer.get(("moe", t)), cuda_graph=graphed, block_m=tile_bm,
                                          active_experts=active, plane_tile_us=planes_us,
                                          speedup_of_planes=round(t_dq / planes_us, 3) if planes_us else None))
-                for level, fast_name in (FAST_FORMATS.items() if name == "int4_g32" else ()):
-                    # the FAST_DEQUANT levels on the same experts and routings (unmeasured variants: a failure
-                    # is noted and must not lose the other rows)
-                    try:
-                        t_fast, graphed = _graph_us(lambda: routed(fast_dequant=level), SETS)
-                    except Exception as e:  # noqa: BLE001
-                        ctx.notes.append(f"moe: {fast_name} failed at T={t}: {type(e).__name__}: {str(e)[:160]}")
-                        continue
-                    times[("moe", fast_name, t)] = t_fast
-                    extra = {"cuda_graph": graphed, "block_m": bm, "active_experts": active}
-                    if t <= 16:
-                        alt = 16 if bm == 1 else 1
-                        extra["alt_block_m"] = alt
-                        try:
-                            extra["alt_us"] = round(_graph_us(lambda: routed(alt, fast_dequant=level), SETS)[0], 3)
-                        except Exception as e:  # noqa: BLE001
-                            ctx.notes.append(f"moe: {fast_name} block_m={alt} failed at T={t}: {type(e).__name__}")
-                    rows.append(case("moe", {"format": fast_name, "tokens": t}, t_fast, bytes=nbytes,
-                                     flops=flops, peer="torch_grouped_mm_bf16", peer_median_us=peer.get(("moe", t)),
-                                     **extra))
 
                 layer_active = sum(layer.gate(x)[1].unique().numel() for x in xs) / SETS
                 t_layer, graphed = _graph_us(lambda: [layer(x) for x in xs], SETS)
@@ -296,7 +273,7 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        variants = (*FAST_FORMATS.values(), *GEMV_FORMATS.values(), DEQUANT_TILE_FORMAT)
+        variants = (*GEMV_FORMATS.values(), DEQUANT_TILE_FORMAT)
         if name in variants:
             r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
         if name == "int4_g32" or name in variants:

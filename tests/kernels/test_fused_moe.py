@@ -75,28 +75,29 @@ def test_kernel_matches_reference(triton_backend, kind, act_quant, block_m):
     assert_rel_close(got.cpu(), ref, 1e-5, f"{kind} act_quant={act_quant} block_m={block_m}")
 
 
-# Every K-masked load path (kind, act_quant, fast_dequant) at (hidden, intermediate) both multiples of the K
+# Every K-masked load path (kind, act_quant, INT4 tile form) at (hidden, intermediate) both multiples of the K
 # block (EVEN_K: the K masks are dropped) and both not (ragged last blocks, masked). W8A8 only the former: its K
 # (both hidden and intermediate) is a multiple of act_group, which the K block divides.
-EVEN_K_CASES = [(*path, shape) for path in [("bf16", False, 0), ("fp8_block", False, 0), ("fp8_block", True, 0),
-                                            ("int4_group", False, 0), ("int4_group", False, 1)]
+EVEN_K_CASES = [(*path, shape) for path in [("bf16", False, "planes"), ("fp8_block", False, "planes"),
+                                            ("fp8_block", True, "planes"), ("int4_group", False, "planes"),
+                                            ("int4_group", False, "dequant")]
                 for shape in [(128, 128), (160, 96)] if not (path[1] and shape[1] % 128)]
 
 
 @pytest.mark.parametrize("block_m", [1, 16])
-@pytest.mark.parametrize("kind,act_quant,fast,shape", EVEN_K_CASES)
-def test_even_and_ragged_k(triton_backend, kind, act_quant, fast, shape, block_m):
+@pytest.mark.parametrize("kind,act_quant,tile,shape", EVEN_K_CASES)
+def test_even_and_ragged_k(triton_backend, kind, act_quant, tile, shape, block_m):
     dev, (hidden, inter) = triton_backend, shape
     gate, up, down = experts(kind, 3, hidden, inter, seed=5, device=dev)
     x = torch.randn(2, hidden, device=dev)
     w, ids = routing(2, 3, 2, seed=5, device=dev)
     out = poisoned_empty((2, hidden), torch.float32, dev)
-    got = fused_moe(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant, block_m=block_m, fast_dequant=fast,
+    got = fused_moe(x, w, ids, gate, up, down, kind=kind, act_quant=act_quant, block_m=block_m, int4_tile=tile,
                     out=out)
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind=kind,
                               act_quant=act_quant)
-    assert_rel_close(got.cpu(), ref, 1e-5, f"{kind} act_quant={act_quant} fast={fast} {shape} block_m={block_m}")
+    assert_rel_close(got.cpu(), ref, 1e-5, f"{kind} act_quant={act_quant} {tile} {shape} block_m={block_m}")
 
 
 @pytest.mark.parametrize("case", ["one_token", "all_on_one_expert", "odd_63", "empty_experts", "dropped",
@@ -242,51 +243,6 @@ def test_gpu_fp32_is_the_exact_mode():
     assert_rel_close(got, ref, 1e-5, "fp32 (IEEE dots)")
 
 
-# --- FAST_DEQUANT (fast_dequant=True, INT4): group-scaled dots / nibble-plane GEMV ---
-
-@pytest.mark.parametrize("block_m,level", [(1, 1), (16, 1), (16, 2)])  # the GEMV is the same at both levels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_dequant_matches_reference(triton_backend, block_m, level, dtype):
-    # hidden 160 and intermediate 96 are not multiples of the K block (64 here): ragged last blocks
-    dev = triton_backend
-    gate, up, down = experts("int4_group", 4, 160, 96, seed=3, device=dev)
-    x = torch.randn(5, 160, device=dev).to(dtype)
-    w, ids = routing(5, 4, 2, seed=3, device=dev)
-    ids[1, 0] = -1  # a dropped slot
-    out = poisoned_empty((5, 160), dtype, dev)
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=level, out=out)
-    assert got is out
-    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
-    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group")
-    # fp32: the same products in another order; bf16: the weight is not rounded before the product
-    assert_rel_close(got.float().cpu(), ref.float(), 1e-5 if dtype == torch.float32 else 2e-2, f"block_m={block_m}")
-
-
-def test_fast_dequant_leaves_other_formats_alone(triton_backend):
-    dev = triton_backend
-    gate, up, down = experts("bf16", 3, 64, 64, device=dev)
-    x = torch.randn(3, 64, device=dev)
-    w, ids = routing(3, 3, 2, device=dev)
-    a = fused_moe(x, w, ids, gate, up, down, kind="bf16", fast_dequant=True)
-    assert torch.equal(a, fused_moe(x, w, ids, gate, up, down, kind="bf16"))
-    with pytest.raises(ValueError, match="fast_dequant"):
-        fused_moe(x, w, ids, gate, up, down, kind="bf16", fast_dequant=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 16, 63, 256])
-@pytest.mark.parametrize("block_m,level", [(None, 1), (16, 1), (16, 2)])
-def test_gpu_fast_dequant_real_widths(t, block_m, level):
-    e, k = 24, 8
-    gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
-    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(torch.bfloat16)
-    w, ids = routing(t, e, k, device="cuda")
-    out = poisoned_empty((t, 7168), torch.bfloat16, "cuda")
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, fast_dequant=level, out=out)
-    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group")
-    assert_rel_close(got.float(), ref.float(), 1e-2, f"fast {level} T={t} block_m={block_m}")
-
-
 @pytest.mark.parametrize("block_m", [1, 16, 64, 128])
 @pytest.mark.parametrize("kind, a_dtype, w8a8", [("bf16", torch.bfloat16, False), ("bf16", torch.float32, False),
                                                  ("fp8_block", torch.bfloat16, False), ("fp8_block", torch.float32, False),
@@ -414,7 +370,7 @@ def test_plane_tile_matches_reference_and_the_dequant_tile(triton_backend, hidde
     tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=block_m,
                      int4_tile="dequant")
     assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group,
-                                      block_m=block_m)), "int4_tile='auto' is the plane tile"
+                                      block_m=block_m)), "the default is the plane tile"
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
                               group_size=group)
@@ -433,8 +389,6 @@ def test_plane_tile_keyword_is_checked_and_leaves_the_gemv_alone(triton_backend)
     w, ids = routing(1, 2, 1, device=dev)
     with pytest.raises(ValueError, match="int4_tile"):
         fused_moe(x, w, ids, gate, up, down, kind="int4_group", int4_tile="plane")
-    with pytest.raises(ValueError, match="int4_tile"):
-        fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=16, int4_tile="planes", fast_dequant=1)
     # block_m == 1 runs the GEMV whatever the tile form
     a = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, int4_tile="planes")
     assert torch.equal(a, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1))

@@ -25,9 +25,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # default: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
 # plain planes, or the previous tile form
 GEMV_FORMS = ("prefetch", "planes", "tile")
-# the INT4 tensor-core tile (block_m > 1): nibble planes (what "auto" takes: 2.05x the dequantized tile at 256
-# Kimi tokens on the H200, 5.25 vs 10.75 ms) or the dequantized [BLOCK_N, BLOCK_K] tile (what fast_dequant runs)
-INT4_TILE_FORMS = ("auto", "planes", "dequant")
+# the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
+# Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
+INT4_TILE_FORMS = ("planes", "dequant")
 WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
@@ -146,40 +146,29 @@ def fused_moe(
     shared_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
-    fast_dequant: int = 0,
     gemv: str = "prefetch",
-    int4_tile: str = "auto",
+    int4_tile: str = "planes",
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
 
     ``gate``/``up``: stacked [E, I, H] and ``down``: [E, H, I] projections, each a dict of the format's
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
-    overrides :func:`choose_block_m` (GPU path only). ``fast_dequant`` (int4_group only; 0 = off, the
-    default; 1 or True, 2; measured slower on the H200) selects the kernel's FAST_DEQUANT level and its own autotuned configs
-    (docs/moe.md, "W4A16 fast path"); with ``block_m=16`` it runs the tensor-core form at one token too.
+    overrides :func:`choose_block_m` (GPU path only).
     ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (the activations re-ordered into fp32 nibble
     planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (default: the same with
     the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200) or
-    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile, or FAST_DEQUANT's GEMV with
-    ``fast_dequant``).
-    ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (the words kept in their load
-    layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md "The INT4
-    plane tile"; 2.05x the dequantized tile at 256 Kimi tokens on the H200), ``"dequant"`` (the words unpacked
-    into a [BLOCK_N, BLOCK_K] tile; the only tile of ``fast_dequant``) or ``"auto"`` (default: the planes, the
-    dequantized tile with ``fast_dequant``).
+    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile).
+    ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (default: the words kept in
+    their load layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md
+    "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200) or ``"dequant"``
+    (the words unpacked into a [BLOCK_N, BLOCK_K] tile).
     """
     block = tuple(int(b) for b in block)
-    if fast_dequant not in (0, 1, 2):  # False / True compare equal to 0 / 1
-        raise ValueError(f"fast_dequant: {fast_dequant!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels)")
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
     if int4_tile not in INT4_TILE_FORMS:
         raise ValueError(f"int4_tile: {int4_tile!r} not in {INT4_TILE_FORMS}")
-    if int4_tile == "planes" and fast_dequant:
-        raise ValueError("int4_tile: 'planes' is another INT4 tile than fast_dequant's; pass one of them")
-    if int4_tile == "auto":
-        int4_tile = "dequant" if fast_dequant else "planes"
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
         raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile)")
     num_experts, inter = _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block,
@@ -190,9 +179,9 @@ def fused_moe(
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
-    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, MOE_GEMM_FAST_AUTOTUNED, _moe_combine_kernel,
-                         _moe_gemm_kernel, moe_gemm_autotuned, moe_gemm_plane_tile_autotuned, moe_gemv_autotuned,
-                         moe_gemv_fast_autotuned, moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
+    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
+                         moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_planes_autotuned,
+                         moe_gemv_prefetch_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -204,7 +193,6 @@ def fused_moe(
     topk_ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
-    fast = int(fast_dequant) if kind == "int4_group" else 0
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
@@ -235,16 +223,13 @@ def fused_moe(
             bn = 64 if plane_tile else 32  # 64: ragged N tiles at the tests' widths (multiples of the group)
             grid = (expert_ids.numel(), triton.cdiv(n, bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                                   FAST_DEQUANT=0 if planes else fast, PREFETCH=planes and gemv == "prefetch",
-                                   PLANE_TILE=plane_tile)
+                                   PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile)
         else:
             grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             if planes:
                 tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
             elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the
                 tuned = moe_gemm_plane_tile_autotuned  # gate-up epilogue writes h so too)
-            elif fast:
-                tuned = moe_gemv_fast_autotuned if bm == 1 else MOE_GEMM_FAST_AUTOTUNED[fast]
             else:
                 tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
             tuned[grid](*launch_args, GATED=gated, **consts)

@@ -13,24 +13,16 @@ loops over K, and multiplies in one of three weight formats (``KIND``):
   gives the code ``q`` exactly without an int→float conversion; ``q × group scale`` in fp32, then the
   tile goes to the tensor cores in the activation dtype.
 
-``FAST_DEQUANT`` (INT4 only; 0 = off, the default; ``fused_moe(..., fast_dequant=1 or 2)``) changes how
-the INT4 codes meet the activations (docs/moe.md, "W4A16 fast path"):
+A group-scaled INT4 tile (``FAST_DEQUANT``: codes from 16-bit lanes, the group scale on each group's fp32
+partial) was measured on the H200 at 0.40-0.61x the plane tile above 16 tokens and equal to the default GEMV
+below; it was removed (session 4). ``w4a16_gemm`` keeps its own (faster there at 2-16 tokens).
 
-* tensor-core tiles (``BLOCK_M > 1``, also ``block_m=16`` at one token): per group, the codes ``q = n - 8``
-  are made in the activation dtype from 16-bit lanes (``_gemm_utils.int4_codes``: bf16 bits ``0x4300 | n``
-  = 128 + n, minus 136, exact), ``tl.dot(a_group, q.T)`` runs into a fresh fp32 tile and the group scale
-  multiplies that partial once per output — no fp32 weight tile, no per-weight scale multiply or rounding;
-  level 2 skips the subtraction too (the lanes 128 + n = q + 136 go to the dot, and 136 · Σ a per group
-  and row is subtracted from the partial);
-* GEMV (``BLOCK_M == 1``): nibble planes as in ``w4a16_gemm`` (plane ``i`` = elements ``8w + i``, the
-  activation read in the same permuted order), ``q · a`` accumulated per word and scaled once per word.
-
-``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="planes")``, the default) runs the plane GEMV
+``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default) or ``"planes"``) runs the plane GEMV
 (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive as fp32
 nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` adds a
 register double buffer of the next K block's words.
 
-``PLANE_TILE`` (INT4, ``BLOCK_M > 1``, ``fused_moe(..., int4_tile="planes")``, opt-in, unmeasured) is the plane
+``PLANE_TILE`` (INT4, ``BLOCK_M > 1``, ``fused_moe(..., int4_tile="planes")``, the default) is the plane
 form of the tensor-core tile (``_int4_plane_tile_step``): the words stay in their [BLOCK_K/8, BLOCK_N] load
 layout, the activations arrive as unscaled nibble planes in their own dtype (``plane_order(..., scaled=False)``;
 the gate-up epilogue writes ``h`` so), and each plane i is one ``tl.dot(a_plane_i, codes_i · scale)``.
@@ -89,33 +81,6 @@ def _weight_tile(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn,
 
 
 @triton.jit
-def _int4_group_codes(w_ptr, s_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr, BIASED: tl.constexpr,
-                      EVEN_K: tl.constexpr):
-    """FAST_DEQUANT: the group starting at column kg of rows ``rn`` of one expert's INT4 weight: codes
-    [BLOCK_N, GROUP] in DT, in K order (word w, nibble i -> column kg + 8w + i), and the fp32 scales [BLOCK_N]."""
-    rw = kg // 8 + tl.arange(0, GROUP // 8)
-    words = _load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], (rn < N)[:, None],
-                  (rw < K // 8)[None, :], EVEN_K)
-    nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    q = tl.reshape(int4_codes(nib, DT, INTERPRET, BIASED), (BLOCK_N, GROUP))
-    # the group exists (K need not be a multiple of BLOCK_K)
-    s = _load(s_ptr + rn.to(tl.int64) * stride_sn + kg // GROUP, rn < N, kg + rn * 0 < K, EVEN_K).to(tl.float32)
-    return q, s
-
-
-@triton.jit
-def _int4_planes(w_ptr, s_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """FAST_DEQUANT GEMV: the words [BLOCK_N, BLOCK_K/8] of columns k0..k0+BLOCK_K and each word's fp32 scale."""
-    rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    n_ok, k_ok = (rn < N)[:, None], (rw < K // 8)[None, :]
-    words = _load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rw[None, :], n_ok, k_ok, EVEN_K)
-    sw = _load(s_ptr + rn[:, None].to(tl.int64) * stride_sn + (8 * rw // GROUP)[None, :], n_ok, k_ok, EVEN_K)
-    return words, sw.to(tl.float32)
-
-
-@triton.jit
 def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ w.T for a [M, K] and w [N, K] (fp32 operands under the interpreter: its bf16/fp8 dot is wrong)."""
     if INTERPRET:
@@ -125,55 +90,6 @@ def _mma(a, w, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     else:
         out = tl.dot(a, tl.trans(w), acc)
     return out
-
-
-@triton.jit
-def _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
-                    stride_at, stride_wn, stride_sn, acc1, acc3, GATED: tl.constexpr, GROUP: tl.constexpr,
-                    IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BIASED: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K block k0..k0+BLOCK_K of the FAST_DEQUANT INT4 path (see the module docstring). GEMV: acc
-    [BLOCK_N, BLOCK_K/8] per-word sums; tiles: acc [BLOCK_M, BLOCK_N]. BIASED (FAST_DEQUANT=2, tiles
-    only): codes q + bias in the 16-bit lanes, bias · Σ a subtracted from each group's partial."""
-    if BLOCK_M == 1:
-        rw = tl.arange(0, BLOCK_K // 8)
-        words1, sw1 = _int4_planes(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K,
-                                  EVEN_K)
-        if GATED:
-            words3, sw3 = _int4_planes(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn, GROUP, BLOCK_N, BLOCK_K,
-                                       EVEN_K)
-        inner1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        inner3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        a_row = a_ptr + a_rows[:, None] * stride_at  # [1, 1]
-        for i in tl.static_range(8):  # plane i: the elements k0 + 8w + i, the activation read in that order
-            rk = k0 + 8 * rw + i
-            a = _load(a_row + rk[None, :], row_ok[:, None], (rk < K)[None, :], EVEN_K).to(tl.float32)
-            inner1 += int4_codes((words1 >> (4 * i)) & 0xF, tl.float32, INTERPRET, False) * a
-            if GATED:
-                inner3 += int4_codes((words3 >> (4 * i)) & 0xF, tl.float32, INTERPRET, False) * a
-        acc1 += inner1 * sw1
-        if GATED:
-            acc3 += inner3 * sw3
-    else:
-        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        bias = int4_codes(tl.full((1,), 8, tl.int32), a_ptr.dtype.element_ty, INTERPRET, BIASED).to(tl.float32)
-        for g in tl.static_range(BLOCK_K // GROUP):
-            kg = k0 + g * GROUP
-            rk = kg + tl.arange(0, GROUP)
-            a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], (rk < K)[None, :],
-                      EVEN_K)  # [BLOCK_M, GROUP]
-            if BIASED:  # Σ a over the group, times the code bias: subtracted from each partial
-                corr = tl.sum(a.to(tl.float32), axis=1)[:, None] * bias[None, :]
-            else:
-                corr = zero
-            q1, s1 = _int4_group_codes(w1_ptr, s1_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                                       a_ptr.dtype.element_ty, INTERPRET, BIASED, EVEN_K)
-            acc1 += (_mma(a, q1, zero, IEEE, INTERPRET) - corr) * s1[None, :]
-            if GATED:
-                q3, s3 = _int4_group_codes(w3_ptr, s3_ptr, rn, kg, N, K, stride_wn, stride_sn, GROUP, BLOCK_N,
-                                           a_ptr.dtype.element_ty, INTERPRET, BIASED, EVEN_K)
-                acc3 += (_mma(a, q3, zero, IEEE, INTERPRET) - corr) * s3[None, :]
-    return acc1, acc3
 
 
 @triton.jit
@@ -283,7 +199,7 @@ def _moe_gemm_kernel(
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
+        PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
@@ -304,9 +220,6 @@ def _moe_gemm_kernel(
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
                                       INTERPRET, PREFETCH)
-    elif BLOCK_M == 1 and FAST_DEQUANT and KIND == 2:  # GEMV on nibble planes: one accumulator element per word
-        acc1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     elif BLOCK_M == 1:  # GEMV: products accumulate elementwise, reduced once after the loop
         acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -330,46 +243,41 @@ def _moe_gemm_kernel(
                                              w_ok, acc3, a_ptr.dtype.element_ty, IEEE, INTERPRET, EVEN_K)
     elif not PLANES:
         for k0 in range(0, K, BLOCK_K):
-            if FAST_DEQUANT and KIND == 2:
-                acc1, acc3 = _fast_int4_step(a_ptr, a_rows, row_ok, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, k0, N, K,
-                                             stride_at, stride_wn, stride_sn, acc1, acc3, GATED, GROUP, IEEE, INTERPRET,
-                                             BLOCK_M, BLOCK_N, BLOCK_K, FAST_DEQUANT == 2, EVEN_K)
-            else:
-                rk = k0 + tl.arange(0, BLOCK_K)
-                k_ok = (rk < K)[None, :]
-                a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], k_ok, EVEN_K)
-                if BLOCK_M == 1:
-                    a = a.to(tl.float32)
-                    if W8A8:
-                        a *= _load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], row_ok[:, None],
-                                   k_ok, EVEN_K)
-                    w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = (rk < K)[None, :]
+            a = _load(a_ptr + a_rows[:, None] * stride_at + rk[None, :], row_ok[:, None], k_ok, EVEN_K)
+            if BLOCK_M == 1:
+                a = a.to(tl.float32)
+                if W8A8:
+                    a *= _load(as_ptr + a_rows[:, None] * stride_ast + (rk // ACT_G)[None, :], row_ok[:, None],
+                               k_ok, EVEN_K)
+                w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                  KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
+                acc1 += w1.to(tl.float32) * a
+                if GATED:
+                    w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
                                       KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                    acc1 += w1.to(tl.float32) * a
-                    if GATED:
-                        w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                          KIND, False, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                        acc3 += w3.to(tl.float32) * a
-                else:
-                    w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                    acc3 += w3.to(tl.float32) * a
+            else:
+                w1 = _weight_tile(w1_ptr, s1_ptr, rn, k0, N, K, stride_wn, stride_sn,
+                                  KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
+                if GATED:
+                    w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
                                       KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
+                if W8A8:
+                    # e4m3 × e4m3 -> fp32 per K block, × activation scale (row) × weight block scale (column)
+                    a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
+                    s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
+                    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
+                    acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
                     if GATED:
-                        w3 = _weight_tile(w3_ptr, s3_ptr, rn, k0, N, K, stride_wn, stride_sn,
-                                          KIND, W8A8, GROUP, SBN, SBK, BLOCK_N, BLOCK_K, EVEN_K)
-                    if W8A8:
-                        # e4m3 × e4m3 -> fp32 per K block, × activation scale (row) × weight block scale (column)
-                        a_s = tl.load(as_ptr + a_rows * stride_ast + k0 // ACT_G, mask=row_ok, other=0.0)
-                        s_off = (rn // SBN).to(tl.int64) * stride_sn + k0 // SBK
-                        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                        w1_s = tl.load(s1_ptr + s_off, mask=rn < N, other=0.0)
-                        acc1 += _mma(a, w1, zero, IEEE, INTERPRET) * a_s[:, None] * w1_s[None, :]
-                        if GATED:
-                            w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
-                            acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
-                    else:
-                        acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
-                        if GATED:
-                            acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
+                        w3_s = tl.load(s3_ptr + s_off, mask=rn < N, other=0.0)
+                        acc3 += _mma(a, w3, zero, IEEE, INTERPRET) * a_s[:, None] * w3_s[None, :]
+                else:
+                    acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
+                    if GATED:
+                        acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
     if BLOCK_M == 1 and not PLANES:
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
@@ -411,10 +319,8 @@ def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, H, E,
     tl.store(out_ptr + t * stride_ot + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _configs(shapes, fast: int = 0) -> list[triton.Config]:
-    extra = {"FAST_DEQUANT": fast} if fast else {}
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=st)
-            for bn, bk, w, st in shapes]
+def _configs(shapes) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). GEMV (BLOCK_M == 1) keeps [BN, BK] fp32 products per
@@ -494,14 +400,6 @@ def _autotuned(configs):
         triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_moe_gemm_kernel))
 
 
-# FAST_DEQUANT (INT4): the GEMV keeps one accumulator per word, so longer K blocks fit; narrow N tiles give
-# the 16-row tensor-core path at one token more programs. Separate autotuners: their own tuning caches.
-# The GEMV is the same at FAST_DEQUANT 1 and 2 (the biased codes are a tensor-core form).
-GEMV_FAST_CONFIGS = _configs([(16, 512, 4, 3), (32, 256, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 2), (64, 256, 8, 2)],
-                             fast=1)
-DOT_FAST_SHAPES = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3),
-                   (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]
-
 # INT4 plane GEMV (PLANES): per thread 4 words (16 B) of each projection per row and K block; longer K
 # blocks and more rows per program put more bytes in flight (no pipelining: plain register loads). BLOCK_K: a
 # multiple of PLANE_BLOCK_K (256), and BLOCK_K/8 < 32·num_warps (w4a16_gemm.kernel.planes_tile_ok).
@@ -522,5 +420,3 @@ moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
                                                         num_stages=c.num_stages) for c in GEMV_PLANES_CONFIGS])
 moe_gemm_autotuned = _autotuned(DOT_CONFIGS)
-moe_gemv_fast_autotuned = _autotuned(GEMV_FAST_CONFIGS)
-MOE_GEMM_FAST_AUTOTUNED = {level: _autotuned(_configs(DOT_FAST_SHAPES, fast=level)) for level in (1, 2)}
