@@ -237,9 +237,18 @@ def store_split_k(acc, y_ptrs, out_mask, part_ptrs, stride_part, pid_k, count_pt
             tl.atomic_xchg(count_ptr, 0)
 
 
-def autotune_bench(fn, quantiles=None):
-    """The timing the GEMM autotuners use: short (they tune once per shape bucket, and a prefill
-    benchmark meets many buckets), median of a few runs."""
+AUTOTUNE_QUANTILE = 0.1  # configurations compete on this quantile of their runs (see autotune_bench)
+
+
+def autotune_bench(fn, quantiles=None, warmup: int = 5, rep: int = 25):
+    """The timing the autotuners use: by default short (the GEMMs tune once per shape bucket, and a prefill
+    benchmark meets many buckets; the fused MoE passes Triton's default 25 / 100 ms). Triton's autotuner asks for (median, p20, p80) and keeps the configuration with the least first
+    entry; here that entry is the 10th percentile. Eager runs on a loaded host only get slower (a late launch
+    leaves the GPU idle inside the timed span): in one H200 session the median picked MoE configurations 1.1-1.35x
+    slower while test workers compiled beside the bench. A low quantile ignores those runs; on a quiet host it
+    ranks the configurations as the median does."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+    if quantiles is None:
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=(AUTOTUNE_QUANTILE, *quantiles[1:]))

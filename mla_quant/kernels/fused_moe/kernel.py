@@ -33,10 +33,13 @@ down projection) it multiplies each row by its routing weight and writes fp32. `
 then sums each token's k rows in a fixed order (deterministic), adds the shared experts' output if given,
 and rounds once.
 """
+from functools import partial
+
 import triton
 import triton.language as tl
 
-from .._gemm_utils import PLANE_WORDS, int4_codes, int4_plane_gemv_step, load_k, plane_offsets, plane_scale
+from .._gemm_utils import (PLANE_WORDS, autotune_bench, int4_codes, int4_plane_gemv_step, load_k, plane_offsets,
+                           plane_scale)
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -396,7 +399,8 @@ def _smallest_fitting(configs, meta: dict) -> triton.Config:
 
 def _autotuned(configs):
     return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M"],
-                           prune_configs_by={"early_config_prune": _prune})(
+                           prune_configs_by={"early_config_prune": _prune},
+                           do_bench=partial(autotune_bench, warmup=25, rep=100))(
         triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_moe_gemm_kernel))
 
 
