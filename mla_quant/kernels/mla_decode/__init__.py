@@ -151,9 +151,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
     the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
     others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages "fp8mma" when q is
-    bf16 / fp16 and batch × max_seq_len ≥ ``FP8_MMA_MIN_TOKENS``, else the bitcast with ≥ ``BITCAST_MIN_ROWS``
-    query rows per request and 4-byte aligned pages, else the conversion). Only the Triton path of FP8 pages is
-    affected.
+    bf16 / fp16 and batch × max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``, else
+    the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion).
+    Only the Triton path of FP8 pages is affected.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
