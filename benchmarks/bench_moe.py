@@ -21,8 +21,8 @@ Rows ``int4_g32_fast`` / ``int4_g32_fast2`` in results up to 5a85563 timed ``fus
 the FAST_DEQUANT levels removed after that run (0.40-0.61x the plane tile above 16 tokens, equal below).
 
 Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default plane
-GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows ``int4_g32_tile``
-time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV without the double
+GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows
+``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV without the double
 buffer (``gemv="planes"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1 means that form beats
 the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of 5a85563 and before are the
 double-buffered form when it was opt-in.

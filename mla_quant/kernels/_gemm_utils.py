@@ -242,8 +242,9 @@ AUTOTUNE_QUANTILE = 0.1  # configurations compete on this quantile of their runs
 
 def autotune_bench(fn, quantiles=None, warmup: int = 5, rep: int = 25):
     """The timing the autotuners use: by default short (the GEMMs tune once per shape bucket, and a prefill
-    benchmark meets many buckets; the fused MoE passes Triton's default 25 / 100 ms). Triton's autotuner asks for (median, p20, p80) and keeps the configuration with the least first
-    entry; here that entry is the 10th percentile. Eager runs on a loaded host only get slower (a late launch
+    benchmark meets many buckets; the fused MoE passes Triton's default 25 / 100 ms). Triton's autotuner asks for
+    (median, p20, p80) and keeps the configuration with the least first entry; here that entry is the 10th
+    percentile. Eager runs on a loaded host only get slower (a late launch
     leaves the GPU idle inside the timed span): in one H200 session the median picked MoE configurations 1.1-1.35x
     slower while test workers compiled beside the bench. A low quantile ignores those runs; on a quiet host it
     ranks the configurations as the median does."""

@@ -437,8 +437,8 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if F16 or MMA8:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·TOP rounded to fp16 (≤ 2^15) or e4m3 (PV8: ≤ 2^8),
-            # the accumulator in units of c_t / TOP
+        if F16 or MMA8:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·TOP rounded to fp16 (≤ 2^15) or e4m3
+            # (PV8: ≤ 2^8), the accumulator in units of c_t / TOP
             if PV8:
                 TOP: tl.constexpr = P8_TOP
                 UNTOP: tl.constexpr = P8_UNTOP

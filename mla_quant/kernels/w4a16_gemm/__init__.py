@@ -47,7 +47,7 @@ FAST_AUTO_MAX_M = 16
 
 def _fast_level(value, m: int, pinned: bool) -> int:
     """The FAST_DEQUANT level for ``m`` tokens: ``value`` (0 / False, 1 / True, 2 or "auto")."""
-    if value == "auto" and not isinstance(value, bool):
+    if isinstance(value, str) and value == "auto":
         return 1 if not pinned and 1 < m <= FAST_AUTO_MAX_M else 0
     if value not in (0, 1, 2):  # False / True compare equal to 0 / 1
         raise ValueError(f"fast_dequant: {value!r} must be 0 (off), 1 or 2 (FAST_DEQUANT levels) or 'auto'")
@@ -66,7 +66,8 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int | str = "auto", gemv: str = "planes1", counters: torch.Tensor | None = None) -> torch.Tensor:
+               fast_dequant: int | str = "auto", gemv: str = "planes1",
+               counters: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
