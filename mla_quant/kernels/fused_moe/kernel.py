@@ -18,9 +18,9 @@ partial) was measured on the H200 at 0.40-0.61x the plane tile above 16 tokens a
 below; it was removed (session 4). ``w4a16_gemm`` keeps its own (faster there at 2-16 tokens).
 
 ``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default) or ``"planes"``) runs the
-plane GEMV (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive as fp32
-nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` adds a
-register double buffer of the next K block's words.
+plane GEMV (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive
+as fp32 nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` (the
+default) adds a register double buffer of the next K block's words.
 
 ``PLANE_TILE`` (INT4, ``BLOCK_M > 1``, ``fused_moe(..., int4_tile="planes")``, the default) is the plane
 form of the tensor-core tile (``_int4_plane_tile_step``): the words stay in their [BLOCK_K/8, BLOCK_N] load
