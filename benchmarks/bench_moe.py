@@ -22,10 +22,10 @@ the FAST_DEQUANT levels removed after that run (0.40-0.61x the plane tile above 
 
 Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default plane
 GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows
-``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV without the double
-buffer (``gemv="planes"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1 means that form beats
-the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of 5a85563 and before are the
-double-buffered form when it was opt-in.
+``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV
+without the double buffer (``gemv="planes"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1
+means that form beats the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of
+5a85563 and before are the double-buffered form when it was opt-in.
 
 Where the INT4 experts run on the tensor cores (``block_m`` > 1), ``int4_g32`` is the default plane tile
 (``int4_tile="planes"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
