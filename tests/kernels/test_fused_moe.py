@@ -266,7 +266,19 @@ def test_autotune_prune_keeps_a_fitting_tile(kind, a_dtype, w8a8, block_m):
         assert all(128 % c.kwargs["BLOCK_K"] == 0 for c in kept)
 
 
-# --- the INT4 plane GEMV (gemv="planes", the default at block_m=1) against the previous GEMV ("tile") ---
+def _assert_int4_form(got, other, x, w, ids, gate, up, down, group, what):
+    """An INT4 kernel form against the CPU reference and against another form of the same experts. fp32: the
+    products are exact (q·s, q·a), only the summation order differs; bf16: h, the output and (in the tile forms)
+    the weight are rounded to bf16."""
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group)
+    tol = 1e-5 if x.dtype == torch.float32 else 2e-2
+    assert_rel_close(got.float().cpu(), ref.float(), tol, what)
+    assert_rel_close(got.float().cpu(), other.float().cpu(), tol, f"{what} vs the other form")
+
+
+# --- the INT4 plane GEMV (gemv="prefetch", the default at block_m=1) against the previous GEMV ("tile") ---
 
 # (hidden, intermediate, group, dtype): K blocks (256 interpreted) whole; ragged last blocks; groups of 64
 @pytest.mark.parametrize("hidden,inter,group,dtype", [(512, 256, 32, torch.float32), (160, 96, 32, torch.float32),
@@ -281,13 +293,7 @@ def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, hidden, 
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, out=out)
     assert got is out
     tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="tile")
-    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
-    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
-                              group_size=group)
-    # fp32: the same exact products (q·a is exact), summed in another order; bf16: the output and h roundings
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert_rel_close(got.float().cpu(), ref.float(), tol, f"planes {shape} g{group}")
-    assert_rel_close(got.float().cpu(), tile.float().cpu(), tol, f"planes vs tile {shape} g{group}")
+    _assert_int4_form(got, tile, x, w, ids, gate, up, down, group, f"planes {shape} g{group}")
 
 
 def test_plane_gemv_keyword_is_checked(triton_backend):
@@ -371,15 +377,7 @@ def test_plane_tile_matches_reference_and_the_dequant_tile(triton_backend, hidde
                      int4_tile="dequant")
     assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group,
                                       block_m=block_m)), "the default is the plane tile"
-    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
-    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
-                              group_size=group)
-    # fp32: q·s and the products exact, summed in another order; bf16: the weight rounded to bf16 (as the
-    # dequantized tile), h and the output rounded
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    shape = (hidden, inter, group, block_m)
-    assert_rel_close(got.float().cpu(), ref.float(), tol, f"plane tile {shape}")
-    assert_rel_close(got.float().cpu(), tile.float().cpu(), tol, f"plane tile vs dequant tile {shape}")
+    _assert_int4_form(got, tile, x, w, ids, gate, up, down, group, f"plane tile {(hidden, inter, group, block_m)}")
 
 
 def test_plane_tile_keyword_is_checked_and_leaves_the_gemv_alone(triton_backend):
