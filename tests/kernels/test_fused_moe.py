@@ -296,14 +296,6 @@ def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, hidden, 
     _assert_int4_form(got, tile, x, w, ids, gate, up, down, group, f"planes {shape} g{group}")
 
 
-def test_plane_gemv_keyword_is_checked(triton_backend):
-    dev = triton_backend
-    gate, up, down = experts("int4_group", 2, 64, 64, device=dev)
-    x = torch.randn(1, 64, device=dev)
-    w, ids = routing(1, 2, 1, device=dev)
-    with pytest.raises(ValueError, match="gemv"):
-        fused_moe(x, w, ids, gate, up, down, kind="int4_group", gemv="planez")
-
 
 def test_plane_order_is_the_documented_permutation():
     """planes[r, 256b + 32i + w] = a[r, 8(32b + w) + i] · 16^-j(i), zeros past K, exactly (a layout op), for
@@ -380,15 +372,17 @@ def test_plane_tile_matches_reference_and_the_dequant_tile(triton_backend, hidde
     _assert_int4_form(got, tile, x, w, ids, gate, up, down, group, f"plane tile {(hidden, inter, group, block_m)}")
 
 
-def test_plane_tile_keyword_is_checked_and_leaves_the_gemv_alone(triton_backend):
+def test_int4_form_keywords_are_checked_and_the_tile_form_leaves_the_gemv_alone(triton_backend):
     dev = triton_backend
     gate, up, down = experts("int4_group", 2, 64, 64, device=dev)
     x = torch.randn(1, 64, device=dev)
     w, ids = routing(1, 2, 1, device=dev)
+    with pytest.raises(ValueError, match="gemv"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", gemv="planez")
     with pytest.raises(ValueError, match="int4_tile"):
         fused_moe(x, w, ids, gate, up, down, kind="int4_group", int4_tile="plane")
-    # block_m == 1 runs the GEMV whatever the tile form
-    a = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, int4_tile="planes")
+    # block_m == 1 runs the GEMV whatever the tile form (the default tile is the planes: ask for the other)
+    a = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, int4_tile="dequant")
     assert torch.equal(a, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1))
 
 
