@@ -1,5 +1,6 @@
 """Helpers shared by the GEMM kernels (``fp8_gemm``, ``w4a16_gemm``, ``fused_moe``): tile ordering, launch
-sizing, the INT4 code unpacking of the fast dequant path, and the INT4 *plane GEMV* core.
+sizing and the split-K store (``store_split_k``), the autotuners' timing (``autotune_bench``), the INT4 code
+unpacking of the fast dequant path, and the INT4 *plane GEMV* core.
 
 Plane GEMV (one activation row against INT4 words, docs/moe.md "The INT4 plane GEMV"): the activation is
 re-ordered once into fp32 *nibble planes* in blocks of ``PLANE_BLOCK_K`` = 256 K (32 words): in block b,
