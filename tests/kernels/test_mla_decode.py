@@ -603,15 +603,20 @@ def test_bitcast_dequant_fp16_queries_gpu(kind, tensor_scale):
 
 
 def test_auto_fp8_dequant_rule():
-    """"auto": the bitcast only for fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS query rows and 4-byte aligned pages."""
-    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, _use_bitcast
+    """"auto": fp8mma for fp8_e4m3 pages and bf16/fp16 q at ≥ FP8_MMA_MIN_TOKENS cached tokens; else the bitcast for
+    fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS query rows and 4-byte aligned pages; else the conversion."""
+    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, FP8_MMA_MIN_TOKENS, _auto_fp8_dequant
 
     pages = torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn)
-    assert _use_bitcast("auto", "fp8_e4m3", pages, BITCAST_MIN_ROWS)
-    assert not _use_bitcast("auto", "fp8_e4m3", pages, BITCAST_MIN_ROWS - 1)
-    assert not _use_bitcast("auto", "fp8_ds_mla", pages, 128) and not _use_bitcast("auto", "bf16", pages, 128)
-    assert not _use_bitcast("auto", "fp8_e4m3", torch.zeros(4, 16, 577, dtype=torch.float8_e4m3fn)[..., :576], 128)
-    assert _use_bitcast("bitcast", "fp8_ds_mla", pages, 1) and not _use_bitcast("convert", "fp8_e4m3", pages, 128)
+    few, many, bf16 = FP8_MMA_MIN_TOKENS - 1, FP8_MMA_MIN_TOKENS, torch.bfloat16
+    assert _auto_fp8_dequant("fp8_e4m3", bf16, pages, BITCAST_MIN_ROWS, few) == "bitcast"
+    assert _auto_fp8_dequant("fp8_e4m3", bf16, pages, BITCAST_MIN_ROWS - 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", bf16, pages, 1, many) == "fp8mma"
+    assert _auto_fp8_dequant("fp8_e4m3", torch.float32, pages, BITCAST_MIN_ROWS, many) == "bitcast"
+    for kind in ("fp8_ds_mla", "bf16"):
+        assert _auto_fp8_dequant(kind, bf16, pages, 128, many) == "convert"
+    unaligned = torch.zeros(4, 16, 577, dtype=torch.float8_e4m3fn)[..., :576]
+    assert _auto_fp8_dequant("fp8_e4m3", bf16, unaligned, 128, few) == "convert"
 
 
 # ------------------------------------------------------------------- fp8 tensor-core dots (fp8mma)

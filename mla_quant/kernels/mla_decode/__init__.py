@@ -186,25 +186,25 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         return out.copy_(o_ref), lse.copy_(lse_ref)
     if not (_is_pow2(d_latent) and _is_pow2(d_rope) and d_latent >= 16 and d_rope >= 16):
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
-    if fp8_dequant == "auto" and kind == "fp8_e4m3" and q.dtype != torch.float32:
+    if fp8_dequant == "auto":
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        if bsz * max_len >= FP8_MMA_MIN_TOKENS:
-            fp8_dequant = "fp8mma"
+        fp8_dequant = _auto_fp8_dequant(kind, q.dtype, kv_data, s_q * heads, bsz * max_len)
+    fp8 = kind != "bf16"
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                              num_splits, max_seq_len, out, lse, config,
-                              _use_bitcast(fp8_dequant, kind, kv_data, s_q * heads),
-                              fp8_dequant == "fp16" and kind != "bf16",
+                              num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
+                              fp8 and fp8_dequant == "fp16",
                               FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0)
 
 
-def _use_bitcast(fp8_dequant: str, kind: str, kv_data: torch.Tensor, rows: int) -> bool:
-    """The FP8_BITCAST switch for one call (see ``fp8_dequant`` in :func:`mla_decode`)."""
-    if kind == "bf16" or fp8_dequant == "convert":
-        return False
-    if fp8_dequant in ("bitcast", "fp16") or fp8_dequant in FP8_MMA_LEVELS:
-        return fp8_dequant == "bitcast"
+def _auto_fp8_dequant(kind: str, q_dtype: torch.dtype, kv_data: torch.Tensor, rows: int, tokens: int) -> str:
+    """What ``fp8_dequant="auto"`` runs for one call (see :func:`mla_decode`): ``rows`` query rows per request
+    (s_q · heads), ``tokens`` = batch × max_seq_len."""
+    if kind != "fp8_e4m3":
+        return "convert"
+    if q_dtype != torch.float32 and tokens >= FP8_MMA_MIN_TOKENS:
+        return "fp8mma"
     aligned = not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
-    return kind == "fp8_e4m3" and rows >= BITCAST_MIN_ROWS and aligned
+    return "bitcast" if rows >= BITCAST_MIN_ROWS and aligned else "convert"
 
 
 def tuned_config() -> str | None:
