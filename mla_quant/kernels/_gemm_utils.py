@@ -216,6 +216,20 @@ def split_k_for(tiles: int, k_iters: int, target_programs: int, max_split: int =
     return split
 
 
+def split_k_workspace(m: int, n: int, max_split: int, max_tiles: int, device: torch.device,
+                      counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers of :func:`store_split_k`: fp32 partials [max_split, M, N] and int32 arrival counters, one per
+    output tile, zeroed — or ``counters`` (kept by the caller, left zero by every launch; checked for size).
+    Without a split both are 1-element placeholders."""
+    split = max_split > 1
+    part = torch.empty((max_split, m, n) if split else (1,), dtype=torch.float32, device=device)
+    if counters is None:
+        return part, torch.zeros(max_tiles if split else 1, dtype=torch.int32, device=device)
+    if split and counters.numel() < max_tiles:
+        raise ValueError(f"counters: {counters.numel()} entries, this launch needs {max_tiles} (one per output tile)")
+    return part, counters
+
+
 @triton.jit
 def store_split_k(acc, y_ptrs, out_mask, part_ptrs, stride_part, pid_k, count_ptr, SPLIT_K: tl.constexpr):
     """Store a program's fp32 ``acc`` [BM, BN] of one output tile (``y_ptrs``, ``out_mask``). SPLIT_K == 1: directly.

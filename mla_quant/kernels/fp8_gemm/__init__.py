@@ -10,7 +10,7 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
-from .._gemm_utils import m_bucket, num_sms
+from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from ..fp8_quant import FP8
 from .reference import fp8_gemm_reference
 
@@ -117,9 +117,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         max_split, max_tiles = split, triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
     else:
         max_split, max_tiles = workspace_bounds(m, n, k, bk, sms)
-    # split-K workspace: fp32 partials and one arrival counter per output tile (left zero by every launch)
-    part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=a.device)
-    count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=a.device)
+    part, count = split_k_workspace(m, n, max_split, max_tiles, a.device)
     args = (a, a_scale, b, b_scale, c, part, count, m, n, k, a.stride(0), b.stride(0), c.stride(0), m * n,
             m_bucket(m), sms)
     common = dict(BN_S=int(block[0]), BK=bk, INTERPRET=interpreted)

@@ -7,7 +7,7 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
-from .._gemm_utils import m_bucket, num_sms
+from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
@@ -147,14 +147,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     else:
         cfg = None
         max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms, fast_dequant, planes1)
-    # Split-K workspace: fp32 partials and one arrival counter per output tile (reset by the kernel).
-    part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
-    if counters is None:
-        count = torch.zeros(max_tiles if max_split > 1 else 1, dtype=torch.int32, device=x.device)
-    elif max_split > 1 and counters.numel() < max_tiles:
-        raise ValueError(f"counters: {counters.numel()} entries, this launch needs {max_tiles} (one per output tile)")
-    else:
-        count = counters
+    part, count = split_k_workspace(m, n, max_split, max_tiles, x.device, counters)
     planes = (m == 1 and gemv == "planes" and not fast_dequant
               and (cfg is None or (cfg["BM"] == 1 and planes_tile_ok(cfg["BK"], cfg["num_warps"]))))
     common = dict(GROUP=group_size, INTERPRET=interpreted,
