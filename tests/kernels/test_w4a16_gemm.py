@@ -221,9 +221,12 @@ def test_autotuned_kernel_on_real_shapes(m, n, k):
 def test_gpu_bf16_output_rounds_like_the_reference():
     packed, scale = _weights(256, 1024, 32, "cuda")
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
-    y = w4a16_gemm(x, packed, scale, 32).float()
     ref = w4a16_gemm_reference(x, packed, scale, 32).float()
+    y = w4a16_gemm(x, packed, scale, 32, fast_dequant=0).float()  # dequantizes to bf16 first, as the reference
     assert ((y - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2).all()  # one bf16 ulp plus summation order
+    # the default at 8 rows ("auto": FAST_DEQUANT 1) scales each group's dot, so the weight is never rounded to
+    # bf16: up to ~0.2 off the reference where outputs cancel, within the fast paths' tolerance
+    assert_rel_close(w4a16_gemm(x, packed, scale, 32).float(), ref, 1e-2, "auto at 8 rows")
 
 
 # --- FAST_DEQUANT (fast_dequant=True): codes from 16-bit lanes, the group scale applied to each group's dot ---
