@@ -1,6 +1,7 @@
 """Helpers shared by the GEMM kernels (``fp8_gemm``, ``w4a16_gemm``, ``fused_moe``): tile ordering, launch
-sizing and the split-K store (``store_split_k``), the autotuners' timing (``autotune_bench``), the INT4 code
-unpacking of the fast dequant path, and the INT4 *plane GEMV* core.
+sizing and the split-K store (``store_split_k`` on ``reduce_arrivals``, the last-arrival sum that ``fused_moe``'s
+decode combine uses too), the autotuners' timing (``autotune_bench``), the INT4 code unpacking of the fast
+dequant path, and the INT4 *plane GEMV* core.
 
 Plane GEMV (one activation row against INT4 words, docs/moe.md "The INT4 plane GEMV"): the activation is
 re-ordered once into fp32 *nibble planes* in blocks of ``PLANE_BLOCK_K`` = 256 K (32 words): in block b,
@@ -231,25 +232,38 @@ def split_k_workspace(m: int, n: int, max_split: int, max_tiles: int, device: to
 
 
 @triton.jit
+def reduce_arrivals(acc, part_ptrs, stride_part, pid_k, mask, count_ptr, SPLIT_K: tl.constexpr):
+    """One of SPLIT_K programs that each hold a partial ``acc`` [BM, BN] (fp32) of one output tile: writes it to
+    ``part_ptrs + pid_k · stride_part`` (``mask``: the tile's valid elements) and arrives at the tile's counter
+    (``count_ptr``, acq_rel). Returns ``(last, total)``: for the last program to arrive, ``last`` is true and
+    ``total`` the sum of the SPLIT_K partials in ``pid_k`` order (deterministic: 0 + p_0 + p_1 + ...); it also
+    resets the counter to 0 for the next launch. The others get ``last`` false (and zeros): they are done.
+    The caller stores ``total`` (adding what it must first) under ``if last``."""
+    tl.store(part_ptrs + pid_k.to(tl.int64) * stride_part, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for _ in range(0, SPLIT_K):
+            total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            part_ptrs += stride_part
+        tl.atomic_xchg(count_ptr, 0)
+    return last, total
+
+
+@triton.jit
 def store_split_k(acc, y_ptrs, out_mask, part_ptrs, stride_part, pid_k, count_ptr, SPLIT_K: tl.constexpr):
     """Store a program's fp32 ``acc`` [BM, BN] of one output tile (``y_ptrs``, ``out_mask``). SPLIT_K == 1: directly.
-    Else ``acc`` is split ``pid_k``'s partial, written to ``part_ptrs + pid_k · stride_part`` (part [SPLIT_K, M, N]
-    fp32, ``stride_part`` = M·N, so no index product overflows int32); the last of the tile's SPLIT_K programs to
-    arrive at its counter (``count_ptr``, acq_rel) sums the partials in split order — deterministic — stores them,
-    and resets the counter to 0 for the next launch (a kept counter buffer needs no zeroing between calls)."""
+    Else ``acc`` is split ``pid_k``'s partial (part [SPLIT_K, M, N] fp32, ``stride_part`` = M·N, so no index
+    product overflows int32): the last of the tile's SPLIT_K programs to arrive sums the partials in split order
+    and stores them (:func:`reduce_arrivals`; a kept counter buffer needs no zeroing between calls)."""
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=out_mask)
     else:
-        tl.store(part_ptrs + pid_k.to(tl.int64) * stride_part, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for _ in range(0, SPLIT_K):
-                total += tl.load(part_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_part
+        last, total = reduce_arrivals(acc, part_ptrs, stride_part, pid_k, out_mask, count_ptr, SPLIT_K)
+        if last:
             tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr, 0)
 
 
 AUTOTUNE_QUANTILE = 0.1  # configurations compete on this quantile of their runs (see autotune_bench)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from mla_quant.kernels.fp8_quant import block_quant_fp8_reference
 from mla_quant.kernels.int4_quant import int4_quantize_reference
 from mla_quant.kernels.fused_moe import WEIGHT_KEYS, choose_block_m, dequantize_expert, fused_moe, fused_moe_reference
-from mla_quant.testing import assert_rel_close, poisoned_empty
+from mla_quant.testing import assert_bitwise_equal, assert_rel_close, poisoned_empty
 
 # (kind, act_quant): the three weight formats, FP8 both weight-only and W8A8
 VARIANTS = [("bf16", False), ("int4_group", False), ("fp8_block", False), ("fp8_block", True)]
@@ -344,6 +344,112 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes")
     assert torch.equal(got, planes)  # the same products in the same order; only the load schedule differs
     assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)), "the default"
+
+
+# --- the decode path (block_m == 1, decode_fusion=True, the default): no moe_align, the combine done in the down
+# GEMV by the last program of each token and column tile to arrive; against the aligned path with its combine
+# launch (decode_fusion=False), which runs the same arithmetic per row and the same sum per token ---
+
+def _poison_allocations(monkeypatch):
+    """Every ``torch.empty`` from here on is poisoned (NaN floats, integer minimum: the arrival counters), so a
+    buffer read before it is written — counters the gate-up launch failed to zero, a y row never stored — shows
+    as NaN or as an output the combine never wrote."""
+    def empty(*size, dtype=torch.float32, device="cpu", **kw):
+        size = size[0] if len(size) == 1 else size
+        return poisoned_empty((size,) if isinstance(size, int) else size, dtype, device)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _decode_paths(monkeypatch, x, w, ids, gate, up, down, what, kind="int4_group", **kw):
+    """The fused and the aligned decode path (into poisoned outputs, poisoned allocations), the fused one twice;
+    asserts they are bitwise equal and returns the fused result."""
+    _poison_allocations(monkeypatch)
+    outs = []
+    for fusion in (True, True, False):
+        out = poisoned_empty(x.shape, x.dtype, x.device)
+        got = fused_moe(x, w, ids, gate, up, down, kind=kind, block_m=1, out=out, decode_fusion=fusion, **kw)
+        assert got is out
+        outs.append(got)
+    assert_bitwise_equal(outs[0], outs[1], f"{what}: fused, called twice")
+    assert_bitwise_equal(outs[0], outs[2], f"{what}: fused vs aligned")
+    return outs[0]
+
+
+# (tokens, top_k, shared_out, dropped slots, hidden): hidden 96 and 160 are ragged against the interpreted N tile
+# (64) of the down GEMV, so the combine's last tile is masked
+DECODE_CASES = [(1, 2, False, False, 96), (1, 1, True, False, 64), (1, 3, True, True, 160), (3, 1, False, True, 96),
+                (4, 3, True, True, 96)]
+
+
+@pytest.mark.parametrize("tokens,top_k,shared,dropped,hidden", DECODE_CASES)
+def test_decode_fusion_equals_the_aligned_path(triton_backend, monkeypatch, tokens, top_k, shared, dropped, hidden):
+    dev, e = triton_backend, 4
+    gate, up, down = experts("int4_group", e, hidden, 64, seed=13, device=dev)
+    x = torch.randn(tokens, hidden, device=dev)
+    w, ids = routing(tokens, e, top_k, seed=13, device=dev)
+    if dropped:  # outside [0, E) at both ends; token 0 loses every slot
+        ids[0, :] = -1
+        ids[-1, -1] = e
+    shared_out = torch.randn(tokens, hidden, device=dev) if shared else None
+    what = f"T={tokens} k={top_k} shared={shared} dropped={dropped} H={hidden}"
+    got = _decode_paths(monkeypatch, x, w, ids, gate, up, down, what, shared_out=shared_out)
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              shared_out=None if shared_out is None else shared_out.cpu())
+    assert_rel_close(got.cpu(), ref, 1e-5, what)
+    if dropped:  # a token whose slots are all dropped gets exactly the shared output (or zero)
+        assert torch.equal(got[0].cpu(), torch.zeros(hidden) if shared_out is None else shared_out[0].cpu()), what
+
+
+# every other block_m == 1 kernel form takes the decode path too: the INT4 planes without prefetch and the tile
+# GEMV; BF16 and FP8 (weight-only, W8A8) GEMVs; bf16 activations
+@pytest.mark.parametrize("kind,act_quant,gemv,dtype", [("int4_group", False, "planes", torch.float32),
+                                                       ("int4_group", False, "tile", torch.float32),
+                                                       ("int4_group", False, "prefetch", torch.bfloat16),
+                                                       ("bf16", False, "prefetch", torch.float32),
+                                                       ("fp8_block", False, "prefetch", torch.float32),
+                                                       ("fp8_block", True, "prefetch", torch.float32)])
+def test_decode_fusion_in_every_gemv_form(triton_backend, monkeypatch, kind, act_quant, gemv, dtype):
+    dev, e, hidden = triton_backend, 3, 128 if act_quant else 96  # W8A8: K a multiple of act_group (128)
+    gate, up, down = experts(kind, e, hidden, 128, seed=17, device=dev)
+    x = torch.randn(2, hidden, device=dev).to(dtype)
+    w, ids = routing(2, e, 2, seed=17, device=dev)
+    ids[1, 0] = -1
+    shared_out = torch.randn(2, hidden, device=dev).to(dtype)
+    what = f"{kind} act_quant={act_quant} gemv={gemv} {dtype}"
+    got = _decode_paths(monkeypatch, x, w, ids, gate, up, down, what, kind=kind, act_quant=act_quant, gemv=gemv,
+                        shared_out=shared_out)
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind=kind,
+                              act_quant=act_quant, shared_out=shared_out.cpu())
+    assert_rel_close(got.float().cpu(), ref.float(), 1e-5 if dtype == torch.float32 else 2e-2, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_decode_fusion_real_widths(t, dtype):
+    """Kimi's widths, top-8, with the shared output and dropped slots (as under expert parallelism), compiled: the
+    last-arrival combine against the reference and the aligned path. The two paths tune their tiles separately
+    (``DIRECT`` is in the autotuning key), so they agree bit for bit only when the tuning picks the same tiles:
+    checked within tolerance here, bitwise on the CPU."""
+    e, k = 24, 8
+    gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
+    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
+    w, ids = routing(t, e, k, device="cuda")
+    ids[0, ::3] = -1
+    ids[-1, 1] = e
+    shared_out = torch.randn(t, 7168, device="cuda").to(dtype)
+    outs = []
+    for fusion in (True, True, False):
+        out = poisoned_empty((t, 7168), dtype, "cuda")
+        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out, out=out,
+                              decode_fusion=fusion))
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_bitwise_equal(outs[0], outs[1], f"fused twice T={t}")  # counters left zero; a fixed summation order
+    assert_rel_close(outs[0].float(), ref.float(), tol, f"fused T={t}")
+    assert_rel_close(outs[0].float(), outs[2].float(), tol, f"fused vs aligned T={t}")
 
 
 # --- the INT4 plane tensor-core tile (int4_tile="planes", the default at block_m > 1) vs the dequantized tile ---

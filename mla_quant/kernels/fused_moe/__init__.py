@@ -4,6 +4,9 @@ Pipeline on the GPU (see docs/moe.md): ``moe_align`` groups the T·k assignments
 ``block_m`` rows; a grouped gate+up GEMM with SiLU-and-multiply in its epilogue writes the intermediate
 ``h [T·k, I]``; a grouped down GEMM multiplies each row by its routing weight and writes ``y [T·k, H]`` in
 fp32; a combine kernel sums each token's k rows (and the shared experts' output, if given) and rounds once.
+At ``block_m == 1`` (decode; ``decode_fusion``, the default) there is neither align nor combine launch: GEMV
+program m takes assignment m directly, the gate-up launch zeroes one arrival counter per (token, output tile),
+and in the down launch the last of a token's k programs of a tile to arrive does the combine of that tile.
 The CPU path is the per-expert reference (``reference.py``) of the same signature.
 """
 from __future__ import annotations
@@ -148,6 +151,7 @@ def fused_moe(
     block_m: int | None = None,
     gemv: str = "prefetch",
     int4_tile: str = "planes",
+    decode_fusion: bool = True,
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
 
@@ -163,6 +167,10 @@ def fused_moe(
     their load layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md
     "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200) or ``"dequant"``
     (the words unpacked into a [BLOCK_N, BLOCK_K] tile).
+    ``decode_fusion`` (default True) runs ``block_m == 1`` without ``moe_align`` and without a combine launch:
+    program m of each GEMV takes assignment m, and the last of a token's k down programs of a column tile to
+    finish sums the token's rows (docs/moe.md "The decode path"); False: the aligned path with its combine
+    launch (same result, for comparison). ``block_m > 1`` is unaffected.
     """
     block = tuple(int(b) for b in block)
     if gemv not in GEMV_FORMS:
@@ -191,48 +199,56 @@ def fused_moe(
     num_assignments = tokens * top_k
     bm = block_m or choose_block_m(num_assignments, num_experts, kind)
     topk_ids = topk_ids.contiguous()
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
+    direct = bm == 1 and decode_fusion
+    if direct:  # the identity alignment: block m = assignment m, its expert topk_ids.flat[m] (dropped ids skipped)
+        expert_ids = topk_ids.view(-1)
+        sorted_ids = num_padded = expert_ids  # unread
+    else:
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
-                  IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm)
-
+                  IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm, DIRECT=direct)
     if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
+    if planes:
+        tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
+    elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the gate-up
+        tuned = moe_gemm_plane_tile_autotuned  # epilogue writes h so too)
+    else:
+        tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
+    # interpreted: one small tile (the interpreter is slow and has nothing to tune)
+    if planes:
+        interp_bk = PLANE_BLOCK_K
+    elif plane_tile:  # the plane dots' K (BLOCK_K/8 words) must be >= 16
+        interp_bk = max(128, group_size)
+    else:
+        interp_bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
+    interp_bn = 64  # ragged N tiles at the tests' widths (multiples of the group)
+    programs = num_assignments if direct else expert_ids.numel()
 
-    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k):
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), **extra):
         keys = WEIGHT_KEYS[kind]
         w1_main, w3_main = w1[keys[0]], w3[keys[0]]
         w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
         w3_s = w3[keys[1]] if len(keys) > 1 else w3_main
+        counters, res, shared = combine or (dst, dst, dst)  # (unread unless direct)
         launch_args = (a, a_scale, w1_main, w1_s, w3_main, w3_s, dst, routing_weights,
-                       sorted_ids, expert_ids, num_padded,
-                       num_assignments, n, k, top_k if gated else 1,
+                       sorted_ids, expert_ids, num_padded, counters, res, shared,
+                       num_assignments, n, k, top_k if gated else 1, num_experts, counters.numel(),
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
-                       w1_s.stride(0), w1_s.stride(1), dst.stride(0))
-        if interpret:  # one small tile: the interpreter is slow and has nothing to tune
-            if planes:
-                bk = PLANE_BLOCK_K
-            elif plane_tile:  # the plane dots' K (BLOCK_K/8 words) must be >= 16
-                bk = max(128, group_size)
-            else:
-                bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
-            bn = 64 if plane_tile else 32  # 64: ragged N tiles at the tests' widths (multiples of the group)
-            grid = (expert_ids.numel(), triton.cdiv(n, bn))
-            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0))
+        if interpret:
+            grid = (programs, triton.cdiv(n, interp_bn))
+            _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
+                                   BLOCK_K=interp_bk, EVEN_K=k % interp_bk == 0,
                                    PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile)
         else:
-            grid = lambda meta: (expert_ids.numel(), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-            if planes:
-                tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
-            elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the
-                tuned = moe_gemm_plane_tile_autotuned  # gate-up epilogue writes h so too)
-            else:
-                tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
-            tuned[grid](*launch_args, GATED=gated, **consts)
+            grid = lambda meta: (programs, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+            tuned[grid](*launch_args, GATED=gated, **consts, **extra)
 
     # The interpreter rounds fp32 -> e4m3 wrongly (DESIGN.md): there the activation rounding runs in torch.
     quant = act_quant_fp8_reference if interpret else act_quant_fp8
@@ -251,12 +267,25 @@ def fused_moe(
     else:
         h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
     weights_flat = topk_weights.contiguous()
-    gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
-    ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)
     y = torch.empty((num_assignments, hidden), dtype=torch.float32, device=x.device)
+    shared = shared_out if shared_out is not None else result
+    if direct:
+        # One arrival counter per token and down-projection column tile, for the smallest tile the down launch
+        # may pick (its BLOCK_N is autotuned); the gate-up launch zeroes them (COUNTERS per program m), the down
+        # launch leaves them zero.
+        min_bn = interp_bn if interpret else min(c.kwargs["BLOCK_N"] for c in tuned.configs)
+        counters = torch.empty(tokens * triton.cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
+        combine = (counters, result, shared)
+        zero_block = triton.next_power_of_2(triton.cdiv(counters.numel(), num_assignments))
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block)
+    else:
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
+    ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)
+    if direct:  # the combine happens in the down launch, as each token's rows arrive
+        gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, combine, TOP_K=top_k,
+             HAS_SHARED=shared_out is not None)
+        return result
     gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter)
-
-    shared = shared_out if shared_out is not None else y
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
         y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),

@@ -32,6 +32,15 @@ epilogue writes ``silu(gate) * up`` (the SwiGLU of the expert) in the activation
 down projection) it multiplies each row by its routing weight and writes fp32. ``_moe_combine_kernel``
 then sums each token's k rows in a fixed order (deterministic), adds the shared experts' output if given,
 and rounds once.
+
+``DIRECT`` (``BLOCK_M == 1``, ``fused_moe(..., decode_fusion=True)``, the default) drops both the alignment and
+the combine launch: program m takes assignment m (row m // k of x, expert ``topk_ids.flat[m]``; ids outside
+[0, E) computed by nobody, as ``moe_align`` drops them). The gate-up launch zeroes one arrival counter per
+(token, column tile of the down projection) (``COUNTERS`` per program); in the down launch each program writes
+its weighted fp32 row to ``y`` and arrives at its token's counter (a dropped slot arrives with a zero row), and the
+last of the token's k to arrive sums the k rows in slot order, adds the shared output and rounds once
+(``_combine_on_arrival`` on ``_gemm_utils.reduce_arrivals``, the split-K store's scheme): the same rows and the
+same sum as the combine kernel.
 """
 from functools import partial
 
@@ -39,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .._gemm_utils import (PLANE_WORDS, autotune_bench, int4_codes, int4_plane_gemv_step, load_k, plane_offsets,
-                           plane_scale)
+                           plane_scale, reduce_arrivals)
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -193,25 +202,63 @@ def _int4_plane_tile_step(a_ptrs, a_ok, w_ptrs, s_ptrs, w_ok, acc, DT: tl.conste
 
 
 @triton.jit
+def _combine_on_arrival(res, pid_m, pid_n, rn, N, y_ptr, stride_yt, count_ptr, res_ptr, stride_rt, shared_ptr,
+                        stride_st, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The combine of the direct down GEMV (``DIRECT``, not GATED). ``res`` [1, BLOCK_N]: assignment ``pid_m``'s
+    weighted fp32 row at columns ``rn`` (zeros for a dropped id), written to its row of ``y`` [T·k, N]; the last of
+    token t = pid_m // TOP_K's TOP_K programs of this column tile to arrive at its counter (one per token and tile)
+    sums the token's rows in j order — 0 + y_0 + ... + y_{k-1}, as ``_moe_combine_kernel`` does — adds ``shared``
+    and rounds once into ``res_ptr`` [T, N]; then resets the counter (``_gemm_utils.reduce_arrivals``)."""
+    t = pid_m // TOP_K
+    n_ok = (rn < N)[None, :]
+    last, total = reduce_arrivals(res, y_ptr + (t * TOP_K).to(tl.int64) * stride_yt + rn[None, :], stride_yt,
+                                  pid_m % TOP_K, n_ok, count_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n, TOP_K)
+    if last:
+        if HAS_SHARED:
+            total += tl.load(shared_ptr + t.to(tl.int64) * stride_st + rn[None, :], mask=n_ok,
+                             other=0.0).to(tl.float32)
+        tl.store(res_ptr + t.to(tl.int64) * stride_rt + rn[None, :], total.to(res_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
-        sorted_ptr, expert_ids_ptr, num_padded_ptr,
-        A, N, K, a_div,
-        stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr,
+        A, N, K, a_div, E, num_counters,
+        stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot, stride_rt, stride_st,
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
-        PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False):
+        PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False,
+        DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
+        HAS_SHARED: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
+    # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
+    # ids outside [0, E) skipped); the gate-up launch zeroes the down launch's counters (COUNTERS per program m),
+    # the down launch combines each token's rows into res (+ shared) as they arrive (_combine_on_arrival).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if COUNTERS > 0:
+        if pid_n == 0:
+            c = pid_m * COUNTERS + tl.arange(0, COUNTERS)
+            tl.store(count_ptr + c, tl.zeros((COUNTERS,), dtype=tl.int32), mask=c < num_counters)
+    if DIRECT:
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rows = pid_m + tl.arange(0, BLOCK_M)
+        if (e < 0) | (e >= E):  # dropped, as moe_align drops it: no products; the combine adds a zero row
+            if not GATED:
+                _combine_on_arrival(tl.zeros((1, BLOCK_N), dtype=tl.float32), pid_m, pid_n,
+                                    pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, out_ptr, stride_ot, count_ptr,
+                                    res_ptr, stride_rt, shared_ptr, stride_st, TOP_K, HAS_SHARED, BLOCK_N)
+            return
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < A
     a_rows = (rows // a_div).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,8 +344,12 @@ def _moe_gemm_kernel(
             res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
         else:
             res = acc1 * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + rn[None, :],
-                 res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+        if DIRECT and not GATED:
+            _combine_on_arrival(res, pid_m, pid_n, rn, N, out_ptr, stride_ot, count_ptr, res_ptr, stride_rt,
+                                shared_ptr, stride_st, TOP_K, HAS_SHARED, BLOCK_N)
+        else:
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + rn[None, :],
+                     res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
 
 
 @triton.jit
@@ -398,7 +449,7 @@ def _smallest_fitting(configs, meta: dict) -> triton.Config:
 
 
 def _autotuned(configs):
-    return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M"],
+    return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M", "DIRECT"],
                            prune_configs_by={"early_config_prune": _prune},
                            do_bench=partial(autotune_bench, warmup=25, rep=100))(
         triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_moe_gemm_kernel))
