@@ -2,7 +2,8 @@
 shared expert) at 1–1024 tokens, experts in bf16, fp8_block (W8A8) and int4_g32.
 
 * ``moe`` times the routed experts alone: ``fused_moe`` (align, gate-up GEMM with SiLU·up, down GEMM with
-  the routing weight, combine) on a fixed routing, all experts in ``case.format``. Peer: the same routing
+  the routing weight, combine; at ``block_m == 1`` neither align nor combine launch: the default
+  ``decode_fusion``) on a fixed routing, all experts in ``case.format``. Peer: the same routing
   through ``torch._grouped_mm`` in bf16 (sort, gather, two grouped GEMMs, SiLU·up, weighted scatter-add;
   a per-expert cuBLAS loop where ``_grouped_mm`` is missing).
 * ``moe_layer`` times the module as the model runs it: router (fp32 logits, noaux_tc top-8), routed
@@ -25,7 +26,11 @@ GEMV with a register double buffer (``gemv="prefetch"``, the default after the H
 ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV
 without the double buffer (``gemv="planes"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1
 means that form beats the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of
-5a85563 and before are the double-buffered form when it was opt-in.
+5a85563 and before are the double-buffered form when it was opt-in. There, too, rows ``int4_g32_unfused`` time
+the aligned decode path (``fused_moe(..., decode_fusion=False)``: ``moe_align``, the two GEMVs, the combine launch;
+the default ``int4_g32`` up to d57328e) against the default one (no align; the combine done by the down GEMV's
+last-arriving program of each token and tile; docs/moe.md "The decode path"): ``speedup_vs_int4_g32`` < 1 means
+the default is faster.
 
 Where the INT4 experts run on the tensor cores (``block_m`` > 1), ``int4_g32`` is the default plane tile
 (``int4_tile="planes"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
@@ -53,8 +58,10 @@ E, HIDDEN, INTER, TOP_K, SCALE = 384, 7168, 2048, 8, 2.827
 TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
-# fused_moe(gemv=...) -> row format, rows where block_m == 1 beside int4_g32 (the default gemv="prefetch")
-GEMV_FORMATS = {"tile": "int4_g32_tile", "planes": "int4_g32_planes"}
+# row format -> fused_moe keywords, rows where block_m == 1 beside int4_g32 (the defaults: gemv="prefetch",
+# decode_fusion=True)
+GEMV_FORMATS = {"int4_g32_tile": {"gemv": "tile"}, "int4_g32_planes": {"gemv": "planes"},
+                "int4_g32_unfused": {"decode_fusion": False}}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 
@@ -219,11 +226,11 @@ def run(ctx: Context) -> list[dict]:
                 rows.append(case("moe", {"format": name, "tokens": t}, t_moe, bytes=nbytes, flops=flops,
                                  peer="torch_grouped_mm_bf16" if peer_name is None else peer_name,
                                  peer_median_us=peer.get(("moe", t)), **extra))
-                for form, form_name in (GEMV_FORMATS.items() if name == "int4_g32" and bm == 1 else ()):
-                    # the other INT4 GEMVs on the same experts and routings, beside the default (prefetch) GEMV
-                    # (a failure is noted and must not lose the other rows)
+                for form_name, form in (GEMV_FORMATS.items() if name == "int4_g32" and bm == 1 else ()):
+                    # the other INT4 GEMVs and the aligned decode path on the same experts and routings, beside the
+                    # default (a failure is noted and must not lose the other rows)
                     try:
-                        t_form, graphed = _graph_us(lambda: routed(gemv=form), SETS)
+                        t_form, graphed = _graph_us(lambda: routed(**form), SETS)
                         times[("moe", form_name, t)] = t_form
                         rows.append(case("moe", {"format": form_name, "tokens": t}, t_form, bytes=nbytes,
                                          flops=flops, peer="torch_grouped_mm_bf16",
@@ -273,7 +280,7 @@ def run(ctx: Context) -> list[dict]:
         bench, name, t = r["bench"], r["case"]["format"], r["case"]["tokens"]
         if name != "bf16":
             r["speedup_vs_bf16"] = round(times[(bench, "bf16", t)] / r["median_us"], 3)
-        variants = (*GEMV_FORMATS.values(), DEQUANT_TILE_FORMAT)
+        variants = (*GEMV_FORMATS, DEQUANT_TILE_FORMAT)
         if name in variants:
             r["speedup_vs_int4_g32"] = round(times[(bench, "int4_g32", t)] / r["median_us"], 3)
         if name == "int4_g32" or name in variants:
