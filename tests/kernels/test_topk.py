@@ -212,6 +212,118 @@ def test_gpu_cuda_graph_replay():
         selection_is_valid(scores, idx, 2048)
 
 
+def selected_values(scores, idx):
+    """The selected scores of each row, sorted (-inf for -1 slots, NaN as +inf so that torch.equal compares it):
+    equal for two valid selections of one row."""
+    values = scores.float().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=NEG_INF)
+    return torch.where(idx >= 0, values.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [2047, 2048, 2049, 65536, 131072])
+def test_gpu_one_launch_sizes(rows, n):
+    """The one-launch select (the default at ≤ RADIX_MAX_ROWS rows) against torch.topk and the multi-launch
+    form, N around k and at 64k / 128k; called twice on new data (a fresh zeroed barrier counter each call)."""
+    k = 2048
+    for seed in (0, 1):
+        scores = realistic_scores(rows, n, seed=seed + n)
+        one = radix(scores, k, one_launch=True)
+        multi = radix(scores, k, one_launch=False)
+        selection_is_valid(scores, one, k)
+        assert torch.equal(selected_values(scores, one), selected_values(scores, topk_indices_reference(scores, k)))
+        assert torch.equal(selected_values(scores, one), selected_values(scores, multi))
+        assert torch.equal(selected_values(scores, topk_indices(scores, k)), selected_values(scores, one))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "inf_tail", "all_masked", "specials", "narrow"])
+@pytest.mark.parametrize("tiles", [(None, None), (64, 3)])
+def test_gpu_one_launch_ties_and_masks(kind, tiles):
+    """Exact ties at the threshold (the result still holds exactly k valid columns, the same values as the
+    multi-launch form's), -inf rows and tails, NaN; default tiles and small tiles with 3 programs per row
+    (each program loops over many tiles between barriers)."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 2048, 65536
+    scores = rows_of_kind(kind, 4, n, k, g).cuda()
+    block, chunks = tiles
+    one = radix(scores, k, block=block, chunks=chunks, one_launch=True)
+    multi = radix(scores, k, block=block, chunks=chunks, one_launch=False)
+    selection_is_valid(scores, one, k)
+    finite = (scores.nan_to_num(nan=0.0) > NEG_INF).sum(1).clamp(max=k)
+    assert torch.equal((one >= 0).sum(1), finite)                    # exactly k valid where k exist
+    assert torch.equal(selected_values(scores, one), selected_values(scores, multi))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 11])
+def test_gpu_one_launch_cuda_graph(bits):
+    """Captured in a CUDA graph and replayed twice on new data: the barrier counters start from the graph's
+    memset of the work buffer on every replay."""
+    scores = realistic_scores(3, 65536, seed=3)
+    radix(scores, 2048, radix_bits=bits, one_launch=True)          # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx = _radix_topk(scores, 2048, radix_bits=bits, one_launch=True)
+    for seed in (4, 5):
+        scores.copy_(realistic_scores(3, 65536, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        selection_is_valid(scores, idx, 2048)
+        assert torch.equal(selected_values(scores, idx),
+                           selected_values(scores, topk_indices_reference(scores, 2048)))
+
+
+def test_one_launch_only_on_the_gpu(triton_backend):
+    """The interpreter runs programs one after another (a row barrier would spin forever): there the default
+    is the multi-launch form and one_launch=True is refused with several programs per row; on the GPU the
+    default at ≤ RADIX_MAX_ROWS rows is one launch."""
+    from mla_quant.kernels._backend import triton_interpreted
+    from mla_quant.kernels.topk import RADIX_MAX_ROWS, use_one_launch
+
+    scores = torch.randn(2, 300, device=triton_backend)
+    if triton_interpreted():
+        assert not use_one_launch(1, None) and not use_one_launch(1, False)
+        with pytest.raises(ValueError, match="one_launch"):
+            radix(scores, 10, block=64, chunks=2, one_launch=True)
+        selection_is_valid(scores, topk_indices(scores, 10, method="radix"), 10)
+    else:
+        assert use_one_launch(RADIX_MAX_ROWS, None) and not use_one_launch(RADIX_MAX_ROWS + 1, None)
+        assert not use_one_launch(1, False) and use_one_launch(RADIX_MAX_ROWS + 1, True)
+
+
+def first_digit_work(scores, bits):
+    """The radix work buffer after round 0, counted in torch (what indexer_topk's scores kernel leaves)."""
+    from mla_quant.kernels.topk.kernel import rounds, work_ints
+
+    b = scores.float().cpu().view(torch.int32)
+    b = torch.where(scores.cpu() != scores.cpu(), 2**31 - 1, b)          # NaN: the largest key
+    u = (b ^ ((b >> 31) & (2**31 - 1))).long() & 0xFFFFFFFF ^ 0x80000000  # unsigned-order bits
+    shift, width = rounds(bits)[0]
+    work = torch.zeros(scores.shape[0], work_ints(bits), dtype=torch.int32)
+    for r in range(scores.shape[0]):
+        work[r, :1 << width] = torch.bincount(u[r] >> shift, minlength=1 << width).int()
+    return work.to(scores.device)
+
+
+@pytest.mark.parametrize("kind", ["randn", "binary", "few_levels", "inf_tail", "all_masked", "specials", "narrow"])
+@pytest.mark.parametrize("bits", [8, 11])
+def test_one_launch_one_program_per_row(triton_backend, kind, bits):
+    """The one-launch kernel's code (its rounds in sequence, the per-round digits, the row barrier's arrival
+    and targets) with one program per row, where no barrier waits — so it runs under the interpreter too —
+    from round 0 and after a first digit counted elsewhere (indexer_topk's form); every row walks many tiles."""
+    g = torch.Generator().manual_seed(7)
+    k, n = 40, 700
+    scores = (torch.randn(3, n, generator=g) if kind == "randn" else rows_of_kind(kind, 3, n, k, g)).to(triton_backend)
+    one = radix(scores, k, block=64, chunks=1, radix_bits=bits, one_launch=True)
+    selection_is_valid(scores, one, k)
+    assert torch.equal(selected_values(scores, one), selected_values(scores, topk_indices_reference(scores, k)))
+    out = torch.full((3, k), POISON, dtype=torch.int32, device=triton_backend)
+    after = _radix_topk(scores, k, block=128, chunks=1, out=out, radix_bits=bits, one_launch=True,
+                        work=first_digit_work(scores, bits), rounds_done=1)
+    selection_is_valid(scores, after, k)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="CPU only: the default backend there is the reference")
 def test_cpu_default_is_reference():
     scores = torch.randn(2, 50)
@@ -263,4 +375,4 @@ def test_radix_digit_schedules_cover_32_bits():
     from mla_quant.kernels.topk.kernel import rounds, work_ints
 
     assert rounds(11) == ((21, 11), (10, 11), (0, 10)) and rounds(8) == ((24, 8), (16, 8), (8, 8), (0, 8))
-    assert work_ints(11) == 3 * 2048 + 2 and work_ints(8) == 4 * 256 + 2
+    assert work_ints(11) == 3 * 2048 + 3 and work_ints(8) == 4 * 256 + 3   # + count_gt, count_eq, arrivals

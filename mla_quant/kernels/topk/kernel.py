@@ -19,8 +19,18 @@ first ``need`` keys == thr (in whatever order the programs claim them) to ``[k �
 its slots with one scalar atomic per class and places its elements by an exclusive prefix sum. All buffers
 have sizes fixed by the shape (no host sync, CUDA-graph safe).
 
+**One launch** (``_radix_fused_kernel``, few rows): the rounds and the select of the multi-launch form
+(``_radix_histogram_kernel`` × NR, ``_radix_select_kernel``: the same ``@triton.jit`` bodies,
+``_histogram_round`` and ``_select_pass``) in one program per (row, chunk), with a barrier over the row's
+programs after each round (``_row_barrier``: an arrival counter in the work row, monotone targets
+``chunks · j`` within the launch). A program spins until every program of its row has counted, so every
+program of the grid must be resident at once: the launcher gives the grid at most one program per SM.
+Under the Triton interpreter, which runs programs one after another, a spin would never end: the launcher
+takes the multi-launch form there.
+
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | count_gt | count_eq]``.
+each) | count_gt | count_eq | arrivals]`` (``arrivals``: the one-launch form's barrier counter; a zeroed
+buffer serves one launch, as the histograms do).
 """
 import triton
 import triton.language as tl
@@ -41,8 +51,8 @@ def rounds(radix: int) -> tuple[tuple[int, int], ...]:
 
 
 def work_ints(radix: int) -> int:
-    """int32 per row of the work buffer: one 2^radix histogram per round, count_gt, count_eq."""
-    return len(rounds(radix)) * (1 << radix) + 2
+    """int32 per row of the work buffer: one 2^radix histogram per round, count_gt, count_eq, arrivals."""
+    return len(rounds(radix)) * (1 << radix) + 3
 
 
 @triton.jit
@@ -60,7 +70,7 @@ def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
     """The bin t holding the k-th largest of the counted keys (#keys in bins > t < k ≤ #keys in bins ≥ t)
     and k minus the keys above it."""
     b = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + b)
+    h = tl.load(hist_ptr + b, cache_modifier=".cg")   # L2: the one-launch form reads what other SMs counted
     at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     t = tl.max(tl.where(at_or_above >= k, b, -1), 0)
     above = tl.sum(tl.where(b > t, h, 0), 0)
@@ -92,40 +102,31 @@ def _load_keys(row_ptr, start, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
-                            SHIFT: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
-                            BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """Round ``ROUND`` of ``NR`` (its digit is bits [SHIFT, SHIFT + BITS) of the key, counted in the round's
-    histogram of the work row): histogram of that digit over the keys matching the digits found before.
-    Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles of BLOCK columns."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    row_ptr = scores_ptr + row * stride_row
-    work = work_ptr + row * WORK
+def _histogram_round(row_ptr, work, n, k, chunk, tiles_per_chunk, ROUND: tl.constexpr, RADIX: tl.constexpr,
+                     NR: tl.constexpr, BLOCK: tl.constexpr):
+    """Round ``ROUND`` of ``NR`` for one chunk of one row (``row_ptr``, its work row ``work``): histogram of the
+    round's digit over the keys matching the digits found before, added to the round's histogram. The digit
+    is ``RADIX`` bits below those (the last round: the bits left over), as ``rounds`` lists them."""
+    BITS: tl.constexpr = RADIX if ROUND < NR - 1 else 32 - ROUND * RADIX
+    SHIFT: tl.constexpr = 32 - ROUND * RADIX - BITS
     prefix, rem = _descend(work, k, ROUND, RADIX, NR)
-    PREFIX_BITS: tl.constexpr = 32 - SHIFT - BITS
     acc = tl.zeros([1 << BITS], dtype=tl.int32)
     for i in range(0, tiles_per_chunk):
         cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
         u = key ^ SIGN                                   # unsigned-order bit pattern
         digit = (u >> SHIFT) & ((1 << BITS) - 1)
-        if PREFIX_BITS > 0:
-            valid = valid & (((u >> (SHIFT + BITS)) & ((1 << PREFIX_BITS) - 1)) == prefix)
+        if ROUND > 0:
+            valid = valid & (((u >> (SHIFT + BITS)) & ((1 << (ROUND * RADIX)) - 1)) == prefix)
         acc += tl.histogram(digit, 1 << BITS, mask=valid)
     bins = tl.arange(0, 1 << BITS)
     tl.atomic_add(work + ROUND * (1 << RADIX) + bins, acc, mask=acc > 0, sem="relaxed")
 
 
 @triton.jit
-def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
-                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """Write the selection: keys > threshold to slots [0, k - need), ``need`` keys == threshold after them;
-    columns scoring -inf are written as -1."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    row_ptr = scores_ptr + row * stride_row
-    work = work_ptr + row * WORK
-    out = out_ptr + row * stride_out
+def _select_pass(row_ptr, work, out, n, k, chunk, tiles_per_chunk, RADIX: tl.constexpr, NR: tl.constexpr,
+                 BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """Write one chunk's part of the selection: keys > threshold to slots [0, k - need), ``need`` keys ==
+    threshold after them; columns scoring -inf are written as -1."""
     thr_u, need = _descend(work, k, NR, RADIX, NR)
     thr = thr_u ^ SIGN
     n_above = k - need
@@ -134,11 +135,59 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
         value = tl.where(key == NEG_INF_KEY, -1, cols)
         above = (valid & (key > thr)).to(tl.int32)
         n_tile = tl.sum(above, 0)
-        base = tl.atomic_add(work + (WORK - 2), n_tile, mask=n_tile > 0, sem="relaxed")
+        base = tl.atomic_add(work + (WORK - 3), n_tile, mask=n_tile > 0, sem="relaxed")
         slot = base + tl.cumsum(above, 0) - above
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
         tied = (valid & (key == thr)).to(tl.int32)
         n_tile = tl.sum(tied, 0)
-        base = tl.atomic_add(work + (WORK - 1), n_tile, mask=n_tile > 0, sem="relaxed")
+        base = tl.atomic_add(work + (WORK - 2), n_tile, mask=n_tile > 0, sem="relaxed")
         rank = base + tl.cumsum(tied, 0) - tied
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
+
+
+@triton.jit
+def _row_barrier(count_ptr, target):
+    """Wait until ``target`` programs have arrived at ``count_ptr`` (this one included). The block's atomics
+    before it are issued (bar.sync), then one thread arrives with release semantics and spins on acquire
+    reads; the bar.sync after the loop holds the other threads until it saw the target."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel") + 1
+    while arrived < target:
+        arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
+                            RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """One histogram round (``_histogram_round``). Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles
+    of BLOCK columns."""
+    row = tl.program_id(0).to(tl.int64)
+    _histogram_round(scores_ptr + row * stride_row, work_ptr + row * WORK, n, k, tl.program_id(1),
+                     tiles_per_chunk, ROUND, RADIX, NR, BLOCK)
+
+
+@triton.jit
+def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
+                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """The select pass (``_select_pass``) after the last round. Grid (rows, chunks)."""
+    row = tl.program_id(0).to(tl.int64)
+    _select_pass(scores_ptr + row * stride_row, work_ptr + row * WORK, out_ptr + row * stride_out, n, k,
+                 tl.program_id(1), tiles_per_chunk, RADIX, NR, BLOCK, WORK)
+
+
+@triton.jit
+def _radix_fused_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
+                        FIRST_ROUND: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
+                        BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """Rounds ``FIRST_ROUND .. NR - 1`` and the select in one launch, a row barrier after each round (module
+    docstring). Grid (rows, chunks) with rows · chunks ≤ the SM count: every program resident at once."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    row_ptr = scores_ptr + row * stride_row
+    work = work_ptr + row * WORK
+    for r in tl.static_range(FIRST_ROUND, NR):
+        _histogram_round(row_ptr, work, n, k, chunk, tiles_per_chunk, r, RADIX, NR, BLOCK)
+        _row_barrier(work + (WORK - 1), (r - FIRST_ROUND + 1) * chunks)
+    _select_pass(row_ptr, work, out_ptr + row * stride_out, n, k, chunk, tiles_per_chunk, RADIX, NR, BLOCK, WORK)
