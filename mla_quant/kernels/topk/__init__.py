@@ -19,7 +19,8 @@ Length threshold: a row with N ≤ k columns needs no selection (all of it is th
 Row threshold: under ``method="auto"`` the radix select serves up to ``RADIX_MAX_ROWS`` rows (decode at small
 batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). With
 8-bit digits (the default since the H200 run of commit 2bed842) the select took 19.5 µs at one row of 64k
-(torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115). Measured on the H200 with k = 2048 and 11-bit digits
+(torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115).
+Measured on the H200 with k = 2048 and 11-bit digits
 (``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs
 per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows
