@@ -16,13 +16,13 @@ Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer
 the one-launch select), ``multilaunch_step_us`` / ``multilaunch_ratio_vs_dense`` /
 ``multilaunch_step_device_ops`` (the step with that form), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
-RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103, one
-launch per round), ``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense;
-the goal at 64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores →
-topk_indices → sparse), ``step_device_ops`` (kernels + memsets of one step, torch profiler),
-``graph_captured`` (the step captured in a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and
-out (the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer)
-+ 2·H·topk·(576 + 512) (attention) per request.
+RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103, one launch
+per round), ``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at
+64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
+``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in a
+CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and out
+(the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer) +
+2·H·topk·(576 + 512) (attention) per request.
 
 ``dsa_prefill`` (one chunk of ``tokens`` new tokens closing a ``ctx``-token request, BF16 KV as the prefill
 recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
