@@ -372,6 +372,16 @@ def cases_fused_moe() -> Iterator[Case]:
                     yield (f"kind={kind} int4_tile=dequant T={tokens} x={_dt(x_dtype)}",
                            partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype), torch.rand(tokens, top_k),
                                    ids, gate, up, down, kind=kind, int4_tile="dequant"))
+        # the decode path (block_m == 1; INT4 takes it at T=1 above, fused): with the shared output, the aligned path
+        # with its combine launch (decode_fusion=False), and the BF16 / FP8 GEMVs (block_m=1)
+        x, ids = torch.randn(1, hidden, dtype=BF16), torch.randperm(experts)[:top_k].int()[None]
+        decode = partial(fused_moe, x, torch.rand(1, top_k), ids, gate, up, down, kind=kind, act_quant=act_quant,
+                         block_m=1)
+        if kind == "int4_group":
+            yield f"kind={kind} T=1 shared_out", partial(decode, shared_out=torch.randn(1, hidden, dtype=BF16))
+            yield f"kind={kind} T=1 decode_fusion=False", partial(decode, decode_fusion=False)
+        else:
+            yield f"kind={kind} act_quant={act_quant} T=1 block_m=1", decode
 
 
 OPS: dict[str, Callable[[], Iterator[Case]]] = {
