@@ -19,7 +19,11 @@ BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``varia
 launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth; there and at
 batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time the split merge kernels alone
 (``share_of_decode`` = its µs over the whole decode's; "tiles" is the launcher's merge since this commit, "rows"
-the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well).
+the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well). Where the
+launcher fuses the merge into the decode kernel (2 to ``FUSED_MAX_SPLITS`` splits, ``combine="auto"``), those
+short rows also time ``variant: "combine=rows"`` (the separate row merge kernel, the default before) and
+``"kept_counters"`` (the fused merge with arrival counters kept by the caller: no zeroing launch);
+``vs_default`` = (default µs) / (variant µs).
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
@@ -36,7 +40,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import combine_splits, mla_decode, plan_num_splits, tuned_config
+from mla_quant.kernels.mla_decode import FUSED_MAX_SPLITS, combine_splits, mla_decode, plan_num_splits, tuned_config
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -143,9 +147,9 @@ def run(ctx: Context) -> list[dict]:
             splits = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms)
             keys = {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE}
 
-            def call(q, table, dequant="convert", num_splits=None):
+            def call(q, table, dequant="convert", num_splits=None, **kw):
                 return mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
-                                  validate=False, fp8_dequant=dequant, num_splits=num_splits)
+                                  validate=False, fp8_dequant=dequant, num_splits=num_splits, **kw)
 
             def row(extra_keys, t, peer, peer_t, **fields):
                 return case("mla_decode", {**keys, **extra_keys}, t, bytes=moved, flops=flops, peer=peer,
@@ -185,6 +189,12 @@ def run(ctx: Context) -> list[dict]:
                         cases.append(case("mla_decode", {**keys, "variant": f"combine_only_{merge}"}, t_c,
                                           bytes=part_bytes, num_splits=splits, share_of_decode=round(t_c / t, 3)))
                     del o_part, lse_part, o_fin, lse_fin
+                if short and 1 < splits <= FUSED_MAX_SPLITS:  # the merge fused (default) vs its separate kernel
+                    kept = torch.zeros(batch * math.ceil(heads / 16), dtype=torch.int32, device=dev)
+                    for name, kw in (("combine=rows", dict(combine="rows")), ("kept_counters", dict(counters=kept))):
+                        t_m = _graph_us(lambda: [call(q, tb, **kw) for q, tb in sets], len(sets))
+                        cases.append(row({"variant": name}, t_m, peer, peer_t, num_splits=splits,
+                                         config=tuned_config(), vs_default=round(t / t_m, 3)))
                 for forced in (f for f in SPLIT_VARIANTS if f != splits and short):
                     t_s = _graph_us(lambda: [call(q, tb, num_splits=forced) for q, tb in sets], len(sets))
                     cases.append(row({"variant": f"splits={forced}"}, t_s, peer, peer_t, num_splits=forced,

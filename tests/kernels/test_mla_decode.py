@@ -438,6 +438,35 @@ def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_
         combine_splits(o_part.to(dev), lse_part.to(dev), out, lse, kernel="fast")
 
 
+@pytest.mark.parametrize("kind, tensor_scale", [("bf16", None), ("fp8_e4m3", None)])
+@pytest.mark.parametrize("num_splits, heads, s_q", [(3, 5, 1), (8, 3, 2), (2, 20, 1)])
+def test_fused_merge_equals_the_row_kernel(triton_backend, kind, tensor_scale, num_splits, heads, s_q):
+    """combine="fused" (the last split program of each row block merges) gives the bits of the separate row merge,
+    for 1 and 2 row blocks (20 heads with BLOCK_M 16), a request of s_q tokens (most of its splits empty),
+    NaN-poisoned outputs; called twice, and with kept counters, which it leaves 0."""
+    dev = triton_backend
+    lengths, page_size = [70, s_q, 33], 16
+    table = torch.randperm(18).int().reshape(3, 6)
+    kv, scales, _ = build_pages(lengths, table, 18, page_size, kind, tensor_scale, 64, 32, seed=num_splits, device=dev)
+    q = torch.randn(3, s_q, heads, 96)
+    args = (q.to(dev), kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32).to(dev), 0.1, kind, 64)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
+    o_rows, lse_rows = mla_decode(*args, num_splits=num_splits, config=cfg, combine="rows")
+    counters = torch.zeros(3 * triton.cdiv(s_q * heads, 16), dtype=torch.int32, device=dev)
+    for kept in (None, counters, counters):
+        out = poisoned_empty(o_rows.shape, dtype=o_rows.dtype, device=dev)
+        lse = poisoned_empty(lse_rows.shape, device=dev)
+        mla_decode(*args, num_splits=num_splits, config=cfg, combine="fused", counters=kept, out=out, lse=lse)
+        assert torch.equal(out, o_rows) and torch.equal(lse, lse_rows)
+    assert not counters.any(), "the last program of each row block resets its counter"
+    # "auto" fuses up to FUSED_MAX_SPLITS splits: the same bits
+    assert torch.equal(mla_decode(*args, num_splits=num_splits, config=cfg)[0], o_rows)
+    with pytest.raises(ValueError, match="counters"):
+        mla_decode(*args, num_splits=num_splits, config=cfg, counters=counters[:1])
+    with pytest.raises(ValueError, match="combine"):
+        mla_decode(*args, num_splits=num_splits, config=cfg, combine="fast")
+
+
 # ------------------------------------------------------------------------------------------ split rule
 def test_choose_num_splits():
     assert choose_num_splits(work_items=300, max_len=65536, min_tokens=256, slots=264) == 1  # grid already full
@@ -538,6 +567,9 @@ def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
+        if splits == 7:  # the fused merge ("auto" at 7 splits) against the separate row kernel: the same bits
+            o_rows, lse_rows = mla_decode(*args, num_splits=splits, combine="rows")
+            assert torch.equal(out, o_rows) and torch.equal(lse, lse_rows)
 
 
 @pytest.mark.gpu

@@ -2,8 +2,10 @@
 
 ``mla_decode(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent)`` returns the
 latent-space attention output ``[B, S, H, d_latent]`` and its log-sum-exp ``[B, S, H]`` (docs/mla.md).
-The Triton path splits long contexts over several programs (flash-decoding) and merges them with a
-log-sum-exp combine kernel; the reference (``reference.py``) gathers rows and attends in fp32.
+The Triton path splits long contexts over several programs (flash-decoding) and merges them by log-sum-exp:
+up to ``FUSED_MAX_SPLITS`` splits the last program of each row block to finish does it in the decode kernel's
+epilogue (arrival counters), above that a separate merge kernel; the reference (``reference.py``) gathers rows
+and attends in fp32.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
-           "gather_kv_rows", "tuned_config", "combine_splits"]
+           "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES", "FUSED_MAX_SPLITS"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -37,6 +39,7 @@ BITCAST_MIN_ROWS = 64
 # "fp8mma"), 1.27x the conversion at 16 heads x batch 64 x 4k, 1.26x at 64k, 1.23x at batch 1 x 64k, 1.40x the
 # bitcast at 128 heads x batch 64; slower at batch 1 x 4k (0.88x the conversion at 16 heads, 0.64x the bitcast at 128)
 FP8_MMA_MIN_TOKENS = 32768
+COMBINES = ("auto", "fused", "rows", "tiles")  # mla_decode(combine=...): how the KV splits are merged
 
 
 def _is_pow2(n: int) -> bool:
@@ -132,7 +135,8 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                seq_lens: torch.Tensor, softmax_scale: float, kind: str, d_latent: int, *,
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               config: dict | None = None, fp8_dequant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               config: dict | None = None, fp8_dequant: str = "auto", combine: str = "auto",
+               counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -154,9 +158,17 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     bf16 / fp16 and batch × max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``, else
     the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion).
     Only the Triton path of FP8 pages is affected.
+    ``combine`` (Triton path, with more than one KV split): how the splits' partials are merged — ``"fused"`` (the
+    last split program of each row block to finish merges them, in the decode kernel's epilogue: no merge launch),
+    ``"rows"`` / ``"tiles"`` (a separate merge kernel, :func:`combine_splits`) or ``"auto"`` (default: fused up to
+    ``FUSED_MAX_SPLITS`` splits, tiles above; fused and rows give the same bits). ``counters`` (optional, fused
+    merge): int32 zeros, contiguous, at least B·⌈S·H/16⌉ entries, the arrival counters, which every launch leaves
+    at zero — a caller that keeps them saves the zeroing launch; without them each call zeroes fresh ones.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
+    if combine not in COMBINES:
+        raise ValueError(f"combine: {combine!r} not in {COMBINES}")
     check_tensor("q", q, dtype=Q_DTYPES, ndim=4)
     if q.stride(-1) != 1:
         raise ValueError("q: the last dimension must be contiguous")
@@ -172,7 +184,13 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                          f"need one row per request ({bsz})")
     if block_table.stride(1) != 1:
         raise ValueError("block_table: rows must be contiguous")
-    check_same_device(q=q, kv_data=kv_data, kv_scales=kv_scales, block_table=block_table, seq_lens=seq_lens)
+    check_same_device(q=q, kv_data=kv_data, kv_scales=kv_scales, block_table=block_table, seq_lens=seq_lens,
+                      counters=counters)
+    if counters is not None:
+        check_tensor("counters", counters, dtype=torch.int32, ndim=1, contiguous=True)
+        need = bsz * triton.cdiv(s_q * heads, 16)
+        if counters.numel() < need:
+            raise ValueError(f"counters: {counters.numel()} entries, need {need} (B · ⌈S·H/16⌉)")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: {softmax_scale} must be a positive finite number")
     num_pages, page_size = kv_data.shape[:2]
@@ -193,7 +211,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
-                              FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0)
+                              FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine, counters)
 
 
 def _auto_fp8_dequant(kind: str, q_dtype: torch.dtype, kv_data: torch.Tensor, rows: int, tokens: int) -> str:
@@ -221,7 +239,8 @@ def tuned_config() -> str | None:
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots, fp8_mma=0):
+                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots, fp8_mma=0, combine="auto",
+                       counters=None):
     from .kernel import _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
@@ -242,19 +261,23 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         raise ValueError("kv_data: fp8_dequant='bitcast' reads 4-byte words: pages must be 4-byte aligned "
                          "(row stride, page stride, offset)")
     split = num_splits > 1
+    fused = split and (combine == "fused" or (combine == "auto" and num_splits <= FUSED_MAX_SPLITS))
     if split:
         o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
         lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
     else:
         o_dst, lse_dst = out, lse
-    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst,
+    if fused and counters is None:
+        counters = torch.zeros(bsz * triton.cdiv(m_rows, 16), dtype=torch.int32, device=q.device)
+    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst, out, lse, counters if fused else lse,
             softmax_scale * math.log2(math.e), s_q, heads, num_splits,
             q.stride(0), q.stride(1), q.stride(2),
             lat.stride(0), lat.stride(1), rope.stride(0), rope.stride(1), sc_page, sc_row,
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma)
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
+                FUSED_COMBINE=fused, SPLITS_P2=triton.next_power_of_2(num_splits) if fused else 1)
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
@@ -266,12 +289,15 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         _mla_decode_kernel[grid](*args, **meta, **config)
     else:
         _mla_decode_kernel_tuned[grid](*args, **meta)
-    if split:
-        combine_splits(o_dst, lse_dst, out, lse)
+    if split and not fused:
+        combine_splits(o_dst, lse_dst, out, lse, "auto" if combine in ("auto", "fused") else combine)
     return out, lse
 
 
 ROWS_MAX_SPLITS = 8  # combine_splits("auto"): the row kernel up to this many splits (measured, docstring)
+# mla_decode(combine="auto"): the merge fused into the decode kernel up to this many splits (its last program walks
+# them serially, as the row kernel does), the tiles kernel above
+FUSED_MAX_SPLITS = ROWS_MAX_SPLITS
 
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
