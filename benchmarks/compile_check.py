@@ -204,10 +204,6 @@ def cases_int4_quant() -> Iterator[Case]:
         yield f"quantize group={group}", partial(I.int4_quantize, torch.randn(256, 1024, dtype=BF16), group)
         yield f"dequantize group={group}", partial(I.int4_dequantize, torch.zeros(256, 128, dtype=torch.int32),
                                                    torch.ones(256, 1024 // group, dtype=BF16), group)
-    yield "dequantize persistent", partial(I.int4_dequantize, torch.zeros(256, 128, dtype=torch.int32),
-                                           torch.ones(256, 32, dtype=BF16), 32,
-                                           config={"BN": 8, "BK": 1024, "num_warps": 1, "STAGES": 3,
-                                                   "PROGRAMS_PER_SM": 16})
 
 
 def cases_kv_append() -> Iterator[Case]:

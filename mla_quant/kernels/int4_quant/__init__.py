@@ -92,9 +92,8 @@ def int4_dequantize(
 ) -> torch.Tensor:
     """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``.
 
-    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``; ``STAGES`` >= 1 with ``PROGRAMS_PER_SM``:
-    a persistent grid looping over the tiles, loads pipelined) overrides the launch setting. Streaming stores
-    (``st.global.cs``) were swept on the H200 and lost (0.78 vs 0.80 of copy)."""
+    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``) overrides the launch setting. Streaming
+    stores (``st.global.cs``) were swept on the H200 and lost (0.78 vs 0.80 of copy)."""
     check_tensor("packed", packed, dtype=torch.int32, ndim=2, contiguous=True)
     check_tensor("scale", scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
     check_same_device(packed=packed, scale=scale)
@@ -104,19 +103,13 @@ def int4_dequantize(
     if tuple(scale.shape) != (n, k // group_size):
         raise ValueError(f"scale: shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"with group {group_size} (expected {(n, k // group_size)})")
-    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1, "STAGES": 0, "PROGRAMS_PER_SM": 16},
-                       group_size)
+    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1}, group_size)
     if not use_triton(packed, scale):
         return int4_dequantize_reference(packed, scale, group_size, out_dtype)
     from .kernel import _int4_dequant_kernel
 
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
-    nb, kb = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
-    grid = (nb, kb)
-    if cfg["STAGES"]:
-        grid = (persistent_programs(nb * kb, cfg, packed.device),)
-    else:
-        cfg.pop("PROGRAMS_PER_SM")
     if n and k:
-        _int4_dequant_kernel[grid](packed, scale, out, n, k, kb, nb * kb, GROUP=group_size, **cfg)
+        _int4_dequant_kernel[(triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"]))](
+            packed, scale, out, n, k, GROUP=group_size, **cfg)
     return out

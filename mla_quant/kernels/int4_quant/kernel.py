@@ -52,32 +52,18 @@ def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn, n_kb,
 
 
 @triton.jit
-def _int4_dequant_tile(packed_ptr, scale_ptr, out_ptr, pid_n, pid_k, N, K,
-                       GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # Tile [BN, BK/8] of words and [BN, BK/GROUP] of scales -> [BN, BK] of out.
-    rn = pid_n * BN + tl.arange(0, BN)
-    rw = pid_k * (BK // 8) + tl.arange(0, BK // 8)
+def _int4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, N, K,
+                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rw = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
     words = tl.load(packed_ptr + rn[:, None].to(tl.int64) * (K // 8) + rw[None, :],
                     mask=(rn[:, None] < N) & (rw[None, :] < K // 8), other=0)
     shifts = tl.arange(0, 8) * 4
     q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8
-    rg = pid_k * (BK // GROUP) + tl.arange(0, BK // GROUP)
+    rg = tl.program_id(1) * (BK // GROUP) + tl.arange(0, BK // GROUP)
     s = tl.load(scale_ptr + rn[:, None].to(tl.int64) * (K // GROUP) + rg[None, :],
                 mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP), other=0.0).to(tl.float32)
     w = tl.reshape(q.to(tl.float32), (BN, BK // GROUP, GROUP)) * s[:, :, None]
-    rk = pid_k * BK + tl.arange(0, BK)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
     tl.store(out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
              tl.reshape(w, (BN, BK)).to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
-
-
-@triton.jit
-def _int4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, N, K, n_kb, n_tiles,
-                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    # STAGES 0: one tile per program, grid (N tiles, K tiles). STAGES >= 1: a persistent 1-D grid whose programs
-    # stride over the tiles in K-major order, the next tiles' words and scales loaded STAGES deep (cp.async)
-    # while this tile's values are stored.
-    if STAGES == 0:
-        _int4_dequant_tile(packed_ptr, scale_ptr, out_ptr, tl.program_id(0), tl.program_id(1), N, K, GROUP, BN, BK)
-    else:
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-            _int4_dequant_tile(packed_ptr, scale_ptr, out_ptr, tile // n_kb, tile % n_kb, N, K, GROUP, BN, BK)
