@@ -441,7 +441,8 @@ def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_
 @pytest.mark.parametrize("kind, tensor_scale", [("bf16", None), ("fp8_e4m3", None)])
 @pytest.mark.parametrize("num_splits, heads, s_q", [(3, 5, 1), (8, 3, 2), (2, 20, 1)])
 def test_fused_merge_equals_the_row_kernel(triton_backend, kind, tensor_scale, num_splits, heads, s_q):
-    """combine="fused" (the last split program of each row block merges) gives the bits of the separate row merge,
+    """combine="fused" (the last split program of each row block merges) gives the bits of the separate row merge
+    under the interpreter (on the GPU the lse reductions' trees differ: test_kernel_matches_reference_gpu),
     for 1 and 2 row blocks (20 heads with BLOCK_M 16), a request of s_q tokens (most of its splits empty),
     NaN-poisoned outputs; called twice, and with kept counters, which it leaves 0."""
     dev = triton_backend
@@ -567,9 +568,13 @@ def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
-        if splits == 7:  # the fused merge ("auto" at 7 splits) against the separate row kernel: the same bits
-            o_rows, lse_rows = mla_decode(*args, num_splits=splits, combine="rows")
-            assert torch.equal(out, o_rows) and torch.equal(lse, lse_rows)
+        if splits == 7:  # the fused merge ("auto" at 7 splits) against the separate row kernel on the same
+            # partials (one config pinned: the tuner keys them apart); the merges sum their splits' weights in
+            # different reduction trees on the GPU, so fp32 rounding apart
+            cfg = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False)
+            o_f, lse_f = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert")
+            o_r, lse_r = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert", combine="rows")
+            assert rel_err(o_f.float(), o_r.float()) < 1e-3 and torch.allclose(lse_f, lse_r, atol=1e-5)
 
 
 @pytest.mark.gpu
