@@ -27,10 +27,11 @@ GEMV with a register double buffer (``gemv="prefetch"``, the default after the H
 without the double buffer (``gemv="planes"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1
 means that form beats the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of
 5a85563 and before are the double-buffered form when it was opt-in. There, too, rows ``int4_g32_unfused`` time
-the aligned decode path (``fused_moe(..., decode_fusion=False)``: ``moe_align``, the two GEMVs, the combine launch;
-the default ``int4_g32`` up to d57328e) against the default one (no align; the combine done by the down GEMV's
-last-arriving program of each token and tile; docs/moe.md "The decode path"): ``speedup_vs_int4_g32`` < 1 means
-the default is faster.
+the aligned decode path (``fused_moe(..., decode_fusion=False)``: ``moe_align``, the two GEMVs, the combine launch)
+and ``int4_g32_fused`` the fused one (``decode_fusion=True``: no align; the combine done by the down GEMV's
+last-arriving program of each token and tile; docs/moe.md "The decode path"); the default ``"auto"`` fuses at one
+token only (run of 1a54790, where the default fused at every GEMV token count: one token 76.1 vs 80.0 µs, 16 tokens
+994.6 vs 975.7). ``speedup_vs_int4_g32`` < 1 means the default is faster.
 
 Where the INT4 experts run on the tensor cores (``block_m`` > 1), ``int4_g32`` is the default plane tile
 (``int4_tile="planes"``: the words kept in their load layout, one dot per nibble plane; docs/moe.md "The INT4 plane
@@ -59,9 +60,9 @@ TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
 # row format -> fused_moe keywords, rows where block_m == 1 beside int4_g32 (the defaults: gemv="prefetch",
-# decode_fusion=True)
+# decode_fusion="auto": fused at one token)
 GEMV_FORMATS = {"int4_g32_tile": {"gemv": "tile"}, "int4_g32_planes": {"gemv": "planes"},
-                "int4_g32_unfused": {"decode_fusion": False}}
+                "int4_g32_unfused": {"decode_fusion": False}, "int4_g32_fused": {"decode_fusion": True}}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 

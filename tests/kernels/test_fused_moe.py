@@ -346,7 +346,7 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)), "the default"
 
 
-# --- the decode path (block_m == 1, decode_fusion=True, the default): no moe_align, the combine done in the down
+# --- the decode path (block_m == 1, decode_fusion=True; "auto" at one token): no moe_align, the combine done in the down
 # GEMV by the last program of each token and column tile to arrive; against the aligned path with its combine
 # launch (decode_fusion=False), which runs the same arithmetic per row and the same sum per token ---
 
@@ -399,6 +399,26 @@ def test_decode_fusion_equals_the_aligned_path(triton_backend, monkeypatch, toke
     assert_rel_close(got.cpu(), ref, 1e-5, what)
     if dropped:  # a token whose slots are all dropped gets exactly the shared output (or zero)
         assert torch.equal(got[0].cpu(), torch.zeros(hidden) if shared_out is None else shared_out[0].cpu()), what
+
+
+def test_decode_fusion_auto_fuses_one_token_only(triton_backend, monkeypatch):
+    """"auto" (the default) takes the fused path at FUSION_MAX_TOKENS (1) token and the aligned one above: seen by
+    whether moe_align runs (both paths give the same bits here, so only the launch tells them apart)."""
+    import mla_quant.kernels.fused_moe as F
+
+    dev, e = triton_backend, 4
+    gate, up, down = experts("int4_group", e, 64, 64, seed=3, device=dev)
+    calls = []
+    align = F.moe_align
+    monkeypatch.setattr(F, "moe_align", lambda *a, **kw: calls.append(a[0].shape[0]) or align(*a, **kw))
+    assert F.FUSION_MAX_TOKENS == 1
+    for tokens in (1, 2):
+        w, ids = routing(tokens, e, 2, seed=tokens, device=dev)
+        fused_moe(torch.randn(tokens, 64, device=dev), w, ids, gate, up, down, kind="int4_group", block_m=1)
+    assert calls == [2], "auto: no align at one token, the aligned path at two"
+    with pytest.raises(ValueError, match="decode_fusion"):
+        fused_moe(torch.randn(1, 64, device=dev), w[:1], ids[:1], gate, up, down, kind="int4_group",
+                  decode_fusion="yes")
 
 
 # every other block_m == 1 kernel form takes the decode path too: the INT4 planes without prefetch and the tile
