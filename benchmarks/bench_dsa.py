@@ -7,22 +7,18 @@ until one pass reads more than 3× the L2 cache.
 
 ``dsa_decode`` (one query token per request): the whole attention step after the projections — indexer
 scores over the ``ctx`` cached keys and top-k (``indexer_topk``: at ≤ 4 rows the scores kernel also counts the
-radix select's first digit and the select's other rounds run in one launch), sparse absorbed attention over
-the gathered rows (``sparse_mla_decode``) — timed as one CUDA-graph replay, against the dense ``mla_decode``
-(peer) at the same ``kv``, heads, batch and context.
+radix select's first digit), sparse absorbed attention over the gathered rows (``sparse_mla_decode``) — timed
+as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``kv``, heads, batch and context.
 Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer_us`` (indexer_scores only),
-``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_multilaunch_us`` /
-``index_topk_multilaunch_us`` (the same with ``one_launch=False``: one launch per radix round, the form before
-the one-launch select), ``multilaunch_step_us`` / ``multilaunch_ratio_vs_dense`` /
-``multilaunch_step_device_ops`` (the step with that form), ``topk_radix8_us`` / ``topk_radix11_us`` /
+``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
-RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103, one launch
-per round), ``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at
-64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
-``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in a
-CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and out
-(the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer) +
-2·H·topk·(576 + 512) (attention) per request.
+RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
+``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at 64k is
+≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
+``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in
+a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and
+out (the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer)
++ 2·H·topk·(576 + 512) (attention) per request.
 
 ``dsa_prefill`` (one chunk of ``tokens`` new tokens closing a ``ctx``-token request, BF16 KV as the prefill
 recipe keeps it): indexer scores of the chunk against every visible key, top-k, and the sparse absorbed
@@ -129,13 +125,6 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             def step(tb):
                 return attend(tb, index_topk(tb))
 
-            def index_topk_multi(tb):   # the radix rounds one launch each (the form before the one-launch select)
-                return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n,
-                                    one_launch=False)
-
-            def step_multi(tb):
-                return attend(tb, index_topk_multi(tb))
-
             def step_unfused(tb):
                 return attend(tb, topk_indices(index(tb), TOPK))
 
@@ -146,9 +135,6 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             reps = len(tables)
             t_step, captured = graph_us(lambda: [step(tb) for tb in tables], reps)
             t_unfused = _graph_us(lambda: [step_unfused(tb) for tb in tables], reps)
-            t_multi = _graph_us(lambda: [step_multi(tb) for tb in tables], reps)
-            t_index_topk_multi = _graph_us(lambda: [index_topk_multi(tb) for tb in tables], reps)
-            t_topk_multi = _graph_us(lambda: [topk_indices(scores, TOPK, one_launch=False) for _ in tables], reps)
             t_index = _graph_us(lambda: [index(tb) for tb in tables], reps)
             t_index_topk = _graph_us(lambda: [index_topk(tb) for tb in tables], reps)
             t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
@@ -156,8 +142,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                                                                         for _ in tables], reps), 3)
                           for name, kw in TOPK_VARIANTS}
             t_topk_alt["topk_radix11_block1024_us"] = round(_graph_us(     # the tile of commit ecce103
-                lambda: [_radix_topk(scores, TOPK, block=1024, radix_bits=11, one_launch=False) for _ in tables],
-                reps), 3)
+                lambda: [_radix_topk(scores, TOPK, block=1024, radix_bits=11) for _ in tables], reps), 3)
             t_sparse = _graph_us(lambda: [attend(tb, idx) for tb, idx in zip(tables, top)], reps)
             t_dense = _graph_us(lambda: [dense(tb) for tb in tables], reps)
             moved = batch * (n * INDEX_KEY_BYTES + min(TOPK, n) * row_bytes
@@ -170,11 +155,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                 sparse_us=round(t_sparse, 3), indexer_share=round(t_index_topk / t_step, 3),
                 ratio_vs_dense=round(t_step / t_dense, 3), unfused_step_us=round(t_unfused, 3),
                 unfused_ratio_vs_dense=round(t_unfused / t_dense, 3), **t_topk_alt,
-                multilaunch_step_us=round(t_multi, 3), multilaunch_ratio_vs_dense=round(t_multi / t_dense, 3),
-                index_topk_multilaunch_us=round(t_index_topk_multi, 3), topk_multilaunch_us=round(t_topk_multi, 3),
-                step_device_ops=_device_ops(lambda: step(tables[0])),
-                multilaunch_step_device_ops=_device_ops(lambda: step_multi(tables[0])), graph_captured=captured,
-                input_sets=reps))
+                step_device_ops=_device_ops(lambda: step(tables[0])), graph_captured=captured, input_sets=reps))
             del tables, top, scores
         del pool, scales, keys, key_scales
         torch.cuda.empty_cache()

@@ -286,10 +286,10 @@ def cases_indexer_scores() -> Iterator[Case]:
     table, lens = _table([65536])
     req, pos = torch.tensor([0], dtype=torch.int32), lens - 1
     cache = torch.zeros(table.numel(), PAGE, 128, dtype=FP8)
-    for fused, one_launch in ((True, None), (True, False), (False, None)):  # fused: the scores kernel counts the
-        yield (f"indexer_topk fused={fused} one_launch={one_launch}, 64k keys, top-2048",  # first radix digit
-               partial(indexer_topk, torch.zeros(1, 64, 128, dtype=FP8), torch.ones(1, 64), cache,
-                       torch.ones(table.numel(), PAGE), table, req, pos, 2048, fused=fused, one_launch=one_launch))
+    for fused in (True, False):  # fused: the scores kernel counts the radix select's first digit
+        yield f"indexer_topk fused={fused}, 64k keys, top-2048", partial(
+            indexer_topk, torch.zeros(1, 64, 128, dtype=FP8), torch.ones(1, 64), cache,
+            torch.ones(table.numel(), PAGE), table, req, pos, 2048, fused=fused)
 
 
 def cases_topk() -> Iterator[Case]:
@@ -299,9 +299,6 @@ def cases_topk() -> Iterator[Case]:
     for rows, n in ((1, 65536), (64, 8192)):                                      # the multi-program radix
         for bits in (8, 11):
             yield f"radix{bits} rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048, "radix", bits)
-    for rows, one_launch in ((1, True), (RADIX_MAX_ROWS, True), (1, False)):      # rounds + select in one launch
-        yield f"one_launch={one_launch} rows={rows} N=131072", partial(
-            topk_indices, torch.randn(rows, 131072), 2048, one_launch=one_launch)
 
 
 def cases_fp8_gemm() -> Iterator[Case]:

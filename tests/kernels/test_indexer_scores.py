@@ -236,12 +236,10 @@ def test_indexer_topk_hypothesis_lengths_around_k(triton_backend, n, dk, rows, p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [8192, 65536])
-@pytest.mark.parametrize("one_launch", [None, False])
-def test_gpu_indexer_topk_fused_glm_decode(n, one_launch):
+def test_gpu_indexer_topk_fused_glm_decode(n):
     """GLM 5.2 decode at batch 1: the fused path selects the top-2048 of the kernel's scores (the selected
     values equal the 2048 largest: the fused kernel's scores may differ from indexer_scores' in the last bit),
-    also when replayed from a CUDA graph with new queries; the select's rounds in one launch (default) or
-    one launch each."""
+    also when replayed from a CUDA graph with new queries."""
 
     def check(idx):
         scores = indexer_scores(*args)[0]
@@ -253,10 +251,10 @@ def test_gpu_indexer_topk_fused_glm_decode(n, one_launch):
     q, w, k_cache, k_scale, table, req, pos = decode_step([n], 64, FP8, 0, "cuda", heads=32, d=128)
     q = (q * 20).clamp(-448, 448).to(FP8)
     args = (q, w, k_cache, k_scale, table, req, pos)
-    check(indexer_topk(*args, 2048, one_launch=one_launch))
+    check(indexer_topk(*args, 2048))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        idx = indexer_topk(*args, 2048, one_launch=one_launch)
+        idx = indexer_topk(*args, 2048)
     q.copy_((torch.randn(q.shape, device="cuda") * 20).clamp(-448, 448).to(FP8))
     graph.replay()
     torch.cuda.synchronize()

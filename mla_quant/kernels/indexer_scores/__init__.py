@@ -88,24 +88,22 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
                  block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor, topk: int,
-                 max_ctx: int | None = None, validate: bool = False, fused: bool = True,
-                 one_launch: bool | None = None) -> torch.Tensor:
+                 max_ctx: int | None = None, validate: bool = False, fused: bool = True) -> torch.Tensor:
     """``topk_indices(indexer_scores(...), topk)``: int32 [T, min(topk, max_ctx)] logical key positions (-1
     unused, unordered). ``fused`` (Triton backend, rows the radix select serves under ``topk_indices``'s
     "auto", ``max_ctx > topk``): the scores kernel also counts the radix select's first digit, so the select
-    runs one histogram launch and one pass over the scores fewer (decode at small batch). ``one_launch``: the
-    select's remaining rounds in one kernel (``topk_indices``; None: on the GPU, not interpreted)."""
+    runs one histogram launch and one pass over the scores fewer (decode at small batch)."""
     n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate)
     t = q.shape[0]
     if not (fused and use_triton(q, k_cache) and 0 < t <= RADIX_MAX_ROWS and n > topk):
         return topk_indices(indexer_scores(q, weights, k_cache, k_scale, block_table, req_ids, positions, n),
-                            topk, one_launch=one_launch)
+                            topk)
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: {topk!r} must be a positive int")
     work = torch.zeros(t, work_ints(RADIX_BITS), dtype=torch.int32, device=q.device)
     shift, bits = rounds(RADIX_BITS)[0]
     scores = _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, work, shift, bits)
-    return radix_topk_from(scores, topk, work, rounds_done=1, one_launch=one_launch)
+    return radix_topk_from(scores, topk, work, rounds_done=1)
 
 
 def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hist=None, hist_shift=0,

@@ -6,11 +6,7 @@ order-preserving integer keys of the scores (``radix_bits`` 11: three rounds of 
 default; 8: four rounds of 8 bits, ~2.5x less histogram work per element for one launch more), then one select
 pass, each split over ``rows × chunks`` programs so that one row of 64k–128k spreads over the GPU (torch.topk
 measured 57 µs at one row of 64k with k = 2048 on the H200, 40 µs at 8k). One memset and NR + 1 kernels, no
-host sync — or, at ≤ ``RADIX_MAX_ROWS`` rows on the GPU (``one_launch=None``), one memset and ONE kernel: the
-rounds and the select in one launch of at most one program per SM, a barrier over each row's programs between
-rounds (``kernel.py``). The Triton interpreter runs programs one after another, where such a barrier would
-wait forever: interpreted, the multi-launch form runs (``one_launch=True`` raises unless one program serves
-each row, which the tests use). ``radix_topk_from`` continues a select whose first rounds another kernel counted
+host sync. ``radix_topk_from`` continues a select whose first rounds another kernel counted
 (``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
 
 Length threshold: a row with N ≤ k columns needs no selection (all of it is the answer) and takes one
@@ -31,14 +27,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import triton_interpreted, use_triton
+from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
 from .kernel import rounds, work_ints
 from .reference import topk_indices_reference
 
-__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "use_one_launch", "RADIX_MAX_ROWS",
-           "RADIX_MAX_ELEMENTS", "RADIX_BITS"]
+__all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_MAX_ROWS", "RADIX_MAX_ELEMENTS",
+           "RADIX_BITS"]
 
 RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measured, docstring)
 RADIX_MAX_ELEMENTS = 1 << 20  # ... and more rows while rows · N stays within this (64 rows of 8k: yes; of 64k: no)
@@ -47,15 +43,12 @@ RADIX_CHOICES = (8, 11)
 METHODS = ("auto", "radix", "torch")
 
 
-def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS,
-                 one_launch: bool | None = None) -> torch.Tensor:
+def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS) -> torch.Tensor:
     """scores [T, N] float -> int32 [T, min(k, N)] (unordered; -1 where the score is -inf). ``method``:
     ``"auto"`` (on the Triton backend the radix select for ≤ ``RADIX_MAX_ROWS`` rows or ≤ ``RADIX_MAX_ELEMENTS``
     scores, else torch.topk),
     ``"radix"`` (the Triton radix select whenever the backend is Triton) or ``"torch"``; ``radix_bits``: the
-    radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024);
-    ``one_launch``: the radix select's rounds and select in one kernel (None: on the GPU at ≤ ``RADIX_MAX_ROWS``
-    rows; False: one launch per round, as before; True: forced, GPU only)."""
+    radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024)."""
     check_tensor("scores", scores, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k: {k!r} must be a positive int")
@@ -69,17 +62,7 @@ def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits:
     radix = method == "radix" or (method == "auto" and (rows <= RADIX_MAX_ROWS or rows * n <= RADIX_MAX_ELEMENTS))
     if not use_triton(scores) or not radix:
         return topk_indices_reference(scores, k)
-    return _radix_topk(scores, k, radix_bits=radix_bits, one_launch=one_launch)
-
-
-def use_one_launch(rows: int, one_launch: bool | None) -> bool:
-    """Whether the radix select of ``rows`` rows runs in one launch (module docstring): ``one_launch`` if given,
-    else at ≤ ``RADIX_MAX_ROWS`` rows on the GPU — never by default under the interpreter, whose programs run one
-    after another (the first to reach a barrier its row's other programs have not reached would spin forever;
-    ``_radix_topk`` runs it there only with one program per row, for tests)."""
-    if one_launch is None:
-        return rows <= RADIX_MAX_ROWS and not triton_interpreted()
-    return bool(one_launch)
+    return _radix_topk(scores, k, radix_bits=radix_bits)
 
 
 def radix_block(rows: int, n: int, device: torch.device) -> int:
@@ -89,26 +72,23 @@ def radix_block(rows: int, n: int, device: torch.device) -> int:
     return 1024 if rows * triton.cdiv(n, 1024) >= 4 * num_sms(device) else 256
 
 
-def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int,
-                    one_launch: bool | None = None) -> torch.Tensor:
+def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int) -> torch.Tensor:
     """The radix select (``RADIX_BITS`` digits) of rows of N > k scores whose first ``rounds_done`` histogram
     rounds another kernel already counted into ``work`` (int32 [T, kernel.work_ints(RADIX_BITS)], zeroed before
-    it counted; ``indexer_topk`` fuses round 0 into the scores kernel). Triton backend only; ``one_launch`` as
-    in ``topk_indices``."""
+    it counted; ``indexer_topk`` fuses round 0 into the scores kernel). Triton backend only."""
     rows, n = scores.shape
     if n <= k or tuple(work.shape) != (rows, work_ints(RADIX_BITS)) or work.dtype != torch.int32:
         raise ValueError(f"work: int32 {(rows, work_ints(RADIX_BITS))} for N > k expected, got "
                          f"{work.dtype} {tuple(work.shape)} at N={n}, k={k}")
-    return _radix_topk(scores, k, work=work, rounds_done=rounds_done, one_launch=one_launch)
+    return _radix_topk(scores, k, work=work, rounds_done=rounds_done)
 
 
 def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: int | None = None,
                 out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
-                rounds_done: int = 0, one_launch: bool | None = None) -> torch.Tensor:
+                rounds_done: int = 0) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
-    (programs per row; one launch: capped so that rows · chunks ≤ the SM count) and ``out`` (int32
-    [T, min(k, N)], contiguous) are exposed for tests and the bench; ``work``/``rounds_done``: see
-    radix_topk_from; ``one_launch``: see topk_indices."""
+    (programs per row) and ``out`` (int32 [T, min(k, N)], contiguous) are exposed for tests and the bench;
+    ``work``/``rounds_done``: see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
     if out is None:
@@ -120,32 +100,18 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
         return out
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    from .kernel import _radix_fused_kernel, _radix_histogram_kernel, _radix_select_kernel
+    from .kernel import _radix_histogram_kernel, _radix_select_kernel
 
-    fused = use_one_launch(rows, one_launch)
-    sms = num_sms(scores.device)
-    if fused and rows > sms:
-        raise ValueError(f"one_launch: {rows} rows need more programs than the {sms} SMs (one per row at least)")
     block = block or radix_block(rows, n, scores.device)
     tiles = triton.cdiv(n, block)
     if chunks is None:                           # about four programs per SM over all rows
-        chunks = triton.cdiv(4 * sms, rows)
-    if fused:                                    # every program resident at once: at most one per SM
-        chunks = min(chunks, sms // rows)
+        chunks = triton.cdiv(4 * num_sms(scores.device), rows)
     tiles_per_chunk = triton.cdiv(tiles, max(1, min(chunks, tiles)))
     grid = (rows, triton.cdiv(tiles, tiles_per_chunk))
-    if fused and grid[1] > 1 and triton_interpreted():
-        raise ValueError("one_launch: the one-launch radix select runs several programs per row only on a GPU "
-                         "(under the Triton interpreter its row barrier would spin forever)")
     digits = rounds(radix_bits)
     width = work_ints(radix_bits)
     if work is None:
         work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
-    if fused:
-        _radix_fused_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
-                                  FIRST_ROUND=rounds_done, RADIX=radix_bits, NR=len(digits), BLOCK=block,
-                                  WORK=width, num_warps=4)
-        return out
     for r in range(rounds_done, len(digits)):
         _radix_histogram_kernel[grid](scores, scores.stride(0), work, n, kk, tiles_per_chunk, ROUND=r,
                                       RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)

@@ -19,18 +19,9 @@ first ``need`` keys == thr (in whatever order the programs claim them) to ``[k �
 its slots with one scalar atomic per class and places its elements by an exclusive prefix sum. All buffers
 have sizes fixed by the shape (no host sync, CUDA-graph safe).
 
-**One launch** (``_radix_fused_kernel``, few rows): the rounds and the select of the multi-launch form
-(``_radix_histogram_kernel`` × NR, ``_radix_select_kernel``: the same ``@triton.jit`` bodies,
-``_histogram_round`` and ``_select_pass``) in one program per (row, chunk), with a barrier over the row's
-programs after each round (``_row_barrier``: an arrival counter in the work row, monotone targets
-``chunks · j`` within the launch). A program spins until every program of its row has counted, so every
-program of the grid must be resident at once: the launcher gives the grid at most one program per SM.
-Under the Triton interpreter, which runs programs one after another, a spin would never end: the launcher
-takes the multi-launch form there.
-
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | count_gt | count_eq | arrivals]`` (``arrivals``: the one-launch form's barrier counter; a zeroed
-buffer serves one launch, as the histograms do).
+each) | count_gt | count_eq]``. ``_radix_histogram_kernel`` and ``_radix_select_kernel`` are thin wrappers over
+the ``@triton.jit`` helpers ``_histogram_round`` and ``_select_pass``.
 """
 import triton
 import triton.language as tl
@@ -51,8 +42,8 @@ def rounds(radix: int) -> tuple[tuple[int, int], ...]:
 
 
 def work_ints(radix: int) -> int:
-    """int32 per row of the work buffer: one 2^radix histogram per round, count_gt, count_eq, arrivals."""
-    return len(rounds(radix)) * (1 << radix) + 3
+    """int32 per row of the work buffer: one 2^radix histogram per round, count_gt, count_eq."""
+    return len(rounds(radix)) * (1 << radix) + 2
 
 
 @triton.jit
@@ -70,7 +61,7 @@ def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
     """The bin t holding the k-th largest of the counted keys (#keys in bins > t < k ≤ #keys in bins ≥ t)
     and k minus the keys above it."""
     b = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + b, cache_modifier=".cg")   # L2: the one-launch form reads what other SMs counted
+    h = tl.load(hist_ptr + b)
     at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     t = tl.max(tl.where(at_or_above >= k, b, -1), 0)
     above = tl.sum(tl.where(b > t, h, 0), 0)
@@ -135,26 +126,14 @@ def _select_pass(row_ptr, work, out, n, k, chunk, tiles_per_chunk, RADIX: tl.con
         value = tl.where(key == NEG_INF_KEY, -1, cols)
         above = (valid & (key > thr)).to(tl.int32)
         n_tile = tl.sum(above, 0)
-        base = tl.atomic_add(work + (WORK - 3), n_tile, mask=n_tile > 0, sem="relaxed")
+        base = tl.atomic_add(work + (WORK - 2), n_tile, mask=n_tile > 0, sem="relaxed")
         slot = base + tl.cumsum(above, 0) - above
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
         tied = (valid & (key == thr)).to(tl.int32)
         n_tile = tl.sum(tied, 0)
-        base = tl.atomic_add(work + (WORK - 2), n_tile, mask=n_tile > 0, sem="relaxed")
+        base = tl.atomic_add(work + (WORK - 1), n_tile, mask=n_tile > 0, sem="relaxed")
         rank = base + tl.cumsum(tied, 0) - tied
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
-
-
-@triton.jit
-def _row_barrier(count_ptr, target):
-    """Wait until ``target`` programs have arrived at ``count_ptr`` (this one included). The block's atomics
-    before it are issued (bar.sync), then one thread arrives with release semantics and spins on acquire
-    reads; the bar.sync after the loop holds the other threads until it saw the target."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel") + 1
-    while arrived < target:
-        arrived = tl.atomic_add(count_ptr, 0, sem="acquire")
-    tl.debug_barrier()
 
 
 @triton.jit
@@ -174,20 +153,3 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
     row = tl.program_id(0).to(tl.int64)
     _select_pass(scores_ptr + row * stride_row, work_ptr + row * WORK, out_ptr + row * stride_out, n, k,
                  tl.program_id(1), tiles_per_chunk, RADIX, NR, BLOCK, WORK)
-
-
-@triton.jit
-def _radix_fused_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
-                        FIRST_ROUND: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
-                        BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """Rounds ``FIRST_ROUND .. NR - 1`` and the select in one launch, a row barrier after each round (module
-    docstring). Grid (rows, chunks) with rows · chunks ≤ the SM count: every program resident at once."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    chunks = tl.num_programs(1)
-    row_ptr = scores_ptr + row * stride_row
-    work = work_ptr + row * WORK
-    for r in tl.static_range(FIRST_ROUND, NR):
-        _histogram_round(row_ptr, work, n, k, chunk, tiles_per_chunk, r, RADIX, NR, BLOCK)
-        _row_barrier(work + (WORK - 1), (r - FIRST_ROUND + 1) * chunks)
-    _select_pass(row_ptr, work, out_ptr + row * stride_out, n, k, chunk, tiles_per_chunk, RADIX, NR, BLOCK, WORK)
