@@ -11,7 +11,8 @@ FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: 
 fp16 dot operands, its candidates with and without the register prefetch) for both FP8 formats, and ``variant:
 "bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer timed), and
 ``"fp8mma"`` / ``"fp8mma_pv"`` / ``"fp8mma_pv_q1"`` for fp8_e4m3 (e4m3 tensor-core score dots, q rounded to e4m3
-in two terms or one; PV in fp16 or e4m3 — lossier, docs/mla.md "fp8 tensor-core dots"); peer =
+in two terms or one; PV in fp16 or e4m3 — lossier, docs/mla.md "fp8 tensor-core dots"; the two e4m3-PV ones not
+under ``--quick``); peer =
 the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs). Rows without a ``variant`` key
 time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
 Every row logs ``config``: the autotuner's choice for it (``mla_decode.tuned_config()``, e.g. ``m16n32w8s2p``).
@@ -117,10 +118,13 @@ def _try_variant(kind: str, variant: str, fn) -> tuple[bool, object]:
         return False, None
 
 
-def _variants(kind: str) -> list[str]:
-    """The fp8_dequant values timed besides "convert" for a KV format."""
-    return {"bf16": [], "fp8_e4m3": ["bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_pv_q1"],
-            "fp8_ds_mla": ["fp16"]}[kind]
+def _variants(kind: str, quick: bool = False) -> list[str]:
+    """The fp8_dequant values timed besides "convert" for a KV format. ``quick`` leaves out the e4m3 PV dots
+    (fp8mma_pv, fp8mma_pv_q1: 2-8x slower in every run since 71d17aa), each one more autotuning per shape: a
+    quick run outlasted a 495 s GPU stage twice in session 5, beside test workers."""
+    slow = ("fp8mma_pv", "fp8mma_pv_q1") if quick else ()
+    return [v for v in {"bf16": [], "fp8_e4m3": ["bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_pv_q1"],
+                        "fp8_ds_mla": ["fp16"]}[kind] if v not in slow]
 
 
 SPLIT_VARIANTS = (2, 8, 16)  # forced split counts for the BF16 short-context rows
@@ -136,7 +140,7 @@ def run(ctx: Context) -> list[dict]:
         pool, scales = _fill_pool(kind, num_pages, dev)
         _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev)
         live = {}
-        for variant in _variants(kind):
+        for variant in _variants(kind, ctx.quick):
             live[variant], _ = _try_variant(kind, variant, lambda: _tune_on_target_shapes(
                 pool, scales, kind, heads_list, num_pages, dev, fp8_dequant=variant))
         for heads, batch, n in itertools.product(heads_list, batches, contexts):
@@ -169,7 +173,7 @@ def run(ctx: Context) -> list[dict]:
             else:
                 peer, peer_t = "mla_decode_bf16", bf16_us.get((heads, batch, n))
             cases.append(row({}, t, peer, peer_t, num_splits=splits, config=config))
-            for variant in _variants(kind):  # the same shape with the other dequantizations, side by side
+            for variant in _variants(kind, ctx.quick):  # the same shape with the other dequantizations, side by side
                 if live[variant]:
                     live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
                         lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))
