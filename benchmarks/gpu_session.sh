@@ -17,7 +17,7 @@ if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site \
     && XDIST="-n ${TEST_WORKERS:-8} --dist loadfile"
 fi
-timeout "${TEST_TIMEOUT:-300}" python -m pytest -v -p no:cacheprovider $XDIST ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
+timeout -s INT -k 20 "${TEST_TIMEOUT:-300}" python -m pytest -v -p no:cacheprovider $XDIST ${2:-tests} >"$OUT/gpu_tests.log" 2>&1 \
   || true
 grep -cE " PASSED" "$OUT/gpu_tests.log"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 grep -E "(FAILED|ERROR)" "$OUT/gpu_tests.log" | grep -v "^E " | head -60

@@ -9,6 +9,8 @@
 #   them, $R = the results folder), GPU1_CMD (the same for GPU 1 after its benches); TEST_GPU=1 runs the tests on GPU 1 before the benches (TEST_TIMEOUT) instead of
 #   beside the fidelity run; STAGE_S bounds each parallel stage (seconds, default 540); BENCH_ARGS.
 #   Carry .whl (pytest-xdist, execnet) to spread the compile-bound test suite over the CPU cores.
+#   Test stages end with SIGINT (then SIGKILL 20 s later): pytest still prints the failures' tracebacks and the
+#   short summary of what ran, which a plain SIGTERM at the time limit lost (twice in session 5).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$(mktemp -d /tmp/session.XXXX)
@@ -38,7 +40,7 @@ if [ "${TESTS:-1}" = 1 ] && [ "${TEST_GPU:-0}" = 0 ]; then
   # GPU 0: the tests (TEST_TIMEOUT, default the stage), then the benches named in BENCH0 and the command GPU0_CMD
   # (e.g. a sweep) in what is left of the stage; their JSON goes to h200_gpu0.json
   (t0=$(date +%s)
-   CUDA_VISIBLE_DEVICES=0 timeout "${TEST_TIMEOUT:-$STAGE_S}" python -m pytest -v -p no:cacheprovider --tb=short \
+   CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 20 "${TEST_TIMEOUT:-$STAGE_S}" python -m pytest -v -p no:cacheprovider --tb=short \
      $XDIST ${2:-tests} >"$R/gpu_tests.log" 2>&1
    left=$(( STAGE_S - ($(date +%s) - t0) ))
    if [ -n "${BENCH0:-}" ] && [ "$left" -gt 10 ]; then
@@ -54,7 +56,7 @@ fi
 bench_s=$STAGE_S
 if [ "${TESTS:-1}" = 1 ] && [ "${TEST_GPU:-0}" = 1 ]; then  # tests first on GPU 1, then the benches alone there
   t0=$(date +%s)
-  CUDA_VISIBLE_DEVICES=1 timeout "${TEST_TIMEOUT:-150}" python -m pytest -v -p no:cacheprovider --tb=short $XDIST \
+  CUDA_VISIBLE_DEVICES=1 timeout -s INT -k 20 "${TEST_TIMEOUT:-150}" python -m pytest -v -p no:cacheprovider --tb=short $XDIST \
     ${2:-tests} >"$R/gpu_tests.log" 2>&1
   echo "tests: exit $? after $(( $(date +%s) - start ))s"
   bench_s=$(( STAGE_S - ($(date +%s) - t0) ))
