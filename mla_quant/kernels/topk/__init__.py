@@ -15,8 +15,7 @@ Length threshold: a row with N ≤ k columns needs no selection (all of it is th
 Row threshold: under ``method="auto"`` the radix select serves up to ``RADIX_MAX_ROWS`` rows (decode at small
 batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). With
 8-bit digits (the default since the H200 run of commit 2bed842) the select took 19.5 µs at one row of 64k
-(torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115).
-Measured on the H200 with k = 2048 and 11-bit digits
+(torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115). Measured on the H200 with k = 2048 and 11-bit digits
 (``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs
 per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows
@@ -112,9 +111,10 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
     width = work_ints(radix_bits)
     if work is None:
         work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
-    for r in range(rounds_done, len(digits)):
+    for r, (shift, bits) in list(enumerate(digits))[rounds_done:]:
         _radix_histogram_kernel[grid](scores, scores.stride(0), work, n, kk, tiles_per_chunk, ROUND=r,
-                                      RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
+                                      SHIFT=shift, BITS=bits, RADIX=radix_bits, NR=len(digits), BLOCK=block,
+                                      WORK=width, num_warps=4)
     _radix_select_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
                                RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
     return out

@@ -20,8 +20,7 @@ its slots with one scalar atomic per class and places its elements by an exclusi
 have sizes fixed by the shape (no host sync, CUDA-graph safe).
 
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | count_gt | count_eq]``. ``_radix_histogram_kernel`` and ``_radix_select_kernel`` are thin wrappers over
-the ``@triton.jit`` helpers ``_histogram_round`` and ``_select_pass``.
+each) | count_gt | count_eq]``.
 """
 import triton
 import triton.language as tl
@@ -93,31 +92,40 @@ def _load_keys(row_ptr, start, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _histogram_round(row_ptr, work, n, k, chunk, tiles_per_chunk, ROUND: tl.constexpr, RADIX: tl.constexpr,
-                     NR: tl.constexpr, BLOCK: tl.constexpr):
-    """Round ``ROUND`` of ``NR`` for one chunk of one row (``row_ptr``, its work row ``work``): histogram of the
-    round's digit over the keys matching the digits found before, added to the round's histogram. The digit
-    is ``RADIX`` bits below those (the last round: the bits left over), as ``rounds`` lists them."""
-    BITS: tl.constexpr = RADIX if ROUND < NR - 1 else 32 - ROUND * RADIX
-    SHIFT: tl.constexpr = 32 - ROUND * RADIX - BITS
+def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
+                            SHIFT: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
+                            BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """Round ``ROUND`` of ``NR`` (its digit is bits [SHIFT, SHIFT + BITS) of the key, counted in the round's
+    histogram of the work row): histogram of that digit over the keys matching the digits found before.
+    Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles of BLOCK columns."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = scores_ptr + row * stride_row
+    work = work_ptr + row * WORK
     prefix, rem = _descend(work, k, ROUND, RADIX, NR)
+    PREFIX_BITS: tl.constexpr = 32 - SHIFT - BITS
     acc = tl.zeros([1 << BITS], dtype=tl.int32)
     for i in range(0, tiles_per_chunk):
         cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
         u = key ^ SIGN                                   # unsigned-order bit pattern
         digit = (u >> SHIFT) & ((1 << BITS) - 1)
-        if ROUND > 0:
-            valid = valid & (((u >> (SHIFT + BITS)) & ((1 << (ROUND * RADIX)) - 1)) == prefix)
+        if PREFIX_BITS > 0:
+            valid = valid & (((u >> (SHIFT + BITS)) & ((1 << PREFIX_BITS) - 1)) == prefix)
         acc += tl.histogram(digit, 1 << BITS, mask=valid)
     bins = tl.arange(0, 1 << BITS)
     tl.atomic_add(work + ROUND * (1 << RADIX) + bins, acc, mask=acc > 0, sem="relaxed")
 
 
 @triton.jit
-def _select_pass(row_ptr, work, out, n, k, chunk, tiles_per_chunk, RADIX: tl.constexpr, NR: tl.constexpr,
-                 BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """Write one chunk's part of the selection: keys > threshold to slots [0, k - need), ``need`` keys ==
-    threshold after them; columns scoring -inf are written as -1."""
+def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
+                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """Write the selection: keys > threshold to slots [0, k - need), ``need`` keys == threshold after them;
+    columns scoring -inf are written as -1."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = scores_ptr + row * stride_row
+    work = work_ptr + row * WORK
+    out = out_ptr + row * stride_out
     thr_u, need = _descend(work, k, NR, RADIX, NR)
     thr = thr_u ^ SIGN
     n_above = k - need
@@ -134,22 +142,3 @@ def _select_pass(row_ptr, work, out, n, k, chunk, tiles_per_chunk, RADIX: tl.con
         base = tl.atomic_add(work + (WORK - 1), n_tile, mask=n_tile > 0, sem="relaxed")
         rank = base + tl.cumsum(tied, 0) - tied
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
-
-
-@triton.jit
-def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
-                            RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """One histogram round (``_histogram_round``). Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles
-    of BLOCK columns."""
-    row = tl.program_id(0).to(tl.int64)
-    _histogram_round(scores_ptr + row * stride_row, work_ptr + row * WORK, n, k, tl.program_id(1),
-                     tiles_per_chunk, ROUND, RADIX, NR, BLOCK)
-
-
-@triton.jit
-def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
-                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
-    """The select pass (``_select_pass``) after the last round. Grid (rows, chunks)."""
-    row = tl.program_id(0).to(tl.int64)
-    _select_pass(scores_ptr + row * stride_row, work_ptr + row * WORK, out_ptr + row * stride_out, n, k,
-                 tl.program_id(1), tiles_per_chunk, RADIX, NR, BLOCK, WORK)
