@@ -38,8 +38,7 @@ WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
 __all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS",
-           "FUSION_MAX_TOKENS",
-           "GEMV_FORMS", "INT4_TILE_FORMS"]
+           "GEMV_FORMS", "INT4_TILE_FORMS", "FUSION_MAX_TOKENS"]
 
 
 def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_group") -> int:
@@ -224,7 +223,6 @@ def fused_moe(
                   IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm, DIRECT=direct)
     if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
-    if planes:
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
     elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the gate-up
         tuned = moe_gemm_plane_tile_autotuned  # epilogue writes h so too)
