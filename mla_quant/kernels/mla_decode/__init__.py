@@ -161,9 +161,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``combine`` (Triton path, with more than one KV split): how the splits' partials are merged — ``"fused"`` (the
     last split program of each row block to finish merges them, in the decode kernel's epilogue: no merge launch),
     ``"rows"`` / ``"tiles"`` (a separate merge kernel, :func:`combine_splits`) or ``"auto"`` (default: fused up to
-    ``FUSED_MAX_SPLITS`` splits, tiles above; fused and rows give the same bits). ``counters`` (optional, fused
-    merge): int32 zeros, contiguous, at least B·⌈S·H/16⌉ entries, the arrival counters, which every launch leaves
-    at zero — a caller that keeps them saves the zeroing launch; without them each call zeroes fresh ones.
+    ``FUSED_MAX_SPLITS`` splits, tiles above; fused and rows do the same arithmetic — equal bits under the
+    interpreter, fp32 rounding apart on the GPU, where their lse sums reduce in other trees). ``counters``
+    (optional, fused merge): int32 zeros, contiguous, at least B·⌈S·H/16⌉ entries, the arrival counters, which
+    every launch leaves at zero — a caller that keeps them saves the zeroing launch; else each call zeroes new ones.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -290,7 +291,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     else:
         _mla_decode_kernel_tuned[grid](*args, **meta)
     if split and not fused:
-        combine_splits(o_dst, lse_dst, out, lse, "auto" if combine in ("auto", "fused") else combine)
+        combine_splits(o_dst, lse_dst, out, lse, combine)  # "auto" (above FUSED_MAX_SPLITS), "rows" or "tiles"
     return out, lse
 
 
