@@ -41,7 +41,8 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import FUSED_MAX_SPLITS, combine_splits, mla_decode, plan_num_splits, tuned_config
+from mla_quant.kernels.mla_decode import (FUSED_MAX_SPLITS, combine_splits, merge_counters, mla_decode,
+                                          plan_num_splits, tuned_config)
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -194,7 +195,7 @@ def run(ctx: Context) -> list[dict]:
                                           bytes=part_bytes, num_splits=splits, share_of_decode=round(t_c / t, 3)))
                     del o_part, lse_part, o_fin, lse_fin
                 if short and 1 < splits <= FUSED_MAX_SPLITS:  # the merge fused (default) vs its separate kernel
-                    kept = torch.zeros(batch * math.ceil(heads / 16), dtype=torch.int32, device=dev)
+                    kept = merge_counters(batch, 1, heads, dev)
                     for name, kw in (("combine=rows", dict(combine="rows")), ("kept_counters", dict(counters=kept))):
                         t_m = _graph_us(lambda: [call(q, tb, **kw) for q, tb in sets], len(sets))
                         cases.append(row({"variant": name}, t_m, peer, peer_t, num_splits=splits,

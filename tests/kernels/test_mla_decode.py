@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width, quantize_kv_rows
-from mla_quant.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_reference
+from mla_quant.kernels.mla_decode import choose_num_splits, merge_counters, mla_decode, mla_decode_reference
 from mla_quant.kernels.mla_decode.kernel import _load_e4m3_16
 from mla_quant.testing import assert_all_written, page_tables, poisoned_empty, ragged_lengths, rel_err, sqnr_db
 from tests.conftest import HAS_CUDA
@@ -453,7 +453,7 @@ def test_fused_merge_equals_the_row_kernel(triton_backend, kind, tensor_scale, n
     args = (q.to(dev), kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32).to(dev), 0.1, kind, 64)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
     o_rows, lse_rows = mla_decode(*args, num_splits=num_splits, config=cfg, combine="rows")
-    counters = torch.zeros(3 * triton.cdiv(s_q * heads, 16), dtype=torch.int32, device=dev)
+    counters = merge_counters(3, s_q, heads, dev)
     for kept in (None, counters, counters):
         out = poisoned_empty(o_rows.shape, dtype=o_rows.dtype, device=dev)
         lse = poisoned_empty(lse_rows.shape, device=dev)

@@ -21,7 +21,7 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
-           "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES", "FUSED_MAX_SPLITS"]
+           "gather_kv_rows", "tuned_config", "combine_splits", "merge_counters", "COMBINES", "FUSED_MAX_SPLITS"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -163,8 +163,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``"rows"`` / ``"tiles"`` (a separate merge kernel, :func:`combine_splits`) or ``"auto"`` (default: fused up to
     ``FUSED_MAX_SPLITS`` splits, tiles above; fused and rows do the same arithmetic — equal bits under the
     interpreter, fp32 rounding apart on the GPU, where their lse sums reduce in other trees). ``counters``
-    (optional, fused merge): int32 zeros, contiguous, at least B·⌈S·H/16⌉ entries, the arrival counters, which
-    every launch leaves at zero — a caller that keeps them saves the zeroing launch; else each call zeroes new ones.
+    (optional, fused merge): the arrival counters from :func:`merge_counters` (int32 zeros, at least B·⌈S·H/16⌉),
+    which every launch leaves at zero — a caller that keeps them saves the zeroing launch; else each call zeroes
+    new ones.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -189,7 +190,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                       counters=counters)
     if counters is not None:
         check_tensor("counters", counters, dtype=torch.int32, ndim=1, contiguous=True)
-        need = bsz * triton.cdiv(s_q * heads, 16)
+        need = _merge_counter_count(bsz, s_q, heads)
         if counters.numel() < need:
             raise ValueError(f"counters: {counters.numel()} entries, need {need} (B · ⌈S·H/16⌉)")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
@@ -213,6 +214,17 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
                               FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine, counters)
+
+
+def _merge_counter_count(batch: int, s_q: int, heads: int) -> int:
+    """Arrival counters of the fused merge: one per request and 16 query rows (the smallest BLOCK_M)."""
+    return batch * triton.cdiv(s_q * heads, 16)
+
+
+def merge_counters(batch: int, s_q: int, heads: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``mla_decode(..., counters=)`` at a batch / s_q / heads: a caller that keeps
+    them (every launch leaves them zero) saves the per-call zeroing launch."""
+    return torch.zeros(_merge_counter_count(batch, s_q, heads), dtype=torch.int32, device=device)
 
 
 def _auto_fp8_dequant(kind: str, q_dtype: torch.dtype, kv_data: torch.Tensor, rows: int, tokens: int) -> str:
@@ -269,7 +281,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     else:
         o_dst, lse_dst = out, lse
     if fused and counters is None:
-        counters = torch.zeros(bsz * triton.cdiv(m_rows, 16), dtype=torch.int32, device=q.device)
+        counters = merge_counters(bsz, s_q, heads, q.device)
     args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst, out, lse, counters if fused else lse,
             softmax_scale * math.log2(math.e), s_q, heads, num_splits,
             q.stride(0), q.stride(1), q.stride(2),
