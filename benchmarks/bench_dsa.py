@@ -13,7 +13,8 @@ Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer
 ``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
 RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
-``sparse_us``; ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at 64k is
+``sparse_us``, ``sparse_splits{8,16,32}_us`` (batch 1: the sparse attention with forced split counts; the
+planner gives 64 there); ``indexer_share`` (index_topk / step), ``ratio_vs_dense`` (step / dense; the goal at 64k is
 ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense`` (the step as scores → topk_indices → sparse),
 ``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in
 a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and
@@ -49,6 +50,7 @@ SCALE = 256 ** -0.5                   # GLM 5.2 softmax scale (no YaRN)
 INDEX_KEY_BYTES = IDX_DIM + 4         # e4m3 key + fp32 scale
 TOPK_VARIANTS = (("radix8", {"method": "radix", "radix_bits": 8}), ("radix11", {"method": "radix", "radix_bits": 11}),
                  ("torch", {"method": "torch"}))   # top-k paths timed alone on the step's scores
+SPARSE_SPLIT_VARIANTS = (8, 16, 32)   # forced sparse-attention split counts timed at batch 1
 
 
 def _fill_pools(kind: str, num_pages: int, dev: str):
@@ -138,12 +140,18 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             t_index = _graph_us(lambda: [index(tb) for tb in tables], reps)
             t_index_topk = _graph_us(lambda: [index_topk(tb) for tb in tables], reps)
             t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
+            t_sparse_alt = {}
             t_topk_alt = {f"topk_{name}_us": round(_graph_us(lambda: [topk_indices(scores, TOPK, **kw)
                                                                         for _ in tables], reps), 3)
                           for name, kw in TOPK_VARIANTS}
             t_topk_alt["topk_radix11_block1024_us"] = round(_graph_us(     # the tile of commit ecce103
                 lambda: [_radix_topk(scores, TOPK, block=1024, radix_bits=11) for _ in tables], reps), 3)
             t_sparse = _graph_us(lambda: [attend(tb, idx) for tb, idx in zip(tables, top)], reps)
+            if batch == 1:  # the sparse attention's split count at one request (latency-bound; planned: 64)
+                for splits in SPARSE_SPLIT_VARIANTS:
+                    t_sparse_alt[f"sparse_splits{splits}_us"] = round(_graph_us(lambda: [
+                        sparse_mla_decode(q_nope, q_pe, pool, scales, kind, tb, seq_lens, req_ids, idx, SCALE,
+                                          num_splits=splits) for tb, idx in zip(tables, top)], reps), 3)
             t_dense = _graph_us(lambda: [dense(tb) for tb in tables], reps)
             moved = batch * (n * INDEX_KEY_BYTES + min(TOPK, n) * row_bytes
                              + IDX_HEADS * IDX_DIM + heads * (2 * (D_LATENT + D_ROPE) + 2 * D_LATENT))
@@ -154,7 +162,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                 indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), index_topk_us=round(t_index_topk, 3),
                 sparse_us=round(t_sparse, 3), indexer_share=round(t_index_topk / t_step, 3),
                 ratio_vs_dense=round(t_step / t_dense, 3), unfused_step_us=round(t_unfused, 3),
-                unfused_ratio_vs_dense=round(t_unfused / t_dense, 3), **t_topk_alt,
+                unfused_ratio_vs_dense=round(t_unfused / t_dense, 3), **t_topk_alt, **t_sparse_alt,
                 step_device_ops=_device_ops(lambda: step(tables[0])), graph_captured=captured, input_sets=reps))
             del tables, top, scores
         del pool, scales, keys, key_scales

@@ -24,7 +24,8 @@ the first one — compare the batch-1 rows, 28–218 splits, with the previous r
 launcher fuses the merge into the decode kernel (2 to ``FUSED_MAX_SPLITS`` splits, ``combine="auto"``), those
 short rows also time ``variant: "combine=rows"`` (the separate row merge kernel, the default before) and
 ``"kept_counters"`` (the fused merge with arrival counters kept by the caller: no zeroing launch);
-``vs_default`` = (default µs) / (variant µs).
+``vs_default`` = (default µs) / (variant µs). ``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those
+formats, for a focused run.
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 
 import torch
@@ -128,6 +130,16 @@ def _variants(kind: str, quick: bool = False) -> list[str]:
                         "fp8_ds_mla": ["fp16"]}[kind] if v not in slow]
 
 
+def _kinds() -> tuple[str, ...]:
+    """The KV formats to time: all of KINDS, or those named in ``MLA_DECODE_KV`` (comma-separated) for a focused
+    run (the BF16 rows are the FP8 rows' peer, so an FP8 format alone has no peer)."""
+    names = tuple(k for k in os.environ.get("MLA_DECODE_KV", "").split(",") if k)
+    unknown = set(names) - set(KINDS)
+    if unknown:
+        raise ValueError(f"MLA_DECODE_KV: {sorted(unknown)} not in {KINDS}")
+    return names or KINDS
+
+
 SPLIT_VARIANTS = (2, 8, 16)  # forced split counts for the BF16 short-context rows
 
 
@@ -137,7 +149,7 @@ def run(ctx: Context) -> list[dict]:
     num_pages = max(batches) * max(contexts) // PAGE
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     cases, bf16_us = [], {}
-    for kind in KINDS:
+    for kind in _kinds():
         pool, scales = _fill_pool(kind, num_pages, dev)
         _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev)
         live = {}

@@ -3,8 +3,10 @@ goes beside what the bench rows say about the whole call.
 
     python -m benchmarks.profile_kernels [--out profile.json] [--reps 20]
 
-Cases: the fused MoE at one Kimi token (INT4 group 32 and FP8 block experts, 384 experts, top-8) and the dense
-W4A16 at M = 1 (2048 × 7168). Each call runs ``--reps`` times after a warm-up (eager launches: the gaps between
+Cases: the fused MoE at one Kimi token (INT4 group 32 and FP8 block experts, 384 experts, top-8), the dense
+W4A16 at M = 1 (2048 × 7168), the DSA decode step at one GLM 5.2 request of 64k (8 heads, fp8_ds_mla pages:
+indexer + top-k + sparse attention, the ``bench_dsa`` step) and the BF16 MLA decode at 16 heads, batch 64, 4k
+(the short-context bandwidth goal's shape). Each call runs ``--reps`` times after a warm-up (eager launches: the gaps between
 kernels are the host's and not reported; the kernel durations are the device's). Prints, per case, each
 kernel's mean µs per call and its share of the summed kernel time, and writes them as JSON.
 """
@@ -55,7 +57,44 @@ def cases(dev) -> dict:
     packed, scale = int4_quantize(torch.randn(2048, 7168, device=dev, dtype=torch.bfloat16) * 0.02, 32)
     x1 = torch.randn(1, 7168, device=dev, dtype=torch.bfloat16)
     out["w4a16 M=1 2048x7168"] = lambda: w4a16_gemm(x1, packed, scale, 32)
+    out["dsa_decode fp8_ds_mla 8h batch 1 64k"] = _dsa_step(dev)
+    out["mla_decode bf16 16h batch 64 4k"] = _mla_decode(dev)
     return out
+
+
+def _dsa_step(dev):
+    from mla_quant.kernels.indexer_scores import indexer_topk
+    from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
+
+    from .bench_dsa import D_LATENT, IDX_DIM, IDX_HEADS, PAGE, SCALE, TOPK, _fill_pools
+    n, heads, kind = 65536, 8, "fp8_ds_mla"
+    pool, scales, keys, key_scales = _fill_pools(kind, n // PAGE, dev)
+    table = torch.randperm(n // PAGE, device=dev).to(torch.int32)[None]
+    seq_lens = torch.full((1,), n, dtype=torch.int32, device=dev)
+    req_ids = torch.zeros(1, dtype=torch.int32, device=dev)
+    positions = torch.full((1,), n - 1, dtype=torch.int64, device=dev)
+    q_idx = torch.randn(1, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
+    w_idx = torch.rand(1, IDX_HEADS, device=dev)
+    q = torch.randn(1, heads, D_LATENT + 64, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        idx = indexer_topk(q_idx, w_idx, keys, key_scales, table, req_ids, positions, TOPK, n)
+        return sparse_mla_decode(q[..., :D_LATENT], q[..., D_LATENT:], pool, scales, kind, table, seq_lens,
+                                 req_ids, idx, SCALE)
+    return step
+
+
+def _mla_decode(dev):
+    from mla_quant.kernels.mla_decode import mla_decode
+
+    from .bench_mla_decode import D_LATENT, PAGE, SCALE, _fill_pool
+    batch, n, heads = 64, 4096, 16
+    pool, scales = _fill_pool("bf16", batch * n // PAGE, dev)
+    table = torch.randperm(batch * n // PAGE, device=dev).to(torch.int32).reshape(batch, -1)
+    seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, 1, heads, D_LATENT + 64, device=dev, dtype=torch.bfloat16)
+    return lambda: mla_decode(q, pool, scales, table, seq_lens, SCALE, "bf16", D_LATENT, max_seq_len=n,
+                              validate=False)
 
 
 def main(argv: list[str] | None = None) -> int:
