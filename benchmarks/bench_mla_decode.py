@@ -21,10 +21,9 @@ launcher's ``num_splits``), to see whether the split rule costs the short contex
 batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time the split merge kernels alone
 (``share_of_decode`` = its µs over the whole decode's; "tiles" is the launcher's merge since this commit, "rows"
 the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well). Where the
-launcher fuses the merge into the decode kernel (2 to ``FUSED_MAX_SPLITS`` splits, ``combine="auto"``), those
-short rows also time ``variant: "combine=rows"`` (the separate row merge kernel, the default before) and
-``"kept_counters"`` (the fused merge with arrival counters kept by the caller: no zeroing launch);
-``vs_default`` = (default µs) / (variant µs). ``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those
+launcher splits (2 to 8 splits; ``combine="auto"``, the separate merge), those short rows also time ``variant:
+"combine=fused"`` (the merge in the decode kernel's epilogue) and ``"kept_counters"`` (the fused merge with
+arrival counters kept by the caller: no zeroing launch); ``vs_default`` = (default µs) / (variant µs). ``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those
 formats, for a focused run.
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
@@ -43,7 +42,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import (FUSED_MAX_SPLITS, combine_splits, merge_counters, mla_decode,
+from mla_quant.kernels.mla_decode import (ROWS_MAX_SPLITS, combine_splits, merge_counters, mla_decode,
                                           plan_num_splits, tuned_config)
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
@@ -206,9 +205,10 @@ def run(ctx: Context) -> list[dict]:
                         cases.append(case("mla_decode", {**keys, "variant": f"combine_only_{merge}"}, t_c,
                                           bytes=part_bytes, num_splits=splits, share_of_decode=round(t_c / t, 3)))
                     del o_part, lse_part, o_fin, lse_fin
-                if short and 1 < splits <= FUSED_MAX_SPLITS:  # the merge fused (default) vs its separate kernel
+                if short and 1 < splits <= ROWS_MAX_SPLITS:  # the separate merge (default) vs the fused one
                     kept = merge_counters(batch, 1, heads, dev)
-                    for name, kw in (("combine=rows", dict(combine="rows")), ("kept_counters", dict(counters=kept))):
+                    for name, kw in (("combine=fused", dict(combine="fused")),
+                                     ("kept_counters", dict(combine="fused", counters=kept))):
                         t_m = _graph_us(lambda: [call(q, tb, **kw) for q, tb in sets], len(sets))
                         cases.append(row({"variant": name}, t_m, peer, peer_t, num_splits=splits,
                                          config=tuned_config(), vs_default=round(t / t_m, 3)))

@@ -460,7 +460,7 @@ def test_fused_merge_equals_the_row_kernel(triton_backend, kind, tensor_scale, n
         mla_decode(*args, num_splits=num_splits, config=cfg, combine="fused", counters=kept, out=out, lse=lse)
         assert torch.equal(out, o_rows) and torch.equal(lse, lse_rows)
     assert not counters.any(), "the last program of each row block resets its counter"
-    # "auto" fuses up to FUSED_MAX_SPLITS splits: the same bits
+    # "auto" (the separate merge: rows up to 8 splits): the same bits
     assert torch.equal(mla_decode(*args, num_splits=num_splits, config=cfg)[0], o_rows)
     with pytest.raises(ValueError, match="counters"):
         mla_decode(*args, num_splits=num_splits, config=cfg, counters=counters[:1])
