@@ -76,11 +76,12 @@ def _num_splits(t: int, head_blocks: int, k: int, block_n: int, device: torch.de
     return max(1, min(want, triton.cdiv(k, block_n)))
 
 
-def _block_n(k: int, splits: int, interpreted: bool) -> int:
-    """Gathered rows per step: 32, or 16 when a split holds fewer than 32 rows — one request's 2048 rows over
-    128 splits, the shortest chain of dependent loads at batch 1 (H200, 8 heads, 64k: 64 splits of 32 rows
-    13.1 µs, 32 splits 19.7, 16 splits 28.6: each program is a few DRAM round trips, not bandwidth)."""
-    return 16 if interpreted or triton.cdiv(k, splits) < 32 else 32
+def _min_rows(head_blocks: int) -> int:
+    """The fewest top-k rows per split: 16 when one head block covers the heads, else 32. A program is a few
+    dependent DRAM round trips at batch 1, so more splits help until their fp32 partials (heads × splits × 2 KB,
+    written and merged) cost more (H200, 64k, 2048 rows, run of 7e866b0: 8 heads 128 splits of 16 rows 11.1 µs,
+    64 of 32 12.9, 32 19.5; 64 heads 128 splits 33.3 µs, 64 20.7, 32 27.8)."""
+    return 16 if head_blocks == 1 else 32
 
 
 def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.Tensor,
@@ -108,8 +109,8 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
     dot_bf16 = q_nope.dtype != torch.float32 and not interpreted
     block_h = 16 if h <= 16 else 32
     head_blocks = triton.cdiv(h, block_h)
-    splits = min(num_splits or _num_splits(t, head_blocks, k, 16, q_nope.device), MAX_SPLITS)
-    block_n = _block_n(k, splits, interpreted)
+    splits = min(num_splits or _num_splits(t, head_blocks, k, _min_rows(head_blocks), q_nope.device), MAX_SPLITS)
+    block_n = 16 if interpreted or triton.cdiv(k, splits) < 32 else 32   # rows per step
     chunk = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
     splits = triton.cdiv(k, chunk)
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
