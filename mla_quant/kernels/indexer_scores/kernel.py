@@ -23,15 +23,17 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr
     tok = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_N
     offs_n = start + tl.arange(0, BLOCK_N)
+    # position, request, q and weights are loaded together, before the branch on the position: at one decode
+    # token the program is a chain of dependent DRAM round trips (position/request -> page -> keys -> store)
     limit = tl.load(pos_ptr + tok).to(tl.int32) + 1          # keys 0 .. position are visible
+    req = tl.load(req_ptr + tok).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=offs_h[:, None] < H, other=0.0)
+    w = tl.load(w_ptr + tok.to(tl.int64) * stride_wt + offs_h, mask=offs_h < H, other=0.0)
     out = out_ptr + tok.to(tl.int64) * stride_ot + offs_n
     if start < limit:
-        req = tl.load(req_ptr + tok).to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, D)
-        q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=offs_h[:, None] < H, other=0.0)
-        w = tl.load(w_ptr + tok.to(tl.int64) * stride_wt + offs_h, mask=offs_h < H, other=0.0)
         visible = offs_n < limit
         page = tl.load(bt_ptr + req * stride_bt + offs_n // PAGE_SIZE, mask=visible, other=0).to(tl.int64)
         visible = visible & (page >= 0)
