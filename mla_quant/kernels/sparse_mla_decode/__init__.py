@@ -136,7 +136,7 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
     grid = (t, head_blocks, splits)
     _sparse_mla_decode_kernel[grid](
         q_nope, q_pe, kv, scales, rope, block_table, seq_lens, req_ids, indices, o_buf, l_buf,
-        h, k, chunk, softmax_scale * 1.4426950408889634,
+        h, k, chunk, softmax_scale * 1.4426950408889634, block_table.shape[1],
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         indices.stride(0), o_buf.stride(0), o_buf.stride(1), o_split_stride, l_buf.stride(0), l_buf.stride(1),
         width, sc_row, rope_row,

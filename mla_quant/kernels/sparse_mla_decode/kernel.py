@@ -18,7 +18,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # globals read in @triton.jit code must 
 
 @triton.jit
 def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, sl_ptr, req_ptr, idx_ptr,
-                              o_ptr, lse_ptr, H, K, chunk, sm_scale_log2,
+                              o_ptr, lse_ptr, H, K, chunk, sm_scale_log2, max_pages,
                               stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_bt, stride_idx_t,
                               stride_o_t, stride_o_h, stride_o_s, stride_l_t, stride_l_h,
                               row_stride, sc_row_stride, rope_row_stride,
@@ -52,9 +52,11 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + tok * stride_idx_t + offs_n, mask=offs_n < end, other=-1)
-        valid = (idx >= 0) & (idx < seq_len)
-        page = tl.load(bt_ptr + req * stride_bt + idx // PAGE_SIZE, mask=valid, other=-1).to(tl.int64)
-        valid = valid & (page >= 0)
+        # the page lookup is bounded by the block table's width, not by seq_len, so it does not wait for the
+        # seq_len load (at batch 1 a program is a chain of dependent round trips: request -> page -> rows)
+        in_table = (idx >= 0) & (idx < max_pages * PAGE_SIZE)
+        page = tl.load(bt_ptr + req * stride_bt + idx // PAGE_SIZE, mask=in_table, other=-1).to(tl.int64)
+        valid = in_table & (idx < seq_len) & (page >= 0)
         row = page * PAGE_SIZE + idx % PAGE_SIZE
         lat = tl.load(kv_ptr + row[:, None] * row_stride + offs_l[None, :], mask=valid[:, None], other=0.0)
         if KIND == 3:  # e4m3 latent × one fp32 scale per 128-wide tile; bf16 rope after the scales
