@@ -1,12 +1,14 @@
 """topk_indices: the Triton radix select against the torch.topk reference, compared as selections (sets of
 columns whose values are the k largest, ties in any order), on random rows, exact ties, -inf tails, NaN,
-lengths around k, tiny tiles with many programs per row (the atomics), and real sizes on the GPU."""
+lengths around k, tiny tiles with many programs per row (the atomics), and real sizes on the GPU; both
+finishes of the 8-bit select (the candidate compact + finish kernels, the rounds + select pass), the candidate
+finish also with more candidates than its tile (tiny ``cand_block``)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_quant.kernels.topk import _radix_topk, topk_indices, topk_indices_reference
+from mla_quant.kernels.topk import FINISHES, _radix_topk, topk_indices, topk_indices_reference
 from tests.conftest import HAS_CUDA
 
 NEG_INF = float("-inf")
@@ -70,9 +72,8 @@ def test_reference_selection_around_k(k, n, rows, seed, causal, ties):
 def test_kernel_random_rows(triton_backend, rows, n, k):
     """Default tiles (1024 columns), several programs per row; odd lengths and k = 2048 near the row length."""
     scores = torch.randn(rows, n, device=triton_backend)
-    idx = topk_indices(scores, k)
-    selection_is_valid(scores, idx, k)
-    selection_is_valid(scores, radix(scores, k), k)
+    selection_is_valid(scores, radix(scores, k), k)                            # 8-bit digits, candidates
+    selection_is_valid(scores, radix(scores, k, finish="rounds"), k)
 
 
 def rows_of_kind(kind: str, rows: int, n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -95,25 +96,30 @@ def rows_of_kind(kind: str, rows: int, n: int, k: int, g: torch.Generator) -> to
         return x
     if kind == "narrow":            # every key shares its top 22 bits: only the last radix round separates them
         return 1.0 + torch.randint(0, 1024, (rows, n), generator=g).float() * 2.0 ** -23
+    if kind == "narrow_ties":       # the same in 8 levels: ties at the threshold below candidates above it
+        return 1.0 + torch.randint(0, 8, (rows, n), generator=g).float() * 2.0 ** -23
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "inf_tail", "all_masked", "specials", "narrow"])
+@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "inf_tail", "all_masked", "specials", "narrow",
+                                  "narrow_ties"])
 def test_kernel_hard_rows(triton_backend, kind):
     """Small tiles and many programs per row, so the histogram atomics and the slot counters are contended."""
     g = torch.Generator().manual_seed(1)
     k, n = 100, 777
     scores = rows_of_kind(kind, 4, n, k, g).to(triton_backend)
-    selection_is_valid(scores, radix(scores, k, block=64, chunks=5), k)               # 8-bit digits
+    selection_is_valid(scores, radix(scores, k, block=64, chunks=5, finish="rounds"), k)          # 8-bit digits
+    selection_is_valid(scores, radix(scores, k, block=64, chunks=5, cand_block=256), k)  # > 256 candidates: tiles
     selection_is_valid(scores, radix(scores, k, block=128, chunks=1, radix_bits=11), k)
 
 
+@pytest.mark.parametrize("finish", FINISHES)
 @pytest.mark.parametrize("n", [99, 100, 101])
-def test_kernel_lengths_around_k(triton_backend, n):
+def test_kernel_lengths_around_k(triton_backend, n, finish):
     """N = k - 1 and k take the no-selection path (every column); k + 1 the radix select."""
     scores = torch.randn(3, n, device=triton_backend)
     scores[1, 50:] = NEG_INF
-    idx = radix(scores, 100, block=32, chunks=3)
+    idx = radix(scores, 100, block=32, chunks=3, finish=finish)
     assert idx.shape == (3, min(100, n))
     selection_is_valid(scores, idx, 100)
 
@@ -136,16 +142,20 @@ def test_kernel_empty_batch(triton_backend):
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(k=st.integers(1, 40), n=st.integers(1, 300), rows=st.integers(1, 4), seed=st.integers(0, 2**16),
-       kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow"]),
-       block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]))
-def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits):
+       kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow", "narrow_ties"]),
+       block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]),
+       finish=st.sampled_from(FINISHES), cand_block=st.sampled_from([16, 64, 4096]))
+def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits, finish, cand_block):
+    """Both finishes at both digit widths (the candidate finish after two 11-bit rounds searches 10 low bits),
+    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         scores = torch.randn(rows, n, generator=g)
     else:
         scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
     scores = scores.to(triton_backend)
-    selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits), k)
+    selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits, finish=finish,
+                                     cand_block=cand_block), k)
 
 
 def test_bad_inputs():
@@ -161,6 +171,8 @@ def test_bad_inputs():
         topk_indices(torch.randn(2, 4), 3, method="sort")
     with pytest.raises(ValueError, match="radix_bits"):
         topk_indices(torch.randn(2, 4), 3, radix_bits=5)
+    with pytest.raises(ValueError, match="finish"):
+        topk_indices(torch.randn(2, 4), 3, finish="sort")
 
 
 # ------------------------------------------------------------------------------------------------ GPU only
@@ -189,12 +201,30 @@ def test_gpu_real_sizes(rows, n, bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "specials", "narrow"])
-@pytest.mark.parametrize("bits", [8, 11])
-def test_gpu_hard_rows_long(kind, bits):
+@pytest.mark.parametrize("finish", FINISHES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_decode_rows_both_finishes(rows, finish):
+    """DSA decode at batch 1-4 (rows of 64k, k = 2048), through topk_indices: the selected values are the
+    2048 largest."""
+    k = 2048
+    scores = realistic_scores(rows, 65536, seed=rows)
+    idx = topk_indices(scores, k, finish=finish)
+    selection_is_valid(scores, idx, k)
+    ref = topk_indices_reference(scores, k)
+    got_vals = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
+    want_vals = torch.where(ref >= 0, scores.gather(1, ref.clamp(min=0).long()), NEG_INF).sort(1).values
+    assert torch.equal(got_vals, want_vals)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "specials", "narrow", "narrow_ties"])
+@pytest.mark.parametrize("bits, finish", [(8, "candidates"), (8, "rounds"), (11, "rounds")])
+def test_gpu_hard_rows_long(kind, bits, finish):
+    """Ties (equal, binary, narrow, narrow_ties: 64k candidates, re-read in tiles by the candidate finish), NaN,
+    ±inf."""
     g = torch.Generator().manual_seed(2)
     scores = rows_of_kind(kind, 3, 65536, 2048, g).cuda()
-    selection_is_valid(scores, radix(scores, 2048, radix_bits=bits), 2048)
+    selection_is_valid(scores, radix(scores, 2048, radix_bits=bits, finish=finish), 2048)
 
 
 @pytest.mark.gpu
@@ -259,8 +289,61 @@ def test_radix_topk_from_checks_the_work_buffer():
         radix_topk_from(scores, 300, torch.zeros(2, work_ints(RADIX_BITS), dtype=torch.int32), 1)   # N <= k
 
 
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """kernel._order_key in torch, as the unsigned bit pattern (int64): the order of the scores, NaN largest."""
+    b = scores.float().view(torch.int32).masked_fill(scores.isnan(), 2**31 - 1).long()
+    return torch.where(b < 0, b ^ (2**31 - 1), b) + 2**31
+
+
+@pytest.mark.parametrize("kind", ["randn", "equal", "inf_tail", "specials"])
+@pytest.mark.parametrize("finish", FINISHES)
+def test_radix_topk_from_candidate_count(triton_backend, kind, finish):
+    """Through radix_topk_from (rounds_done = 0, work given): the candidate finish counts exactly the keys
+    whose top 16 bits equal the threshold's into count_cand (work[:, -3]) and runs no histogram round after
+    the second; the rounds finish leaves count_cand at 0."""
+    from mla_quant.kernels.topk import radix_topk_from
+    from mla_quant.kernels.topk.kernel import work_ints
+
+    g = torch.Generator().manual_seed(4)
+    k, n = 50, 400
+    scores = (torch.randn(4, n, generator=g) if kind == "randn" else rows_of_kind(kind, 4, n, k, g))
+    scores = scores.to(triton_backend)
+    work = torch.zeros(4, work_ints(8), dtype=torch.int32, device=triton_backend)
+    selection_is_valid(scores, radix_topk_from(scores, k, work, rounds_done=0, finish=finish), k)
+    top16 = order_keys(scores.cpu()) >> 16
+    thr16 = top16.topk(k, dim=1).values[:, -1:]
+    counts = work.cpu()[:, -3]
+    if finish == "candidates":
+        assert torch.equal(counts, (top16 == thr16).sum(1).int())
+        assert not work.cpu()[:, 2 * 256:4 * 256].any()
+    else:
+        assert not counts.any()
+
+
+@pytest.mark.parametrize("kind", ["equal", "narrow_ties"])
+@pytest.mark.parametrize("n", [63, 64, 65])
+def test_candidate_tile_boundary(triton_backend, kind, n):
+    """Every key is a candidate (equal: one value; narrow_ties: the top 22 bits shared, 8 values below):
+    c = N below, at and above a 64-candidate tile (registers vs tiles re-read per bit), several k."""
+    g = torch.Generator().manual_seed(n)
+    scores = rows_of_kind(kind, 3, n, 10, g).to(triton_backend)
+    for k in (1, 10, n - 1):
+        selection_is_valid(scores, radix(scores, k, block=32, chunks=2, finish="candidates", cand_block=64), k)
+
+
+def test_radix_topk_from_checks_finish():
+    from mla_quant.kernels.topk import RADIX_BITS, radix_topk_from
+    from mla_quant.kernels.topk.kernel import work_ints
+
+    work = torch.zeros(2, work_ints(RADIX_BITS), dtype=torch.int32)
+    with pytest.raises(ValueError, match="finish"):
+        radix_topk_from(torch.randn(2, 300), 10, work, 3, finish="candidates")   # past the candidate rounds
+    with pytest.raises(ValueError, match="finish"):
+        radix_topk_from(torch.randn(2, 300), 10, work, 1, finish="heap")
+
+
 def test_radix_digit_schedules_cover_32_bits():
     from mla_quant.kernels.topk.kernel import rounds, work_ints
 
     assert rounds(11) == ((21, 11), (10, 11), (0, 10)) and rounds(8) == ((24, 8), (16, 8), (8, 8), (0, 8))
-    assert work_ints(11) == 3 * 2048 + 2 and work_ints(8) == 4 * 256 + 2
+    assert work_ints(11) == 3 * 2048 + 3 and work_ints(8) == 4 * 256 + 3

@@ -2,24 +2,37 @@
 
 Backends (``_backend.use_triton``): the reference (``torch.topk(sorted=False)`` + one ``where``) on CPU tensors;
 on CUDA (or ``TRITON_INTERPRET=1``) a Triton radix select (``kernel.py``): histogram rounds over the
-order-preserving integer keys of the scores (``radix_bits`` 11: three rounds of 11, 11 and 10 bits, the
-default; 8: four rounds of 8 bits, ~2.5x less histogram work per element for one launch more), then one select
-pass, each split over ``rows × chunks`` programs so that one row of 64k–128k spreads over the GPU (torch.topk
-measured 57 µs at one row of 64k with k = 2048 on the H200, 40 µs at 8k). One memset and NR + 1 kernels, no
-host sync. ``radix_topk_from`` continues a select whose first rounds another kernel counted
-(``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
+order-preserving integer keys of the scores (``radix_bits`` 8: rounds of 8 bits, the default; 11: rounds of 11,
+11 and 10 bits, ~2.5x the histogram work per element for one launch fewer), each split over ``rows × chunks``
+programs so that one row of 64k–128k spreads over the GPU (torch.topk measured 57 µs at one row of 64k with
+k = 2048 on the H200, 40 µs at 8k). Two ways to finish (``finish``):
+
+- ``"rounds"`` (the default at 11 bits): every round (4 at 8 bits, 3 at 11) finds the exact threshold key, then
+  one select pass writes the selection. One memset and NR + 1 kernels.
+- ``"candidates"`` (the default at 8 bits): two rounds (the threshold's top bits P: 16 at 8 bits, 22 at 11),
+  then a compact pass (``rows × chunks`` programs) writes the keys above P and appends the keys in P's bin
+  (key, column) to a per-row candidate buffer (int32 [T, 2, N], allocated here: 1 GiB at 2048 rows of 64k,
+  which only ``method="radix"`` reaches), and a finish kernel (one program per row) finds the threshold among
+  the candidates bit by bit and writes the rest. One memset and 4 kernels; at one row of 64k it replaces
+  rounds 2-3 and the select pass (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by two launches
+  whose time is unmeasured on the GPU.
+
+No host sync either way (CUDA-graph safe). ``radix_topk_from`` continues a select whose first rounds another
+kernel counted (``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
 
 Length threshold: a row with N ≤ k columns needs no selection (all of it is the answer) and takes one
 ``where`` over an ``arange``.
 
 Row threshold: under ``method="auto"`` the radix select serves up to ``RADIX_MAX_ROWS`` rows (decode at small
 batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). With
-8-bit digits (the default since the H200 run of commit 2bed842) the select took 19.5 µs at one row of 64k
-(torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of 64k (115). Measured on the H200 with k = 2048 and 11-bit digits
-(``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
-64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs
-per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows
-at 64k and ~20 at 8k. The bench times 8-bit digits (``topk_radix8_us``) at the same shapes.
+8-bit digits (the default since the H200 run of commit 2bed842) and the rounds finish the select took 19.5 µs at
+one row of 64k (torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of
+64k (115). Measured on the H200 with k = 2048 and 11-bit digits (``benchmarks/bench_dsa.py``, ``topk_us``): one
+row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of
+64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs per 64k row (its per-element histogram work,
+docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows at 64k and ~20 at 8k. The bench times 8-bit
+digits (``topk_radix8_us``: the default finish; ``topk_radix8_rounds_us``: the rounds finish) at the same
+shapes.
 """
 from __future__ import annotations
 
@@ -29,25 +42,42 @@ import triton
 from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
-from .kernel import rounds, work_ints
+from .kernel import CAND_ROUNDS, rounds, work_ints
 from .reference import topk_indices_reference
 
 __all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_MAX_ROWS", "RADIX_MAX_ELEMENTS",
-           "RADIX_BITS"]
+           "RADIX_BITS", "FINISHES"]
 
 RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measured, docstring)
 RADIX_MAX_ELEMENTS = 1 << 20  # ... and more rows while rows · N stays within this (64 rows of 8k: yes; of 64k: no)
 RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of 2048 at every measured shape
 RADIX_CHOICES = (8, 11)
 METHODS = ("auto", "radix", "torch")
+FINISHES = ("candidates", "rounds")
+CAND_BLOCK = 4096   # candidates the finish kernel searches in registers (more: re-read in tiles of this size)
 
 
-def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS) -> torch.Tensor:
+def default_finish(radix_bits: int) -> str:
+    """The candidate finish for 8-bit digits, the rounds + select pass for 11 (kept as measured)."""
+    return "candidates" if radix_bits == 8 else "rounds"
+
+
+def _check_finish(finish: str | None, rounds_done: int = 0) -> None:
+    if finish is not None and finish not in FINISHES:
+        raise ValueError(f"finish: {finish!r} not in {FINISHES} (or None: the default of the digit width)")
+    if finish == "candidates" and rounds_done > CAND_ROUNDS:
+        raise ValueError(f"finish: 'candidates' follows {CAND_ROUNDS} rounds, {rounds_done} already done")
+
+
+def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits: int = RADIX_BITS,
+                 finish: str | None = None) -> torch.Tensor:
     """scores [T, N] float -> int32 [T, min(k, N)] (unordered; -1 where the score is -inf). ``method``:
     ``"auto"`` (on the Triton backend the radix select for ≤ ``RADIX_MAX_ROWS`` rows or ≤ ``RADIX_MAX_ELEMENTS``
     scores, else torch.topk),
     ``"radix"`` (the Triton radix select whenever the backend is Triton) or ``"torch"``; ``radix_bits``: the
-    radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024)."""
+    radix select's digit width (8: four histogram rounds of 256 bins; 11: three of 2048/2048/1024); ``finish``:
+    how the radix select ends (``"candidates"``: two rounds, then the candidate compact and finish kernels;
+    ``"rounds"``: every round, then the select pass; None: ``default_finish(radix_bits)``)."""
     check_tensor("scores", scores, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k: {k!r} must be a positive int")
@@ -57,11 +87,12 @@ def topk_indices(scores: torch.Tensor, k: int, method: str = "auto", radix_bits:
         raise ValueError(f"method: {method!r} not in {METHODS}")
     if radix_bits not in RADIX_CHOICES:
         raise ValueError(f"radix_bits: {radix_bits!r} not in {RADIX_CHOICES}")
+    _check_finish(finish)
     rows, n = scores.shape
     radix = method == "radix" or (method == "auto" and (rows <= RADIX_MAX_ROWS or rows * n <= RADIX_MAX_ELEMENTS))
     if not use_triton(scores) or not radix:
         return topk_indices_reference(scores, k)
-    return _radix_topk(scores, k, radix_bits=radix_bits)
+    return _radix_topk(scores, k, radix_bits=radix_bits, finish=finish)
 
 
 def radix_block(rows: int, n: int, device: torch.device) -> int:
@@ -71,23 +102,27 @@ def radix_block(rows: int, n: int, device: torch.device) -> int:
     return 1024 if rows * triton.cdiv(n, 1024) >= 4 * num_sms(device) else 256
 
 
-def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int) -> torch.Tensor:
-    """The radix select (``RADIX_BITS`` digits) of rows of N > k scores whose first ``rounds_done`` histogram
-    rounds another kernel already counted into ``work`` (int32 [T, kernel.work_ints(RADIX_BITS)], zeroed before
-    it counted; ``indexer_topk`` fuses round 0 into the scores kernel). Triton backend only."""
+def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int,
+                    finish: str | None = None) -> torch.Tensor:
+    """The radix select (``RADIX_BITS`` digits, ``finish`` as in topk_indices) of rows of N > k scores whose
+    first ``rounds_done`` histogram rounds another kernel already counted into ``work`` (int32
+    [T, kernel.work_ints(RADIX_BITS)], zeroed before it counted; ``indexer_topk`` fuses round 0 into the scores
+    kernel). Triton backend only."""
+    _check_finish(finish, rounds_done)
     rows, n = scores.shape
     if n <= k or tuple(work.shape) != (rows, work_ints(RADIX_BITS)) or work.dtype != torch.int32:
         raise ValueError(f"work: int32 {(rows, work_ints(RADIX_BITS))} for N > k expected, got "
                          f"{work.dtype} {tuple(work.shape)} at N={n}, k={k}")
-    return _radix_topk(scores, k, work=work, rounds_done=rounds_done)
+    return _radix_topk(scores, k, work=work, rounds_done=rounds_done, finish=finish)
 
 
 def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: int | None = None,
                 out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
-                rounds_done: int = 0) -> torch.Tensor:
+                rounds_done: int = 0, finish: str | None = None, cand_block: int = CAND_BLOCK) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
-    (programs per row) and ``out`` (int32 [T, min(k, N)], contiguous) are exposed for tests and the bench;
-    ``work``/``rounds_done``: see radix_topk_from."""
+    (programs per row), ``out`` (int32 [T, min(k, N)], contiguous) and ``cand_block`` (the finish kernel's
+    candidate tile, a power of two) are exposed for tests and the bench; ``work``/``rounds_done``/``finish``:
+    see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
     if out is None:
@@ -99,8 +134,9 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
         return out
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    from .kernel import _radix_histogram_kernel, _radix_select_kernel
+    from .kernel import _radix_compact_kernel, _radix_finish_kernel, _radix_histogram_kernel, _radix_select_kernel
 
+    finish = finish or default_finish(radix_bits)
     block = block or radix_block(rows, n, scores.device)
     tiles = triton.cdiv(n, block)
     if chunks is None:                           # about four programs per SM over all rows
@@ -111,10 +147,19 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
     width = work_ints(radix_bits)
     if work is None:
         work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
-    for r, (shift, bits) in list(enumerate(digits))[rounds_done:]:
+    counted = CAND_ROUNDS if finish == "candidates" else len(digits)
+    for r, (shift, bits) in list(enumerate(digits))[rounds_done:counted]:
         _radix_histogram_kernel[grid](scores, scores.stride(0), work, n, kk, tiles_per_chunk, ROUND=r,
                                       SHIFT=shift, BITS=bits, RADIX=radix_bits, NR=len(digits), BLOCK=block,
                                       WORK=width, num_warps=4)
-    _radix_select_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
-                               RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
+    if finish == "rounds":
+        _radix_select_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
+                                   RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
+        return out
+    cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
+    _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
+                                ROUNDS=CAND_ROUNDS, RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width,
+                                num_warps=4)
+    _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, ROUNDS=CAND_ROUNDS, RADIX=radix_bits,
+                                  NR=len(digits), WORK=width, CAND_BLOCK=cand_block, num_warps=4)
     return out

@@ -19,8 +19,21 @@ first ``need`` keys == thr (in whatever order the programs claim them) to ``[k �
 its slots with one scalar atomic per class and places its elements by an exclusive prefix sum. All buffers
 have sizes fixed by the shape (no host sync, CUDA-graph safe).
 
+Candidate finish (``_radix_compact_kernel`` + ``_radix_finish_kernel``, the launcher's ``finish="candidates"``):
+instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, once the threshold's top
+``2·RADIX`` bits P and ``need`` are known (16 bits at RADIX = 8, 22 at 11):
+1. compact (grid rows × chunks, like the select pass): keys whose top bits > P go to slots ``[0, k − need)``
+   (count_gt, as the select pass does for keys > thr); keys whose top bits == P are appended as (key, column)
+   to the row's candidate buffer (int32 keys and columns, capacity N, through count_cand).
+2. finish (grid (rows,), one program per row): the ``need``-th largest candidate key, found bit by bit over the
+   ``LOW = 32 − 2·RADIX`` remaining bits (set the bit, count candidates at or above, keep it if that count ≥
+   need), then the candidates above it and the first ``need − #above`` equal to it to slots ``[k − need, k)``.
+   Up to ``CAND_BLOCK`` candidates (the common case: only the keys of one 16-bit bin) are loaded once and
+   searched in registers; more (ties or a dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit:
+   slow but exact. Unmeasured on the GPU.
+
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | count_gt | count_eq]``.
+each) | count_cand | count_gt | count_eq]``.
 """
 import triton
 import triton.language as tl
@@ -28,6 +41,7 @@ import triton.language as tl
 SIGN = tl.constexpr(-2 ** 31)               # 0x80000000 as int32
 LOW31 = tl.constexpr(2 ** 31 - 1)           # 0x7FFFFFFF
 NEG_INF_KEY = tl.constexpr(-2 ** 31 + 0x7FFFFF)   # _order_key(-inf), signed form
+CAND_ROUNDS = 2                             # histogram rounds before the candidate finish (host side)
 
 
 def rounds(radix: int) -> tuple[tuple[int, int], ...]:
@@ -41,8 +55,8 @@ def rounds(radix: int) -> tuple[tuple[int, int], ...]:
 
 
 def work_ints(radix: int) -> int:
-    """int32 per row of the work buffer: one 2^radix histogram per round, count_gt, count_eq."""
-    return len(rounds(radix)) * (1 << radix) + 2
+    """int32 per row of the work buffer: one 2^radix histogram per round, count_cand, count_gt, count_eq."""
+    return len(rounds(radix)) * (1 << radix) + 3
 
 
 @triton.jit
@@ -142,3 +156,98 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
         base = tl.atomic_add(work + (WORK - 1), n_tile, mask=n_tile > 0, sem="relaxed")
         rank = base + tl.cumsum(tied, 0) - tied
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
+
+
+@triton.jit
+def _claim_slots(counter_ptr, flags):
+    """Slots for the flagged lanes of a tile in a list shared by many programs: one atomic claims the tile's
+    run at the list's end, an exclusive prefix sum places each lane in it."""
+    n_tile = tl.sum(flags, 0)
+    base = tl.atomic_add(counter_ptr, n_tile, mask=n_tile > 0, sem="relaxed")
+    return base + tl.cumsum(flags, 0) - flags
+
+
+@triton.jit
+def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
+                          tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
+                          BLOCK: tl.constexpr, WORK: tl.constexpr):
+    """After the first ROUNDS (= CAND_ROUNDS) rounds (the threshold's top KNOWN bits P): keys whose top bits > P
+    to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
+    int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass."""
+    KNOWN: tl.constexpr = ROUNDS * RADIX
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = scores_ptr + row * stride_row
+    work = work_ptr + row * WORK
+    out = out_ptr + row * stride_out
+    cand_keys = cand_ptr + row * 2 * n
+    prefix, need = _descend(work, k, ROUNDS, RADIX, NR)
+    n_above = k - need
+    for i in range(0, tiles_per_chunk):
+        cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
+        value = tl.where(key == NEG_INF_KEY, -1, cols)
+        top = ((key ^ SIGN) >> (32 - KNOWN)) & ((1 << KNOWN) - 1)
+        above = (valid & (top > prefix)).to(tl.int32)
+        slot = _claim_slots(work + (WORK - 2), above)
+        tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
+        tied = (valid & (top == prefix)).to(tl.int32)
+        slot = _claim_slots(work + (WORK - 3), tied)
+        tl.store(cand_keys + slot, key, mask=tied > 0)
+        tl.store(cand_keys + n + slot, value, mask=tied > 0)
+
+
+@triton.jit
+def _candidate_low_bits(keys_ptr, offs, c, LOW: tl.constexpr):
+    """The low LOW bits of candidates ``offs`` (unsigned-order, so their order is the keys' order); -1 past c."""
+    valid = offs < c
+    key = tl.load(keys_ptr + offs, mask=valid, other=0)
+    return tl.where(valid, (key ^ SIGN) & ((1 << LOW) - 1), -1)
+
+
+@triton.jit
+def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr):
+    """How many of the c candidates have low bits ≥ t, reading them in tiles of CAND_BLOCK."""
+    count = tl.zeros([], dtype=tl.int32)
+    for start in range(0, c, CAND_BLOCK):
+        low = _candidate_low_bits(keys_ptr, start + tl.arange(0, CAND_BLOCK), c, LOW)
+        count += tl.sum((low >= t).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
+                         NR: tl.constexpr, WORK: tl.constexpr, CAND_BLOCK: tl.constexpr):
+    """Slots [k - need, k) of each row from its candidates: those above the need-th largest candidate key, then
+    as many equal to it as still needed. Grid (rows,)."""
+    LOW: tl.constexpr = 32 - ROUNDS * RADIX     # key bits below the ROUNDS digits found
+    row = tl.program_id(0).to(tl.int64)
+    work = work_ptr + row * WORK
+    out = out_ptr + row * stride_out
+    cand_keys = cand_ptr + row * 2 * n
+    _, need = _descend(work, k, ROUNDS, RADIX, NR)
+    c = tl.load(work + (WORK - 3))
+    offs = tl.arange(0, CAND_BLOCK)
+    thr = tl.zeros([], dtype=tl.int32)          # the threshold's low bits, found from the top bit down
+    if c <= CAND_BLOCK:                         # one tile: load once, search in registers
+        low = _candidate_low_bits(cand_keys, offs, c, LOW)
+        for b in tl.static_range(LOW):
+            t = thr | (1 << (LOW - 1 - b))
+            thr = tl.where(tl.sum((low >= t).to(tl.int32), 0) >= need, t, thr)
+        n_gt = tl.sum((low > thr).to(tl.int32), 0)
+    else:                                       # many candidates (ties, a dense bin): one read of all per bit
+        for b in range(LOW):
+            t = thr | (1 << (LOW - 1 - b))
+            thr = tl.where(_count_at_least(cand_keys, c, t, LOW, CAND_BLOCK) >= need, t, thr)
+        n_gt = _count_at_least(cand_keys, c, thr + 1, LOW, CAND_BLOCK)
+    gt_slot = k - need                          # candidates > thr: n_gt < need of them
+    eq_rank = tl.zeros([], dtype=tl.int32)      # candidates == thr: the first need - n_gt are taken
+    for start in range(0, c, CAND_BLOCK):
+        low_t = _candidate_low_bits(cand_keys, start + offs, c, LOW)
+        value = tl.load(cand_keys + n + start + offs, mask=start + offs < c)
+        gt = (low_t > thr).to(tl.int32)
+        tl.store(out + gt_slot + tl.cumsum(gt, 0) - gt, value, mask=gt > 0)
+        tied = (low_t == thr).to(tl.int32)
+        rank = eq_rank + tl.cumsum(tied, 0) - tied
+        tl.store(out + (k - need + n_gt) + rank, value, mask=(tied > 0) & (rank < need - n_gt))
+        gt_slot += tl.sum(gt, 0)
+        eq_rank += tl.sum(tied, 0)
