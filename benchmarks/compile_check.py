@@ -297,8 +297,9 @@ def cases_topk() -> Iterator[Case]:
     for rows, n in ((1, 65536), (RADIX_MAX_ROWS, 8192), (64, 8192), (3, 3001)):  # "auto"
         yield f"rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048)
     for rows, n in ((1, 65536), (64, 8192)):                                      # the multi-program radix
-        for bits in (8, 11):
-            yield f"radix{bits} rows={rows} N={n}", partial(topk_indices, torch.randn(rows, n), 2048, "radix", bits)
+        for bits, finish in ((8, "candidates"), (8, "rounds"), (11, "rounds")):
+            yield f"radix{bits} {finish} rows={rows} N={n}", partial(
+                topk_indices, torch.randn(rows, n), 2048, "radix", bits, finish)
 
 
 def cases_fp8_gemm() -> Iterator[Case]:
