@@ -12,7 +12,8 @@ as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``
 Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer_us`` (indexer_scores only),
 ``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
-RADIX_BITS), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
+RADIX_BITS), ``topk_radix8_rounds_us`` (8-bit digits, the rounds + select finish instead of the candidate one),
+``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
 ``sparse_us``, ``sparse_splits{16,32,64,128}_us`` (batch 1: the sparse attention with forced split counts;
 the planner gives 128 of 16 rows at ≤ 16 heads, 64 above); ``indexer_share`` (index_topk / step),
 ``ratio_vs_dense`` (step / dense; the goal at 64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense``
@@ -50,6 +51,7 @@ NOPE, V = 192, 256                    # GLM 5.2 qk_nope_head_dim / v_head_dim (t
 SCALE = 256 ** -0.5                   # GLM 5.2 softmax scale (no YaRN)
 INDEX_KEY_BYTES = IDX_DIM + 4         # e4m3 key + fp32 scale
 TOPK_VARIANTS = (("radix8", {"method": "radix", "radix_bits": 8}), ("radix11", {"method": "radix", "radix_bits": 11}),
+                 ("radix8_rounds", {"method": "radix", "radix_bits": 8, "finish": "rounds"}),
                  ("torch", {"method": "torch"}))   # top-k paths timed alone on the step's scores
 SPARSE_SPLIT_VARIANTS = (16, 32, 64, 128)  # forced sparse-attention split counts timed at batch 1
 
