@@ -298,9 +298,10 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["randn", "equal", "inf_tail", "specials"])
 @pytest.mark.parametrize("finish", FINISHES)
 def test_radix_topk_from_candidate_count(triton_backend, kind, finish):
-    """Through radix_topk_from (rounds_done = 0, work given): the candidate finish counts exactly the keys
-    whose top 16 bits equal the threshold's into count_cand (work[:, -3]) and runs no histogram round after
-    the second; the rounds finish leaves count_cand at 0."""
+    """Through radix_topk_from (rounds_done = 0, work given): the candidate finish counts exactly the finite
+    keys whose top 16 bits equal the threshold's into count_cand (work[:, -3]; -inf keys are never listed, so
+    a causally masked row whose threshold is -inf lists none of its masked columns) and runs no histogram round
+    after the second; the rounds finish leaves count_cand at 0."""
     from mla_quant.kernels.topk import radix_topk_from
     from mla_quant.kernels.topk.kernel import work_ints
 
@@ -314,7 +315,9 @@ def test_radix_topk_from_candidate_count(triton_backend, kind, finish):
     thr16 = top16.topk(k, dim=1).values[:, -1:]
     counts = work.cpu()[:, -3]
     if finish == "candidates":
-        assert torch.equal(counts, (top16 == thr16).sum(1).int())
+        assert torch.equal(counts, ((top16 == thr16) & (scores.cpu() > NEG_INF)).sum(1).int())
+        if kind == "inf_tail":  # the row of k - 1 visible scores: threshold -inf, no candidate
+            assert counts[0] == 0
         assert not work.cpu()[:, 2 * 256:4 * 256].any()
     else:
         assert not counts.any()

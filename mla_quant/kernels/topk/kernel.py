@@ -24,10 +24,13 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
 ``2·RADIX`` bits P and ``need`` are known (16 bits at RADIX = 8, 22 at 11):
 1. compact (grid rows × chunks, like the select pass): keys whose top bits > P go to slots ``[0, k − need)``
    (count_gt, as the select pass does for keys > thr); keys whose top bits == P are appended as (key, column)
-   to the row's candidate buffer (int32 keys and columns, capacity N, through count_cand).
+   to the row's candidate buffer (int32 keys and columns, capacity N, through count_cand) — except keys of
+   -inf, whose columns come out as -1 whichever of them is chosen: a causally masked row (a short request in a
+   long batch) would otherwise list all its masked columns.
 2. finish (grid (rows,), one program per row): the ``need``-th largest candidate key, found bit by bit over the
    ``LOW = 32 − 2·RADIX`` remaining bits (set the bit, count candidates at or above, keep it if that count ≥
-   need), then the candidates above it and the first ``need − #above`` equal to it to slots ``[k − need, k)``.
+   need), then the candidates above it and the first ``need − #above`` equal to it to slots ``[k − need, k)``;
+   with fewer than ``need`` candidates, all of them and -1 for the rest.
    Up to ``CAND_BLOCK`` candidates (the common case: only the keys of one 16-bit bin) are loaded once and
    searched in registers; more (ties or a dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit:
    slow but exact. Unmeasured on the GPU.
@@ -190,7 +193,7 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
         above = (valid & (top > prefix)).to(tl.int32)
         slot = _claim_slots(work + (WORK - 2), above)
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
-        tied = (valid & (top == prefix)).to(tl.int32)
+        tied = (valid & (top == prefix) & (key != NEG_INF_KEY)).to(tl.int32)   # -inf: no candidate (below)
         slot = _claim_slots(work + (WORK - 3), tied)
         tl.store(cand_keys + slot, key, mask=tied > 0)
         tl.store(cand_keys + n + slot, value, mask=tied > 0)
@@ -251,3 +254,5 @@ def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: 
         tl.store(out + (k - need + n_gt) + rank, value, mask=(tied > 0) & (rank < need - n_gt))
         gt_slot += tl.sum(gt, 0)
         eq_rank += tl.sum(tied, 0)
+    for start in range(c, need, CAND_BLOCK):    # fewer finite candidates than needed: the rest score -inf
+        tl.store(out + (k - need) + start + offs, -1, mask=start + offs < need)
