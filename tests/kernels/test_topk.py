@@ -297,14 +297,25 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["randn", "equal", "inf_tail", "specials"])
 @pytest.mark.parametrize("finish", FINISHES)
-def test_radix_topk_from_candidate_count(triton_backend, kind, finish):
+def test_radix_topk_from_candidate_count(triton_backend, monkeypatch, kind, finish):
     """Through radix_topk_from (rounds_done = 0, work given): the candidate finish counts exactly the finite
-    keys whose top 16 bits equal the threshold's into count_cand (work[:, -3]; -inf keys are never listed, so
-    a causally masked row whose threshold is -inf lists none of its masked columns) and runs no histogram round
-    after the second; the rounds finish leaves count_cand at 0."""
-    from mla_quant.kernels.topk import radix_topk_from
+    keys whose top 16 bits equal the threshold's into count_cand (work[:, -3], as the finish kernel receives it;
+    -inf keys are never listed, so a causally masked row whose threshold is -inf lists none of its masked
+    columns), runs no histogram round after the second, and leaves the work buffer zero — so a kept buffer
+    serves the next call; the rounds finish leaves count_cand at 0."""
+    from mla_quant.kernels.topk import kernel, radix_topk_from
     from mla_quant.kernels.topk.kernel import work_ints
 
+    seen, launch_finish = [], kernel._radix_finish_kernel
+
+    class Spy:  # the finish kernel's launch, with a copy of the work buffer it is handed
+        def __getitem__(self, grid):
+            def launch(work, *args, **kwargs):
+                seen.append(work.cpu().clone())
+                return launch_finish[grid](work, *args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernel, "_radix_finish_kernel", Spy())
     g = torch.Generator().manual_seed(4)
     k, n = 50, 400
     scores = (torch.randn(4, n, generator=g) if kind == "randn" else rows_of_kind(kind, 4, n, k, g))
@@ -313,14 +324,16 @@ def test_radix_topk_from_candidate_count(triton_backend, kind, finish):
     selection_is_valid(scores, radix_topk_from(scores, k, work, rounds_done=0, finish=finish), k)
     top16 = order_keys(scores.cpu()) >> 16
     thr16 = top16.topk(k, dim=1).values[:, -1:]
-    counts = work.cpu()[:, -3]
     if finish == "candidates":
+        counts = seen[0][:, -3]
         assert torch.equal(counts, ((top16 == thr16) & (scores.cpu() > NEG_INF)).sum(1).int())
         if kind == "inf_tail":  # the row of k - 1 visible scores: threshold -inf, no candidate
             assert counts[0] == 0
-        assert not work.cpu()[:, 2 * 256:4 * 256].any()
+        assert not seen[0][:, 2 * 256:4 * 256].any()
+        assert not work.cpu().any(), "the finish kernel clears the work buffer"
+        selection_is_valid(scores, radix_topk_from(scores, k, work, rounds_done=0, finish=finish), k)  # kept
     else:
-        assert not counts.any()
+        assert not seen and not work.cpu()[:, -3].any()
 
 
 @pytest.mark.parametrize("kind", ["equal", "narrow_ties"])

@@ -13,9 +13,10 @@ k = 2048 on the H200, 40 µs at 8k). Two ways to finish (``finish``):
   then a compact pass (``rows × chunks`` programs) writes the keys above P and appends the keys in P's bin
   (key, column) to a per-row candidate buffer (int32 [T, 2, N], allocated here: 1 GiB at 2048 rows of 64k,
   which only ``method="radix"`` reaches), and a finish kernel (one program per row) finds the threshold among
-  the candidates bit by bit and writes the rest. One memset and 4 kernels; at one row of 64k it replaces
-  rounds 2-3 and the select pass (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by two launches
-  whose time is unmeasured on the GPU.
+  the candidates bit by bit, writes the rest and clears the row's work buffer. One memset (none with a kept
+  work buffer: ``radix_topk_from``) and 4 kernels; at one row of 64k it replaces rounds 2-3 and the select pass
+  (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by the compact pass (3.9 µs, run of 0c89a4d+1) and
+  the finish (15.9 µs in that run as 4 warps over 4096-candidate tiles; now one warp over 1024: unmeasured).
 
 No host sync either way (CUDA-graph safe). ``radix_topk_from`` continues a select whose first rounds another
 kernel counted (``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
@@ -54,7 +55,9 @@ RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of
 RADIX_CHOICES = (8, 11)
 METHODS = ("auto", "radix", "torch")
 FINISHES = ("candidates", "rounds")
-CAND_BLOCK = 4096   # candidates the finish kernel searches in registers (more: re-read in tiles of this size)
+# candidates the finish kernel (one warp) searches in registers, more are re-read in tiles of this size; its first
+# form (4096 over 4 warps: 16 block-wide sums in a row, each a barrier) took 15.9 µs of a 36.5 µs DSA step (H200)
+CAND_BLOCK = 1024
 
 
 def default_finish(radix_bits: int) -> str:
@@ -107,7 +110,8 @@ def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_don
     """The radix select (``RADIX_BITS`` digits, ``finish`` as in topk_indices) of rows of N > k scores whose
     first ``rounds_done`` histogram rounds another kernel already counted into ``work`` (int32
     [T, kernel.work_ints(RADIX_BITS)], zeroed before it counted; ``indexer_topk`` fuses round 0 into the scores
-    kernel). Triton backend only."""
+    kernel). The candidate finish leaves ``work`` zero again (its kernel, the last to read a row, clears it), so
+    a caller may keep one buffer for every call (no memset launch). Triton backend only."""
     _check_finish(finish, rounds_done)
     rows, n = scores.shape
     if n <= k or tuple(work.shape) != (rows, work_ints(RADIX_BITS)) or work.dtype != torch.int32:
@@ -161,5 +165,6 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
                                 ROUNDS=CAND_ROUNDS, RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width,
                                 num_warps=4)
     _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, ROUNDS=CAND_ROUNDS, RADIX=radix_bits,
-                                  NR=len(digits), WORK=width, CAND_BLOCK=cand_block, num_warps=4)
+                                  NR=len(digits), WORK=width, WORK_P2=triton.next_power_of_2(width),
+                                  CAND_BLOCK=cand_block, num_warps=1)
     return out

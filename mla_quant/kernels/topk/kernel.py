@@ -33,7 +33,8 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
    with fewer than ``need`` candidates, all of them and -1 for the rest.
    Up to ``CAND_BLOCK`` candidates (the common case: only the keys of one 16-bit bin) are loaded once and
    searched in registers; more (ties or a dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit:
-   slow but exact. Unmeasured on the GPU.
+   slow but exact. The finish runs as one warp, so each of the bit steps' sums is warp shuffles, no barrier;
+   it clears the row's work buffer when done (a caller may keep the buffer: no memset per call).
 
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
 each) | count_cand | count_gt | count_eq]``.
@@ -219,9 +220,10 @@ def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr)
 
 @triton.jit
 def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                         NR: tl.constexpr, WORK: tl.constexpr, CAND_BLOCK: tl.constexpr):
+                         NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
     """Slots [k - need, k) of each row from its candidates: those above the need-th largest candidate key, then
-    as many equal to it as still needed. Grid (rows,)."""
+    as many equal to it as still needed; then the row's work buffer is set back to zero (this program is the
+    last to read it), so a kept buffer needs no memset before the next call. Grid (rows,)."""
     LOW: tl.constexpr = 32 - ROUNDS * RADIX     # key bits below the ROUNDS digits found
     row = tl.program_id(0).to(tl.int64)
     work = work_ptr + row * WORK
@@ -256,3 +258,5 @@ def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: 
         eq_rank += tl.sum(tied, 0)
     for start in range(c, need, CAND_BLOCK):    # fewer finite candidates than needed: the rest score -inf
         tl.store(out + (k - need) + start + offs, -1, mask=start + offs < need)
+    clear = tl.arange(0, WORK_P2)
+    tl.store(work + clear, tl.zeros([WORK_P2], dtype=tl.int32), mask=clear < WORK)
