@@ -9,7 +9,9 @@ until one pass reads more than 3× the L2 cache.
 scores over the ``ctx`` cached keys and top-k (``indexer_topk``: at ≤ 4 rows the scores kernel also counts the
 radix select's first digit), sparse absorbed attention over the gathered rows (``sparse_mla_decode``) — timed
 as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``kv``, heads, batch and context.
-Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk), ``indexer_us`` (indexer_scores only),
+Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk with a kept work buffer, as the model's
+indexer calls it; ``index_topk_fresh_work_us``: a new zeroed buffer per call, one memset more), ``indexer_us``
+(indexer_scores only),
 ``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
 RADIX_BITS), ``topk_radix8_rounds_us`` (8-bit digits, the rounds + select finish instead of the candidate one),
@@ -36,11 +38,11 @@ import math
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.indexer_scores import indexer_scores, indexer_topk
+from mla_quant.kernels.indexer_scores import indexer_scores, indexer_topk, topk_work_buffer
 from mla_quant.kernels.mla_decode import mla_decode
 from mla_quant.kernels.mla_prefill import mla_prefill
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
-from mla_quant.kernels.topk import _radix_topk, topk_indices
+from mla_quant.kernels.topk import RADIX_MAX_ROWS, _radix_topk, topk_indices
 
 from .common import L2_BYTES, Context, case, median_us, graph_us, random_kv_pool
 
@@ -115,8 +117,11 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             q = torch.randn(batch, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
             q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
 
-            def index_topk(tb):
-                return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n)
+            work = topk_work_buffer(dev, max(batch, 1)) if batch <= RADIX_MAX_ROWS else None
+
+            def index_topk(tb, kept=True):  # the model's indexer keeps its work buffer (no memset per step)
+                return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n,
+                                    work=work if kept else None)
 
             top = [index_topk(tb) for tb in tables]
             scores = indexer_scores(q_idx, w_idx, keys, key_scales, tables[0], req_ids, positions, n)
@@ -142,6 +147,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             t_unfused = _graph_us(lambda: [step_unfused(tb) for tb in tables], reps)
             t_index = _graph_us(lambda: [index(tb) for tb in tables], reps)
             t_index_topk = _graph_us(lambda: [index_topk(tb) for tb in tables], reps)
+            t_fresh = _graph_us(lambda: [index_topk(tb, kept=False) for tb in tables], reps)
             t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
             t_sparse_alt = {}
             t_topk_alt = {f"topk_{name}_us": round(_graph_us(lambda: [topk_indices(scores, TOPK, **kw)
@@ -163,7 +169,8 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                 "dsa_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "topk": TOPK}, t_step,
                 bytes=moved, flops=flops, peer=f"mla_decode_{kind}", peer_median_us=t_dense,
                 indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), index_topk_us=round(t_index_topk, 3),
-                sparse_us=round(t_sparse, 3), indexer_share=round(t_index_topk / t_step, 3),
+                index_topk_fresh_work_us=round(t_fresh, 3), sparse_us=round(t_sparse, 3),
+                indexer_share=round(t_index_topk / t_step, 3),
                 ratio_vs_dense=round(t_step / t_dense, 3), unfused_step_us=round(t_unfused, 3),
                 unfused_ratio_vs_dense=round(t_unfused / t_dense, 3), **t_topk_alt, **t_sparse_alt,
                 step_device_ops=_device_ops(lambda: step(tables[0])), graph_captured=captured, input_sets=reps))

@@ -27,7 +27,7 @@ from ..formats import BF16, WeightFormat
 from ..kernels.fp8_quant import act_quant_fp8
 from ..kernels.hadamard import hadamard_transform
 from ..kernels.indexer_k_append import quantize_indexer_keys_reference
-from ..kernels.indexer_scores import indexer_topk, req_ids_from_cu_seqlens
+from ..kernels.indexer_scores import indexer_topk, req_ids_from_cu_seqlens, topk_work_buffer
 from .linear import QuantLinear
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -93,6 +93,14 @@ class LightningIndexer(nn.Module):
         elif rope.dim != rope_dim:
             raise ValueError(f"rope: rotates {rope.dim} dims, the indexer's rope part has {rope_dim}")
         self.rope = rope
+        self._topk_work: torch.Tensor | None = None   # the fused top-k's kept work buffer (indexer_topk)
+
+    def _work_buffer(self, device: torch.device) -> torch.Tensor:
+        """The fused top-k's work buffer on ``device``, kept across calls: every call leaves it zero, so no
+        memset per step (a call that raised drops it, see forward_paged)."""
+        if self._topk_work is None or self._topk_work.device != device:
+            self._topk_work = topk_work_buffer(device)
+        return self._topk_work
 
     @staticmethod
     def _check_fmt(fmt: str) -> str:
@@ -233,11 +241,15 @@ class LightningIndexer(nn.Module):
             w = w * qs.squeeze(-1)
         max_ctx = batch.block_table.shape[1] * batch.page_size
         chunk = max(1, SCORE_BYTES_BUDGET // (4 * max_ctx))
-        out = []
-        for s in range(0, t, chunk):
-            part = slice(s, min(t, s + chunk))
-            out.append(indexer_topk(q[part], w[part], keys.k, keys.scale, batch.block_table, req_ids[part],
-                                    batch.positions[part], self.topk, max_ctx, validate=validate))
+        out, work = [], self._work_buffer(x.device)
+        try:
+            for s in range(0, t, chunk):
+                part = slice(s, min(t, s + chunk))
+                out.append(indexer_topk(q[part], w[part], keys.k, keys.scale, batch.block_table, req_ids[part],
+                                        batch.positions[part], self.topk, max_ctx, validate=validate, work=work))
+        except Exception:
+            self._topk_work = None   # a select that stopped midway may have left counts in it
+            raise
         if not out:
             return torch.empty((0, min(self.topk, max_ctx)), dtype=torch.int32, device=x.device)
         return out[0] if len(out) == 1 else torch.cat(out)

@@ -207,6 +207,25 @@ def test_indexer_topk_selects_the_top_k_of_the_scores(triton_backend, fused):
     assert (idx[1] == -1).sum() == 20 - 7
 
 
+def test_indexer_topk_kept_work_buffer(triton_backend):
+    """A kept work buffer (``topk_work_buffer``, 4 rows) serves calls of 1 to 4 tokens in a row with other
+    data: each selection is valid and the buffer is zero after every call; a wrong buffer is refused."""
+    from mla_quant.kernels.indexer_scores import topk_work_buffer, topk_work_ints
+    from tests.kernels.test_topk import selection_is_valid
+
+    work = topk_work_buffer(triton_backend)
+    for seed, lengths in enumerate([[130, 7, 64, 65], [90], [77, 130]]):
+        args = decode_step(lengths, 16, FP8, seed, triton_backend)
+        idx = indexer_topk(*args, 20, work=work)
+        selection_is_valid(indexer_scores(*args), idx, 20)
+        assert not work.cpu().any()
+    args = decode_step([130, 7], 16, FP8, 5, triton_backend)
+    for bad in (work[:1], work[:, :-1].contiguous(), work.float(), work.t()):
+        with pytest.raises((ValueError, TypeError), match="work"):
+            indexer_topk(*args, 20, work=bad)
+    assert topk_work_ints() == work.shape[1]
+
+
 def test_indexer_topk_all_ties_and_max_ctx(triton_backend):
     """q = 0: every visible score is exactly 0 (one radix bin), -inf past each position; max_ctx truncates."""
     from tests.kernels.test_topk import selection_is_valid

@@ -24,7 +24,8 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
 INT = (torch.int32, torch.int64)
 
-__all__ = ["indexer_scores", "indexer_topk", "indexer_scores_reference", "req_ids_from_cu_seqlens"]
+__all__ = ["indexer_scores", "indexer_topk", "indexer_scores_reference", "req_ids_from_cu_seqlens",
+           "topk_work_buffer", "topk_work_ints"]
 
 
 def req_ids_from_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -88,11 +89,15 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
                  block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor, topk: int,
-                 max_ctx: int | None = None, validate: bool = False, fused: bool = True) -> torch.Tensor:
+                 max_ctx: int | None = None, validate: bool = False, fused: bool = True,
+                 work: torch.Tensor | None = None) -> torch.Tensor:
     """``topk_indices(indexer_scores(...), topk)``: int32 [T, min(topk, max_ctx)] logical key positions (-1
     unused, unordered). ``fused`` (Triton backend, rows the radix select serves under ``topk_indices``'s
     "auto", ``max_ctx > topk``): the scores kernel also counts the radix select's first digit, so the select
-    runs one histogram launch and one pass over the scores fewer (decode at small batch)."""
+    runs one histogram launch and one pass over the scores fewer (decode at small batch). ``work`` (optional,
+    fused path): a kept int32 buffer of zeros, at least [T, ``topk_work_ints()``] (``topk_work_buffer``), whose
+    first T rows the select uses and leaves zero again — no memset launch per call; a call that raised midway
+    may leave it dirty (make a new one then). Without it each fused call zeroes a new one."""
     n = _check_inputs(q, weights, k_cache, k_scale, block_table, req_ids, positions, max_ctx, validate)
     t = q.shape[0]
     if not (fused and use_triton(q, k_cache) and 0 < t <= RADIX_MAX_ROWS and n > topk):
@@ -100,10 +105,27 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
                             topk)
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: {topk!r} must be a positive int")
-    work = torch.zeros(t, work_ints(RADIX_BITS), dtype=torch.int32, device=q.device)
+    if work is None:
+        work = torch.zeros(t, topk_work_ints(), dtype=torch.int32, device=q.device)
+    else:
+        check_tensor("work", work, dtype=torch.int32, ndim=2, contiguous=True)
+        check_same_device(q=q, work=work)
+        if work.shape[0] < t or work.shape[1] != topk_work_ints():
+            raise ValueError(f"work: shape {tuple(work.shape)}, expected at least ({t}, {topk_work_ints()})")
+        work = work[:t]
     shift, bits = rounds(RADIX_BITS)[0]
     scores = _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, work, shift, bits)
     return radix_topk_from(scores, topk, work, rounds_done=1)
+
+
+def topk_work_ints() -> int:
+    """int32 per row of ``indexer_topk``'s work buffer (the radix select's histograms and counters)."""
+    return work_ints(RADIX_BITS)
+
+
+def topk_work_buffer(device: torch.device | str, rows: int = RADIX_MAX_ROWS) -> torch.Tensor:
+    """A zeroed work buffer for ``indexer_topk(..., work=)`` serving up to ``rows`` query tokens per call."""
+    return torch.zeros(rows, topk_work_ints(), dtype=torch.int32, device=device)
 
 
 def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hist=None, hist_shift=0,
