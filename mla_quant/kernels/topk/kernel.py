@@ -244,19 +244,26 @@ def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: 
             t = thr | (1 << (LOW - 1 - b))
             thr = tl.where(_count_at_least(cand_keys, c, t, LOW, CAND_BLOCK) >= need, t, thr)
         n_gt = _count_at_least(cand_keys, c, thr + 1, LOW, CAND_BLOCK)
+    # the writes: slots from a prefix sum over a tile of WRITE candidates. A scan over a one-warp tile is a chain
+    # of dependent shuffles per register the tile takes (a 1024-wide tile: 32), so the tile is small and the two
+    # classes share one scan (> thr counted in the low 16 bits, == thr in the high 16)
+    WRITE: tl.constexpr = 128
+    offs_w = tl.arange(0, WRITE)
     gt_slot = k - need                          # candidates > thr: n_gt < need of them
     eq_rank = tl.zeros([], dtype=tl.int32)      # candidates == thr: the first need - n_gt are taken
-    for start in range(0, c, CAND_BLOCK):
-        low_t = _candidate_low_bits(cand_keys, start + offs, c, LOW)
-        value = tl.load(cand_keys + n + start + offs, mask=start + offs < c)
+    for start in range(0, c, WRITE):
+        low_t = _candidate_low_bits(cand_keys, start + offs_w, c, LOW)
+        value = tl.load(cand_keys + n + start + offs_w, mask=start + offs_w < c)
         gt = (low_t > thr).to(tl.int32)
-        tl.store(out + gt_slot + tl.cumsum(gt, 0) - gt, value, mask=gt > 0)
         tied = (low_t == thr).to(tl.int32)
-        rank = eq_rank + tl.cumsum(tied, 0) - tied
+        both = gt + (tied << 16)
+        before = tl.cumsum(both, 0) - both
+        tl.store(out + gt_slot + (before & 0xFFFF), value, mask=gt > 0)
+        rank = eq_rank + (before >> 16)
         tl.store(out + (k - need + n_gt) + rank, value, mask=(tied > 0) & (rank < need - n_gt))
         gt_slot += tl.sum(gt, 0)
         eq_rank += tl.sum(tied, 0)
-    for start in range(c, need, CAND_BLOCK):    # fewer finite candidates than needed: the rest score -inf
-        tl.store(out + (k - need) + start + offs, -1, mask=start + offs < need)
+    for start in range(c, need, WRITE):         # fewer finite candidates than needed: the rest score -inf
+        tl.store(out + (k - need) + start + offs_w, -1, mask=start + offs_w < need)
     clear = tl.arange(0, WORK_P2)
     tl.store(work + clear, tl.zeros([WORK_P2], dtype=tl.int32), mask=clear < WORK)
