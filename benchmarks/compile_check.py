@@ -152,7 +152,7 @@ def install_fake_hopper(log: CompileLog, ptxas: bool = True) -> None:
         if importlib.util.find_spec(f"mla_quant.kernels.{op}.kernel"):
             importlib.import_module(f"mla_quant.kernels.{op}.kernel")
     patches = {"use_triton": lambda *tensors: True, "triton_interpreted": lambda: False,
-               "num_sms": lambda device=None: HOPPER_SMS, "use_pdl": lambda device=None: True}
+               "num_sms": lambda device=None: HOPPER_SMS}
     for name, module in list(sys.modules.items()):
         if name == kernels_pkg.__name__ or name.startswith(kernels_pkg.__name__ + "."):
             for attr, fake in patches.items():

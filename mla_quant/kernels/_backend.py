@@ -38,13 +38,3 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if triton_interpreted():
         return True
     return all(t.is_cuda for t in tensors)
-
-
-def use_pdl(device: torch.device | str) -> bool:
-    """Launch with programmatic dependent launch (PDL: the next kernel of the stream starts while this one
-    finishes; each kernel waits for its predecessor's writes with ``_triton_utils.pdl_start``): CUDA devices of
-    compute capability ≥ 9 (Hopper), not under the interpreter, unless ``MLA_QUANT_PDL=0``."""
-    device = torch.device(device)
-    if device.type != "cuda" or triton_interpreted() or os.environ.get("MLA_QUANT_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9

@@ -4,7 +4,6 @@ import os
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Globals read inside @triton.jit code must be constexpr (Triton >= 3.2 refuses plain Python floats).
 FP8_MAX = tl.constexpr(448.0)
@@ -12,16 +11,6 @@ AMAX_FLOOR = tl.constexpr(1e-4)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # Triton picks the interpreter when a kernel is decorated, from this variable; so may we.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """First thing in a kernel launched with programmatic dependent launch (``launch_pdl=True``, see
-    ``_backend.use_pdl``): let the stream's next kernel launch now (its programs then wait here in turn), then
-    wait until the previous kernel has finished and its writes are visible. Nothing when PDL is False."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import triton_interpreted, use_pdl, use_triton
+from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from ..indexer_k_append import check_key_pages
 from ..topk import RADIX_BITS, RADIX_MAX_ROWS, radix_topk_from, topk_indices
@@ -151,12 +151,11 @@ def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hi
     block_h = max(16, triton.next_power_of_2(h))
     block_n = 64 if interpreted else 128
     grid = (t, triton.cdiv(n, block_n))
-    pdl = use_pdl(q.device)   # launches while its predecessor finishes (_triton_utils.pdl_start)
     _indexer_scores_kernel[grid](
         q, weights, k_cache, k_scale if k_scale is not None else weights, block_table, req_ids, positions, out,
         hist if hist is not None else out, h, n, q.stride(0), q.stride(1), weights.stride(0),
         block_table.stride(0), out.stride(0), hist.stride(0) if hist is not None else 0,
         D=d, PAGE_SIZE=k_cache.shape[1], HAS_SCALE=k_scale is not None, DOT=dot,
         BLOCK_H=block_h, BLOCK_N=block_n, HIST=hist is not None, HIST_SHIFT=hist_shift, HIST_BITS=hist_bits,
-        num_warps=4 if block_h * block_n <= 4096 else 8, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        num_warps=4 if block_h * block_n <= 4096 else 8)
     return out

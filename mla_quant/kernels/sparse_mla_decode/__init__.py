@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import triton_interpreted, use_pdl, use_triton
+from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from .._gemm_utils import num_sms
 from ..kv_layout import check_kv_pages
@@ -134,8 +134,6 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         l_buf = torch.empty((t, h, splits), dtype=torch.float32, device=q_nope.device)
         o_split_stride = o_buf.stride(2)
     grid = (t, head_blocks, splits)
-    pdl = use_pdl(q_nope.device)   # the kernels launch while their predecessor finishes (_triton_utils.pdl_start)
-    launch = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     _sparse_mla_decode_kernel[grid](
         q_nope, q_pe, kv, scales, rope, block_table, seq_lens, req_ids, indices, o_buf, l_buf,
         h, k, chunk, softmax_scale * 1.4426950408889634, block_table.shape[1],
@@ -143,12 +141,12 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         indices.stride(0), o_buf.stride(0), o_buf.stride(1), o_split_stride, l_buf.stride(0), l_buf.stride(1),
         width, sc_row, rope_row,
         DL=d_latent, DR=d_rope, PAGE_SIZE=kv_data.shape[1], KIND=code, DOT_BF16=dot_bf16,
-        SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else 8, **launch)
+        SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else 8)
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
         block_d = min(d_latent, max(16, 8192 // block_s))        # ≤ 8k fp32 partials per program
         _combine_splits_kernel[(t, h, d_latent // block_d)](
             o_buf, l_buf, out, lse, h, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
             l_buf.stride(0), l_buf.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4, **launch)
+            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4)
     return out, lse

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import use_pdl, use_triton
+from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
 from .kernel import CAND_ROUNDS, rounds, work_ints
@@ -152,22 +152,19 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
     if work is None:
         work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
     counted = CAND_ROUNDS if finish == "candidates" else len(digits)
-    pdl = use_pdl(scores.device)   # each kernel launches while the one before finishes (kernel.pdl_start)
-    launch = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     for r, (shift, bits) in list(enumerate(digits))[rounds_done:counted]:
         _radix_histogram_kernel[grid](scores, scores.stride(0), work, n, kk, tiles_per_chunk, ROUND=r,
                                       SHIFT=shift, BITS=bits, RADIX=radix_bits, NR=len(digits), BLOCK=block,
-                                      WORK=width, num_warps=4, **launch)
+                                      WORK=width, num_warps=4)
     if finish == "rounds":
         _radix_select_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
-                                   RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4,
-                                   **launch)
+                                   RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
         return out
     cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
     _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
                                 ROUNDS=CAND_ROUNDS, RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width,
-                                num_warps=4, **launch)
+                                num_warps=4)
     _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, ROUNDS=CAND_ROUNDS, RADIX=radix_bits,
                                   NR=len(digits), WORK=width, WORK_P2=triton.next_power_of_2(width),
-                                  CAND_BLOCK=cand_block, num_warps=1, **launch)
+                                  CAND_BLOCK=cand_block, num_warps=1)
     return out
