@@ -15,8 +15,9 @@ k = 2048 on the H200, 40 µs at 8k). Two ways to finish (``finish``):
   which only ``method="radix"`` reaches), and a finish kernel (one program per row) finds the threshold among
   the candidates bit by bit, writes the rest and clears the row's work buffer. One memset (none with a kept
   work buffer: ``radix_topk_from``) and 4 kernels; at one row of 64k it replaces rounds 2-3 and the select pass
-  (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by the compact pass (3.9 µs, run of 0c89a4d+1) and
-  the finish (15.9 µs in that run as 4 warps over 4096-candidate tiles; now one warp over 1024: unmeasured).
+  (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by the compact pass (3.8 µs) and the finish (4.9 µs:
+  one warp; 15.9 as 4 warps over 4096-candidate tiles) — the whole select 16.2 µs against 18.2 for the rounds
+  finish in the same run (08559a3, k = 2048), and at 64 rows of 64k 92 against 130.
 
 No host sync either way (CUDA-graph safe). ``radix_topk_from`` continues a select whose first rounds another
 kernel counted (``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
@@ -28,7 +29,9 @@ Row threshold: under ``method="auto"`` the radix select serves up to ``RADIX_MAX
 batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take ``torch.topk`` (the reference). With
 8-bit digits (the default since the H200 run of commit 2bed842) and the rounds finish the select took 19.5 µs at
 one row of 64k (torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of
-64k (115). Measured on the H200 with k = 2048 and 11-bit digits (``benchmarks/bench_dsa.py``, ``topk_us``): one
+64k (115); with the candidate finish (08559a3) 16.2 µs at one row of 64k, 33 at 64 rows of 8k (torch.topk 66),
+92 at 64 rows of 64k (114) — hence ``RADIX_MAX_ELEMENTS`` = 4M scores, a rule measured for 8-bit digits (11-bit
+digits lose to torch.topk from 64 rows of 8k). Measured on the H200 with k = 2048 and 11-bit digits (``benchmarks/bench_dsa.py``, ``topk_us``): one
 row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of
 64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs per 64k row (its per-element histogram work,
 docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows at 64k and ~20 at 8k. The bench times 8-bit
@@ -50,7 +53,9 @@ __all__ = ["topk_indices", "topk_indices_reference", "radix_topk_from", "RADIX_M
            "RADIX_BITS", "FINISHES"]
 
 RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measured, docstring)
-RADIX_MAX_ELEMENTS = 1 << 20  # ... and more rows while rows · N stays within this (64 rows of 8k: yes; of 64k: no)
+# ... and more rows while rows · N stays within this: 64 rows of 64k, where the 8-bit candidate select took 92 µs
+# against torch.topk's 114 (H200, 08559a3; the rounds finish 130); 2048 rows of 64k (prefill) stay with torch.topk
+RADIX_MAX_ELEMENTS = 1 << 22
 RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of 2048 at every measured shape
 RADIX_CHOICES = (8, 11)
 METHODS = ("auto", "radix", "torch")
