@@ -48,6 +48,16 @@ def graphed(fn):
     return graph.replay
 
 
+def both_flushes(label: str, bytes_moved: int, fn, flushes: dict) -> dict:
+    """One results row: ``fn`` timed after each flush, µs and TB/s."""
+    row = {"case": label, "bytes": bytes_moved}
+    for name, flush in flushes.items():
+        t = timed_us(fn, flush)
+        row[f"{name}_us"], row[f"{name}_tbps"] = round(t, 3), round(bytes_moved / t / 1e6, 3)
+    print(row, flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="l2_flush.json")
@@ -61,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for mb in (64, 151, 256, 1024):
         src = torch.randn(mb * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
         dst = torch.empty_like(src)
-        fn = graphed(lambda: dst.copy_(src))
-        row = {"case": f"copy {mb} MB", "bytes": 2 * src.numel() * 2}
-        for name, flush in flushes.items():
-            t = timed_us(fn, flush)
-            row[f"{name}_us"], row[f"{name}_tbps"] = round(t, 3), round(row["bytes"] / t / 1e6, 3)
-        rows.append(row)
-        print(row, flush=True)
+        rows.append(both_flushes(f"copy {mb} MB", 2 * src.numel() * 2, graphed(lambda: dst.copy_(src)), flushes))
         del src, dst
     from mla_quant.kernels.mla_decode import mla_decode
 
@@ -80,12 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(batch, 1, heads, D_LATENT + D_ROPE, device="cuda", dtype=torch.bfloat16)
         fn = graphed(lambda: mla_decode(q, pool, scales, table, seq_lens, SCALE, "bf16", D_LATENT, max_seq_len=n,
                                         validate=False))
-        row = {"case": f"mla_decode bf16 16h batch 64 ctx {n}", "bytes": batch * n * (D_LATENT + D_ROPE) * 2}
-        for name, flush in flushes.items():
-            t = timed_us(fn, flush)
-            row[f"{name}_us"], row[f"{name}_tbps"] = round(t, 3), round(row["bytes"] / t / 1e6, 3)
-        rows.append(row)
-        print(row, flush=True)
+        rows.append(both_flushes(f"mla_decode bf16 16h batch 64 ctx {n}", batch * n * (D_LATENT + D_ROPE) * 2, fn,
+                                 flushes))
         del pool, scales
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -37,6 +37,15 @@ def selection_is_valid(scores, idx, k):
             assert torch.equal(row[picked].sort().values, row.topk(min(k, n)).values.sort().values)
 
 
+def assert_selects_the_largest(scores, idx, k):
+    """A valid selection whose selected values equal the reference's, exactly (as sorted multisets)."""
+    selection_is_valid(scores, idx, k)
+    ref = topk_indices_reference(scores, k)
+    got_vals = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
+    want_vals = torch.where(ref >= 0, scores.gather(1, ref.clamp(min=0).long()), NEG_INF).sort(1).values
+    assert torch.equal(got_vals, want_vals)
+
+
 def radix(scores, k, **kw):
     """The Triton path into an output poisoned with int32 min, so a slot left unwritten fails the check."""
     out = torch.full((scores.shape[0], min(k, scores.shape[1])), POISON, dtype=torch.int32, device=scores.device)
@@ -192,12 +201,7 @@ def realistic_scores(rows: int, n: int, seed: int) -> torch.Tensor:
 def test_gpu_real_sizes(rows, n, bits):
     k = 2048
     scores = realistic_scores(rows, n, seed=n + rows)
-    idx = radix(scores, k, radix_bits=bits)
-    selection_is_valid(scores, idx, k)
-    ref = topk_indices_reference(scores, k)
-    got_vals = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
-    want_vals = torch.where(ref >= 0, scores.gather(1, ref.clamp(min=0).long()), NEG_INF).sort(1).values
-    assert torch.equal(got_vals, want_vals)
+    assert_selects_the_largest(scores, radix(scores, k, radix_bits=bits), k)
 
 
 @pytest.mark.gpu
@@ -208,12 +212,7 @@ def test_gpu_decode_rows_both_finishes(rows, finish):
     2048 largest."""
     k = 2048
     scores = realistic_scores(rows, 65536, seed=rows)
-    idx = topk_indices(scores, k, finish=finish)
-    selection_is_valid(scores, idx, k)
-    ref = topk_indices_reference(scores, k)
-    got_vals = torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), NEG_INF).sort(1).values
-    want_vals = torch.where(ref >= 0, scores.gather(1, ref.clamp(min=0).long()), NEG_INF).sort(1).values
-    assert torch.equal(got_vals, want_vals)
+    assert_selects_the_largest(scores, topk_indices(scores, k, finish=finish), k)
 
 
 @pytest.mark.gpu
