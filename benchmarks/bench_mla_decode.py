@@ -23,8 +23,8 @@ batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time t
 the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well). Where the
 launcher splits (2 to 8 splits; ``combine="auto"``, the separate merge), those short rows also time ``variant:
 "combine=fused"`` (the merge in the decode kernel's epilogue) and ``"kept_counters"`` (the fused merge with
-arrival counters kept by the caller: no zeroing launch); ``vs_default`` = (default µs) / (variant µs). ``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those
-formats, for a focused run.
+arrival counters kept by the caller: no zeroing launch); ``vs_default`` = (default µs) / (variant µs).
+``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those formats, for a focused run.
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);

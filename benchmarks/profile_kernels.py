@@ -6,9 +6,9 @@ goes beside what the bench rows say about the whole call.
 Cases: the fused MoE at one Kimi token (INT4 group 32 and FP8 block experts, 384 experts, top-8), the dense
 W4A16 at M = 1 (2048 × 7168), the DSA decode step at one GLM 5.2 request of 64k (8 heads, fp8_ds_mla pages:
 indexer + top-k + sparse attention, the ``bench_dsa`` step) and the BF16 MLA decode at 16 heads, batch 64, 4k
-(the short-context bandwidth goal's shape). Each call runs ``--reps`` times after a warm-up (eager launches: the gaps between
-kernels are the host's and not reported; the kernel durations are the device's). Prints, per case, each
-kernel's mean µs per call and its share of the summed kernel time, and writes them as JSON.
+(the short-context bandwidth goal's shape). Each call runs ``--reps`` times after a warm-up (eager launches:
+the gaps between kernels are the host's and not reported; the kernel durations are the device's). Prints, per
+case, each kernel's mean µs per call and its share of the summed kernel time, and writes them as JSON.
 """
 from __future__ import annotations
 

@@ -31,12 +31,11 @@ batch) and more while rows · N ≤ ``RADIX_MAX_ELEMENTS``; larger inputs take `
 one row of 64k (torch.topk 58), 16 µs at one of 8k (49), 40 µs at 64 rows of 8k (66) but 130 µs at 64 rows of
 64k (115); with the candidate finish (08559a3) 16.2 µs at one row of 64k, 33 at 64 rows of 8k (torch.topk 66),
 92 at 64 rows of 64k (114) — hence ``RADIX_MAX_ELEMENTS`` = 4M scores, a rule measured for 8-bit digits (11-bit
-digits lose to torch.topk from 64 rows of 8k). Measured on the H200 with k = 2048 and 11-bit digits (``benchmarks/bench_dsa.py``, ``topk_us``): one
-row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of 64k 492 µs (113), of 8k 79 µs (65); 2048 rows of
-64k (prefill) 13960 µs (1677). The radix cost grows by ~7 µs per 64k row (its per-element histogram work,
-docs/dsa.md), torch.topk's by ~1 µs: they cross near 4-5 rows at 64k and ~20 at 8k. The bench times 8-bit
-digits (``topk_radix8_us``: the default finish; ``topk_radix8_rounds_us``: the rounds finish) at the same
-shapes.
+digits lose to torch.topk from 64 rows of 8k). Measured on the H200 with k = 2048 and 11-bit digits
+(``benchmarks/bench_dsa.py``, ``topk_us``): one row of 64k 34 µs (torch.topk 57), of 8k 33 µs (40); 64 rows of
+64k 492 µs (113), of 8k 79 µs (65); 2048 rows of 64k (prefill) 13960 µs (1677): the radix cost grows by ~7 µs
+per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µs. The bench times 8-bit digits
+(``topk_radix8_us``: the default finish; ``topk_radix8_rounds_us``: the rounds finish) at the same shapes.
 """
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ RADIX_MAX_ROWS = 4  # rows always served by the radix select under "auto" (measu
 # ... and more rows while rows · N stays within this: 64 rows of 64k, where the 8-bit candidate select took 92 µs
 # against torch.topk's 114 (H200, 08559a3; the rounds finish 130); 2048 rows of 64k (prefill) stay with torch.topk
 RADIX_MAX_ELEMENTS = 1 << 22
-RADIX_BITS = 8      # default digit width: four rounds of 256 bins beat three of 2048 at every measured shape
+RADIX_BITS = 8      # default digit width: rounds of 256 bins beat rounds of 2048 at every measured shape
 RADIX_CHOICES = (8, 11)
 METHODS = ("auto", "radix", "torch")
 FINISHES = ("candidates", "rounds")

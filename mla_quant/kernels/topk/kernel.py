@@ -135,6 +135,15 @@ def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_ch
 
 
 @triton.jit
+def _claim_slots(counter_ptr, flags):
+    """Slots for the flagged lanes of a tile in a list shared by many programs: one atomic claims the tile's
+    run at the list's end, an exclusive prefix sum places each lane in it."""
+    n_tile = tl.sum(flags, 0)
+    base = tl.atomic_add(counter_ptr, n_tile, mask=n_tile > 0, sem="relaxed")
+    return base + tl.cumsum(flags, 0) - flags
+
+
+@triton.jit
 def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
                          RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
     """Write the selection: keys > threshold to slots [0, k - need), ``need`` keys == threshold after them;
@@ -151,24 +160,11 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
         cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
         value = tl.where(key == NEG_INF_KEY, -1, cols)
         above = (valid & (key > thr)).to(tl.int32)
-        n_tile = tl.sum(above, 0)
-        base = tl.atomic_add(work + (WORK - 2), n_tile, mask=n_tile > 0, sem="relaxed")
-        slot = base + tl.cumsum(above, 0) - above
+        slot = _claim_slots(work + (WORK - 2), above)
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
         tied = (valid & (key == thr)).to(tl.int32)
-        n_tile = tl.sum(tied, 0)
-        base = tl.atomic_add(work + (WORK - 1), n_tile, mask=n_tile > 0, sem="relaxed")
-        rank = base + tl.cumsum(tied, 0) - tied
+        rank = _claim_slots(work + (WORK - 1), tied)
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
-
-
-@triton.jit
-def _claim_slots(counter_ptr, flags):
-    """Slots for the flagged lanes of a tile in a list shared by many programs: one atomic claims the tile's
-    run at the list's end, an exclusive prefix sum places each lane in it."""
-    n_tile = tl.sum(flags, 0)
-    base = tl.atomic_add(counter_ptr, n_tile, mask=n_tile > 0, sem="relaxed")
-    return base + tl.cumsum(flags, 0) - flags
 
 
 @triton.jit
