@@ -10,9 +10,8 @@ scores over the ``ctx`` cached keys and top-k (``indexer_topk``: at ≤ 4 rows t
 radix select's first digit), sparse absorbed attention over the gathered rows (``sparse_mla_decode``) — timed
 as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``kv``, heads, batch and context.
 Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk with a kept work buffer, as the model's
-indexer calls it; ``index_topk_fresh_work_us``: a new zeroed buffer per call, one memset more), ``indexer_us``
-(indexer_scores only),
-``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
+indexer calls it; ``index_topk_fresh_work_us``: a new zeroed buffer per call, one memset more),
+``indexer_us`` (indexer_scores only), ``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
 ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
 RADIX_BITS), ``topk_radix8_rounds_us`` (8-bit digits, the rounds + select finish instead of the candidate one),
 ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
@@ -117,7 +116,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             q = torch.randn(batch, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
             q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
 
-            work = topk_work_buffer(dev, max(batch, 1)) if batch <= RADIX_MAX_ROWS else None
+            work = topk_work_buffer(dev, batch) if batch <= RADIX_MAX_ROWS else None
 
             def index_topk(tb, kept=True):  # the model's indexer keeps its work buffer (no memset per step)
                 return indexer_topk(q_idx, w_idx, keys, key_scales, tb, req_ids, positions, TOPK, n,
@@ -149,13 +148,13 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
             t_index_topk = _graph_us(lambda: [index_topk(tb) for tb in tables], reps)
             t_fresh = _graph_us(lambda: [index_topk(tb, kept=False) for tb in tables], reps)
             t_topk = _graph_us(lambda: [topk_indices(scores, TOPK) for _ in tables], reps)
-            t_sparse_alt = {}
             t_topk_alt = {f"topk_{name}_us": round(_graph_us(lambda: [topk_indices(scores, TOPK, **kw)
                                                                         for _ in tables], reps), 3)
                           for name, kw in TOPK_VARIANTS}
             t_topk_alt["topk_radix11_block1024_us"] = round(_graph_us(     # the tile of commit ecce103
                 lambda: [_radix_topk(scores, TOPK, block=1024, radix_bits=11) for _ in tables], reps), 3)
             t_sparse = _graph_us(lambda: [attend(tb, idx) for tb, idx in zip(tables, top)], reps)
+            t_sparse_alt = {}
             if batch == 1:  # the sparse attention's split count at one request (latency-bound)
                 for splits in SPARSE_SPLIT_VARIANTS:
                     t_sparse_alt[f"sparse_splits{splits}_us"] = round(_graph_us(lambda: [
