@@ -11,10 +11,11 @@ radix select's first digit), sparse absorbed attention over the gathered rows (`
 as one CUDA-graph replay, against the dense ``mla_decode`` (peer) at the same ``kv``, heads, batch and context.
 Extra fields, each part timed alone: ``index_topk_us`` (indexer_topk with a kept work buffer, as the model's
 indexer calls it; ``index_topk_fresh_work_us``: a new zeroed buffer per call, one memset more),
-``indexer_us`` (indexer_scores only), ``topk_us`` (``topk_indices`` of the step's scores, default path), ``topk_radix8_us`` / ``topk_radix11_us`` /
-``topk_torch_us`` (the radix select forced with 8- or 11-bit digits, torch.topk — to place RADIX_MAX_ROWS and
-RADIX_BITS), ``topk_radix8_rounds_us`` (8-bit digits, the rounds + select finish instead of the candidate one),
-``topk_radix11_block1024_us`` (11-bit digits in the 1024-column tiles of commit ecce103),
+``indexer_us`` (indexer_scores only), ``topk_us`` (``topk_indices`` of the step's scores, default path),
+``topk_radix8_us`` / ``topk_radix11_us`` / ``topk_torch_us`` (the radix select forced with 8- or 11-bit digits,
+torch.topk — to place RADIX_MAX_ROWS and RADIX_BITS), ``topk_radix8_rounds_us`` (8-bit digits, the rounds +
+select finish instead of the candidate one), ``topk_radix11_block1024_us`` (11-bit digits in the 1024-column
+tiles of commit ecce103),
 ``sparse_us``, ``sparse_splits{16,32,64,128}_us`` (batch 1: the sparse attention with forced split counts;
 the planner gives 128 of 16 rows at ≤ 16 heads, 64 above); ``indexer_share`` (index_topk / step),
 ``ratio_vs_dense`` (step / dense; the goal at 64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense``
