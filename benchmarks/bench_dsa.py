@@ -20,7 +20,8 @@ tiles of commit ecce103),
 the planner gives 128 of 16 rows at ≤ 16 heads, 64 above); ``indexer_share`` (index_topk / step),
 ``ratio_vs_dense`` (step / dense; the goal at 64k is ≤ 0.35), ``unfused_step_us`` / ``unfused_ratio_vs_dense``
 (the step as scores → topk_indices → sparse),
-``step_device_ops`` (kernels + memsets of one step, torch profiler), ``graph_captured`` (the step captured in
+``peer_config`` (the dense peer's autotuned config, e.g. ``m16n64w8s2``), ``step_device_ops`` (kernels + memsets
+of one step, torch profiler), ``graph_captured`` (the step captured in
 a CUDA graph: no host sync). ``bytes``: indexer keys + scales of the context, the top-k gathered rows, q and
 out (the least the step reads; the fp32 scores round trip is not counted); ``flops``: 2·ctx·32·128 (indexer)
 + 2·H·topk·(576 + 512) (attention) per request.
@@ -39,7 +40,7 @@ import torch
 
 from mla_quant.formats import KVFormat
 from mla_quant.kernels.indexer_scores import indexer_scores, indexer_topk, topk_work_buffer
-from mla_quant.kernels.mla_decode import mla_decode
+from mla_quant.kernels.mla_decode import mla_decode, tuned_config
 from mla_quant.kernels.mla_prefill import mla_prefill
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
 from mla_quant.kernels.topk import RADIX_MAX_ROWS, _radix_topk, topk_indices
@@ -162,12 +163,13 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
                         sparse_mla_decode(q_nope, q_pe, pool, scales, kind, tb, seq_lens, req_ids, idx, SCALE,
                                           num_splits=splits) for tb, idx in zip(tables, top)], reps), 3)
             t_dense = _graph_us(lambda: [dense(tb) for tb in tables], reps)
+            dense_config = tuned_config()   # the peer's autotuned config: it moved the peer 86-101 µs between runs
             moved = batch * (n * INDEX_KEY_BYTES + min(TOPK, n) * row_bytes
                              + IDX_HEADS * IDX_DIM + heads * (2 * (D_LATENT + D_ROPE) + 2 * D_LATENT))
             flops = 2 * batch * (n * IDX_HEADS * IDX_DIM + heads * min(TOPK, n) * (D_LATENT + D_ROPE + D_LATENT))
             cases.append(case(
                 "dsa_decode", {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "topk": TOPK}, t_step,
-                bytes=moved, flops=flops, peer=f"mla_decode_{kind}", peer_median_us=t_dense,
+                bytes=moved, flops=flops, peer=f"mla_decode_{kind}", peer_median_us=t_dense, peer_config=dense_config,
                 indexer_us=round(t_index, 3), topk_us=round(t_topk, 3), index_topk_us=round(t_index_topk, 3),
                 index_topk_fresh_work_us=round(t_fresh, 3), sparse_us=round(t_sparse, 3),
                 indexer_share=round(t_index_topk / t_step, 3),
