@@ -20,11 +20,9 @@ BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``varia
 launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth; there and at
 batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time the split merge kernels alone
 (``share_of_decode`` = its µs over the whole decode's; "tiles" is the launcher's merge since this commit, "rows"
-the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well). Where the
-launcher splits (2 to 8 splits; ``combine="auto"``, the separate merge), those short rows also time ``variant:
-"combine=fused"`` (the merge in the decode kernel's epilogue) and ``"kept_counters"`` (the fused merge with
-arrival counters kept by the caller: no zeroing launch); ``vs_default`` = (default µs) / (variant µs).
-``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those formats, for a focused run.
+the first one — compare the batch-1 rows, 28–218 splits, with the previous results file as well). (Rows with
+``variant: "combine=fused"`` / ``"kept_counters"`` in the results file time a merge in the decode kernel's
+epilogue that was measured no faster and removed: docs/mla.md.) ``MLA_DECODE_KV=bf16`` (comma-separated formats) times only those formats, for a focused run.
 
 ``bytes`` = the page bytes actually read (ctx rows per request, per-token scales included) + q + out;
 ``flops`` = 2·H·ctx·(576 + 512) per request. ``peer``: for FP8 cases the BF16 case at the same shape (same run);
@@ -42,8 +40,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import (ROWS_MAX_SPLITS, combine_splits, merge_counters, mla_decode,
-                                          plan_num_splits, tuned_config)
+from mla_quant.kernels.mla_decode import combine_splits, mla_decode, plan_num_splits, tuned_config
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -163,9 +160,9 @@ def run(ctx: Context) -> list[dict]:
             splits = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms)
             keys = {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE}
 
-            def call(q, table, dequant="convert", num_splits=None, **kw):
+            def call(q, table, dequant="convert", num_splits=None):
                 return mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
-                                  validate=False, fp8_dequant=dequant, num_splits=num_splits, **kw)
+                                  validate=False, fp8_dequant=dequant, num_splits=num_splits)
 
             def row(extra_keys, t, peer, peer_t, **fields):
                 return case("mla_decode", {**keys, **extra_keys}, t, bytes=moved, flops=flops, peer=peer,
@@ -205,13 +202,6 @@ def run(ctx: Context) -> list[dict]:
                         cases.append(case("mla_decode", {**keys, "variant": f"combine_only_{merge}"}, t_c,
                                           bytes=part_bytes, num_splits=splits, share_of_decode=round(t_c / t, 3)))
                     del o_part, lse_part, o_fin, lse_fin
-                if short and 1 < splits <= ROWS_MAX_SPLITS:  # the separate merge (default) vs the fused one
-                    kept = merge_counters(batch, 1, heads, dev)
-                    for name, kw in (("combine=fused", dict(combine="fused")),
-                                     ("kept_counters", dict(combine="fused", counters=kept))):
-                        t_m = _graph_us(lambda: [call(q, tb, **kw) for q, tb in sets], len(sets))
-                        cases.append(row({"variant": name}, t_m, peer, peer_t, num_splits=splits,
-                                         config=tuned_config(), vs_default=round(t / t_m, 3)))
                 for forced in (f for f in SPLIT_VARIANTS if f != splits and short):
                     t_s = _graph_us(lambda: [call(q, tb, num_splits=forced) for q, tb in sets], len(sets))
                     cases.append(row({"variant": f"splits={forced}"}, t_s, peer, peer_t, num_splits=forced,

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.kv_layout import dequantize_kv_rows, kv_data_dtype, kv_row_width, quantize_kv_rows
-from mla_quant.kernels.mla_decode import choose_num_splits, merge_counters, mla_decode, mla_decode_reference
+from mla_quant.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_reference
 from mla_quant.kernels.mla_decode.kernel import _load_e4m3_16
 from mla_quant.testing import assert_all_written, page_tables, poisoned_empty, ragged_lengths, rel_err, sqnr_db
 from tests.conftest import HAS_CUDA
@@ -439,12 +439,11 @@ def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_
 
 
 @pytest.mark.parametrize("kind, tensor_scale", [("bf16", None), ("fp8_e4m3", None)])
-@pytest.mark.parametrize("num_splits, heads, s_q", [(3, 5, 1), (8, 3, 2), (2, 20, 1)])
-def test_fused_merge_equals_the_row_kernel(triton_backend, kind, tensor_scale, num_splits, heads, s_q):
-    """combine="fused" (the last split program of each row block merges) gives the bits of the separate row merge
-    under the interpreter (on the GPU the lse reductions' trees differ: test_kernel_matches_reference_gpu),
-    for 1 and 2 row blocks (20 heads with BLOCK_M 16), a request of s_q tokens (most of its splits empty),
-    NaN-poisoned outputs; called twice, and with kept counters, which it leaves 0."""
+@pytest.mark.parametrize("num_splits, heads, s_q", [(3, 5, 1), (8, 3, 2), (12, 20, 1)])
+def test_decode_combine_choices(triton_backend, kind, tensor_scale, num_splits, heads, s_q):
+    """mla_decode(combine=...): "auto" is the row merge up to 8 splits and the tiles merge above (the same bits),
+    "rows" and "tiles" agree within fp32 rounding, for 1 and 2 row blocks (20 heads with BLOCK_M 16), a request
+    of s_q tokens (most of its splits empty), NaN-poisoned outputs; an unknown choice is refused."""
     dev = triton_backend
     lengths, page_size = [70, s_q, 33], 16
     table = torch.randperm(18).int().reshape(3, 6)
@@ -452,20 +451,18 @@ def test_fused_merge_equals_the_row_kernel(triton_backend, kind, tensor_scale, n
     q = torch.randn(3, s_q, heads, 96)
     args = (q.to(dev), kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32).to(dev), 0.1, kind, 64)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
-    o_rows, lse_rows = mla_decode(*args, num_splits=num_splits, config=cfg, combine="rows")
-    counters = merge_counters(3, s_q, heads, dev)
-    for kept in (None, counters, counters):
-        out = poisoned_empty(o_rows.shape, dtype=o_rows.dtype, device=dev)
-        lse = poisoned_empty(lse_rows.shape, device=dev)
-        mla_decode(*args, num_splits=num_splits, config=cfg, combine="fused", counters=kept, out=out, lse=lse)
-        assert torch.equal(out, o_rows) and torch.equal(lse, lse_rows)
-    assert not counters.any(), "the last program of each row block resets its counter"
-    # "auto" (the separate merge: rows up to 8 splits): the same bits
-    assert torch.equal(mla_decode(*args, num_splits=num_splits, config=cfg)[0], o_rows)
-    with pytest.raises(ValueError, match="counters"):
-        mla_decode(*args, num_splits=num_splits, config=cfg, counters=counters[:1])
+    got = {}
+    for combine in ("rows", "tiles", "auto"):
+        out = poisoned_empty((3, s_q, heads, 64), dtype=q.dtype, device=dev)
+        lse = poisoned_empty((3, s_q, heads), device=dev)
+        got[combine] = mla_decode(*args, num_splits=num_splits, config=cfg, combine=combine, out=out, lse=lse)
+        assert_all_written(out, "out")
+    auto_is = "rows" if num_splits <= 8 else "tiles"
+    assert all(torch.equal(a, b) for a, b in zip(got["auto"], got[auto_is]))
+    assert rel_err(got["rows"][0].float(), got["tiles"][0].float()) < 1e-5
+    assert torch.allclose(got["rows"][1], got["tiles"][1], atol=1e-5)
     with pytest.raises(ValueError, match="combine"):
-        mla_decode(*args, num_splits=num_splits, config=cfg, combine="fast")
+        mla_decode(*args, num_splits=num_splits, config=cfg, combine="fused")
 
 
 # ------------------------------------------------------------------------------------------ split rule
@@ -568,13 +565,12 @@ def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
         assert_all_written(out, "out")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
-        if splits == 7:  # the fused merge ("auto" at 7 splits) against the separate row kernel on the same
-            # partials (one config pinned: the tuner keys them apart); the merges sum their splits' weights in
-            # different reduction trees on the GPU, so fp32 rounding apart
+        if splits == 7:  # the tiles merge against the row merge ("auto" at 7 splits) on the same partials (one
+            # config pinned); they sum the splits' weights in different orders, so fp32 rounding apart
             cfg = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False)
-            o_f, lse_f = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert")
+            o_t, lse_t = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert", combine="tiles")
             o_r, lse_r = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert", combine="rows")
-            assert rel_err(o_f.float(), o_r.float()) < 1e-3 and torch.allclose(lse_f, lse_r, atol=1e-5)
+            assert rel_err(o_t.float(), o_r.float()) < 1e-3 and torch.allclose(lse_t, lse_r, atol=1e-5)
 
 
 @pytest.mark.gpu

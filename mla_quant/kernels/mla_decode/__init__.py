@@ -2,10 +2,8 @@
 
 ``mla_decode(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent)`` returns the
 latent-space attention output ``[B, S, H, d_latent]`` and its log-sum-exp ``[B, S, H]`` (docs/mla.md).
-The Triton path splits long contexts over several programs (flash-decoding) and merges them by log-sum-exp in a
-separate merge kernel, or (``combine="fused"``) in the decode kernel's epilogue, where the last program of each
-row block to finish merges (arrival counters); the reference (``reference.py``) gathers rows
-and attends in fp32.
+The Triton path splits long contexts over several programs (flash-decoding) and merges them with a
+log-sum-exp combine kernel; the reference (``reference.py``) gathers rows and attends in fp32.
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
-           "gather_kv_rows", "tuned_config", "combine_splits", "merge_counters", "COMBINES"]
+           "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -39,7 +37,7 @@ BITCAST_MIN_ROWS = 64
 # "fp8mma"), 1.27x the conversion at 16 heads x batch 64 x 4k, 1.26x at 64k, 1.23x at batch 1 x 64k, 1.40x the
 # bitcast at 128 heads x batch 64; slower at batch 1 x 4k (0.88x the conversion at 16 heads, 0.64x the bitcast at 128)
 FP8_MMA_MIN_TOKENS = 32768
-COMBINES = ("auto", "fused", "rows", "tiles")  # mla_decode(combine=...): how the KV splits are merged
+COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that merges the KV splits
 
 
 def _is_pow2(n: int) -> bool:
@@ -135,8 +133,8 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                seq_lens: torch.Tensor, softmax_scale: float, kind: str, d_latent: int, *,
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               config: dict | None = None, fp8_dequant: str = "auto", combine: str = "auto",
-               counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: dict | None = None, fp8_dequant: str = "auto",
+               combine: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -158,16 +156,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     bf16 / fp16 and batch × max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``, else
     the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion).
     Only the Triton path of FP8 pages is affected.
-    ``combine`` (Triton path, with more than one KV split): how the splits' partials are merged — ``"fused"`` (the
-    last split program of each row block to finish merges them, in the decode kernel's epilogue: no merge launch),
-    ``"rows"`` / ``"tiles"`` (a separate merge kernel, :func:`combine_splits`) or ``"auto"`` (default: the separate
-    merge, rows up to ``ROWS_MAX_SPLITS`` splits, tiles above — the fused merge measured no faster: H200, 16 heads,
-    batch 64, 4k, 4 splits, run of 3218d91: fused 102.1 µs, rows 101.0, fused with kept counters 101.2; fused and
-    rows do the same arithmetic — equal bits under the interpreter, fp32 rounding apart on the GPU, where their
-    lse sums reduce in other trees). ``counters``
-    (optional, fused merge): the arrival counters from :func:`merge_counters` (int32 zeros, at least B·⌈S·H/16⌉),
-    which every launch leaves at zero — a caller that keeps them saves the zeroing launch; else each call zeroes
-    new ones.
+    ``combine`` (Triton path, with more than one KV split): the kernel that merges the splits' partials,
+    ``"rows"`` or ``"tiles"`` (:func:`combine_splits`), or ``"auto"`` (default: rows up to ``ROWS_MAX_SPLITS``
+    splits, tiles above). A merge in the decode kernel's epilogue (the last split program of each row block merges,
+    arrival counters) was measured no faster and removed: docs/mla.md.
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -188,13 +180,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                          f"need one row per request ({bsz})")
     if block_table.stride(1) != 1:
         raise ValueError("block_table: rows must be contiguous")
-    check_same_device(q=q, kv_data=kv_data, kv_scales=kv_scales, block_table=block_table, seq_lens=seq_lens,
-                      counters=counters)
-    if counters is not None:
-        check_tensor("counters", counters, dtype=torch.int32, ndim=1, contiguous=True)
-        need = _merge_counter_count(bsz, s_q, heads)
-        if counters.numel() < need:
-            raise ValueError(f"counters: {counters.numel()} entries, need {need} (B · ⌈S·H/16⌉)")
+    check_same_device(q=q, kv_data=kv_data, kv_scales=kv_scales, block_table=block_table, seq_lens=seq_lens)
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: {softmax_scale} must be a positive finite number")
     num_pages, page_size = kv_data.shape[:2]
@@ -215,18 +201,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
-                              FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine, counters)
-
-
-def _merge_counter_count(batch: int, s_q: int, heads: int) -> int:
-    """Arrival counters of the fused merge: one per request and 16 query rows (the smallest BLOCK_M)."""
-    return batch * triton.cdiv(s_q * heads, 16)
-
-
-def merge_counters(batch: int, s_q: int, heads: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``mla_decode(..., counters=)`` at a batch / s_q / heads: a caller that keeps
-    them (every launch leaves them zero) saves the per-call zeroing launch."""
-    return torch.zeros(_merge_counter_count(batch, s_q, heads), dtype=torch.int32, device=device)
+                              FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine)
 
 
 def _auto_fp8_dequant(kind: str, q_dtype: torch.dtype, kv_data: torch.Tensor, rows: int, tokens: int) -> str:
@@ -254,8 +229,7 @@ def tuned_config() -> str | None:
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots, fp8_mma=0, combine="auto",
-                       counters=None):
+                       num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots, fp8_mma=0, combine="auto"):
     from .kernel import _mla_decode_kernel, _mla_decode_kernel_tuned
 
     bsz, s_q, heads, d = q.shape
@@ -276,23 +250,19 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         raise ValueError("kv_data: fp8_dequant='bitcast' reads 4-byte words: pages must be 4-byte aligned "
                          "(row stride, page stride, offset)")
     split = num_splits > 1
-    fused = split and combine == "fused"
     if split:
         o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
         lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
     else:
         o_dst, lse_dst = out, lse
-    if fused and counters is None:
-        counters = merge_counters(bsz, s_q, heads, q.device)
-    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst, out, lse, counters if fused else lse,
+    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst,
             softmax_scale * math.log2(math.e), s_q, heads, num_splits,
             q.stride(0), q.stride(1), q.stride(2),
             lat.stride(0), lat.stride(1), rope.stride(0), rope.stride(1), sc_page, sc_row,
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
-                FUSED_COMBINE=fused, SPLITS_P2=triton.next_power_of_2(num_splits) if fused else 1)
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma)
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
@@ -304,8 +274,8 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         _mla_decode_kernel[grid](*args, **meta, **config)
     else:
         _mla_decode_kernel_tuned[grid](*args, **meta)
-    if split and not fused:
-        combine_splits(o_dst, lse_dst, out, lse, combine)  # "auto", "rows" or "tiles"
+    if split:
+        combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse
 
 

@@ -183,7 +183,7 @@ def _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope, SCALE_MO
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, fin_out_ptr, fin_lse_ptr, count_ptr,
+    q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     sm_scale_log2, S_Q, H, NUM_SPLITS,
     stride_qb, stride_qs, stride_qh,
     stride_lat_page, stride_lat_row, stride_rope_page, stride_rope_row, stride_sc_page, stride_sc_row,
@@ -192,7 +192,6 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    FUSED_COMBINE: tl.constexpr = False, SPLITS_P2: tl.constexpr = 1,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -205,10 +204,7 @@ def _mla_decode_kernel(
     FP8_MMA (fp8_e4m3 pages; 0 off): the score dots take the e4m3 bytes as they are, with q rounded to e4m3 by a
     per-row scale (fp8 tensor-core dots, no conversion of K); the PV dot takes the bytes converted to fp16 with p
     as for F16_DOTS (1), or the bytes as they are with p·scale/(tile max)·2^8 rounded to e4m3 (2). QK_SPLIT_LOAD
-    is ignored; fp8_ds_mla and bf16 pages run the usual kernel.
-    FUSED_COMBINE (with SPLIT_OUT): the last of a row block's NUM_SPLITS programs to store its partial merges them
-    into fin_out / fin_lse (the row merge, _combine_rows); count_ptr holds one int32 arrival counter per (request,
-    16-row block), zero on entry and left zero."""
+    is ignored; fp8_ds_mla and bf16 pages run the usual kernel."""
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
@@ -511,13 +507,6 @@ def _mla_decode_kernel(
         base = (b * NUM_SPLITS + pid_split).to(tl.int64) * M
         tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o, mask=row_ok[:, None])
         tl.store(lse_ptr + base + rows, lse2, mask=row_ok)
-        if FUSED_COMBINE:
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            counter = count_ptr + b * tl.cdiv(M, 16) + pid_m  # indexed per 16 rows: the smallest BLOCK_M
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                _combine_rows(out_ptr, lse_ptr, fin_out_ptr, fin_lse_ptr, b, rows, row_ok, M, NUM_SPLITS, D_LAT,
-                              BLOCK_M, SPLITS_P2)
-                tl.atomic_xchg(counter, 0)
     else:  # final: out [B, S_Q, H, D_LAT] = [B, M, D_LAT], lse [B, M] (natural log)
         base = b.to(tl.int64) * M
         tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o.to(out_ptr.dtype.element_ty),
@@ -611,8 +600,7 @@ _mla_decode_kernel_tuned = triton.autotune(
                    num_stages=k[4])
      for k in sorted(config_keys(DECODE_CONFIGS) | config_keys(BITCAST_CONFIGS) | config_keys(F16_CONFIGS)
                      | config_keys(FP8_MMA_CONFIGS))],
-    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST", "F16_DOTS", "FP8_MMA",
-         "FUSED_COMBINE"],
+    key=["D_LAT", "D_ROPE", "PAGE_SIZE", "SCALE_MODE", "S_Q", "H", "SPLIT_OUT", "FP8_BITCAST", "F16_DOTS", "FP8_MMA"],
     prune_configs_by={"early_config_prune": _prune_decode_configs},
 )(_mla_decode_kernel)
 
@@ -624,8 +612,7 @@ def _combine_lse_max(lse_part_ptr, part, rows, row_ok, M, NUM_SPLITS, SPLITS_P2:
     (m [R], denom [R])."""
     splits = tl.arange(0, SPLITS_P2)
     lse = tl.load(lse_part_ptr + part + splits[:, None] * M + rows[None, :],
-                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"),
-                  cache_modifier=".cg")  # [S, R]
+                  mask=(splits[:, None] < NUM_SPLITS) & row_ok[None, :], other=float("-inf"))  # [S, R]
     m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.sum(tl.exp2(lse - m_use[None, :]), 0)
@@ -670,28 +657,19 @@ def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _combine_rows(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, b, rows, row_ok, M, NUM_SPLITS,
-                  D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """Merge the splits' (o, lse) of the BLOCK_R query rows ``rows`` of request b: out = Σ_s 2^(lse_s - lse)·o_s, the splits
-    in order (partials read from L2: in the fused epilogue other SMs wrote them)."""
+def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
+                               D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """Merge the splits' (o, lse) of BLOCK_R query rows: out = Σ_s 2^(lse_s - lse)·o_s."""
+    pid_r, b = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
     part = b.to(tl.int64) * NUM_SPLITS * M
     m_use, denom = _combine_lse_max(lse_part_ptr, part, rows, row_ok, M, NUM_SPLITS, SPLITS_P2)
     d_lat = tl.arange(0, D_LAT)
     acc = tl.zeros([BLOCK_R, D_LAT], tl.float32)
     for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_part_ptr + part + s * M + rows, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") - m_use)
+        w = tl.exp2(tl.load(lse_part_ptr + part + s * M + rows, mask=row_ok, other=float("-inf")) - m_use)
         o = tl.load(o_part_ptr + (part + s * M + rows)[:, None] * D_LAT + d_lat[None, :],
-                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                    mask=row_ok[:, None], other=0.0)
         acc += w[:, None] * o
     _combine_store(out_ptr, lse_ptr, acc, m_use, denom, b.to(tl.int64) * M, rows, row_ok, d_lat, D_LAT, True)
-
-
-@triton.jit
-def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
-                               D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """Merge the splits' (o, lse) of BLOCK_R query rows (_combine_rows)."""
-    pid_r, b = tl.program_id(0), tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    _combine_rows(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, b, rows, rows < M, M, NUM_SPLITS, D_LAT, BLOCK_R,
-                  SPLITS_P2)
