@@ -153,10 +153,13 @@ def test_kernel_empty_batch(triton_backend):
 @given(k=st.integers(1, 40), n=st.integers(1, 300), rows=st.integers(1, 4), seed=st.integers(0, 2**16),
        kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow", "narrow_ties"]),
        block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]),
-       finish=st.sampled_from(FINISHES), cand_block=st.sampled_from([16, 64, 4096]))
-def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits, finish, cand_block):
+       finish=st.sampled_from(FINISHES), cand_block=st.sampled_from([16, 64, 4096]), fused=st.booleans(),
+       warps=st.sampled_from([1, 4]))
+def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits, finish, cand_block, fused,
+                           warps):
     """Both finishes at both digit widths (the candidate finish after two 11-bit rounds searches 10 low bits),
-    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers)."""
+    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers), the candidate finish fused
+    into the compact pass's last program or launched on its own, compact programs of 1 or 4 warps."""
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         scores = torch.randn(rows, n, generator=g)
@@ -164,7 +167,7 @@ def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks
         scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
     scores = scores.to(triton_backend)
     selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits, finish=finish,
-                                     cand_block=cand_block), k)
+                                     cand_block=cand_block, fused_finish=fused, compact_warps=warps), k)
 
 
 def test_bad_inputs():
@@ -213,6 +216,25 @@ def test_gpu_decode_rows_both_finishes(rows, finish):
     k = 2048
     scores = realistic_scores(rows, 65536, seed=rows)
     assert_selects_the_largest(scores, topk_indices(scores, k, finish=finish), k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_gpu_fused_finish_matches_unfused(rows, warps):
+    """The candidate finish run by the compact pass's last program of each row (acq_rel arrival, candidates
+    read through L2) selects the same values as its own launch, call after call on a kept work buffer."""
+    from mla_quant.kernels.topk.kernel import work_ints
+    k = 2048
+    work = torch.zeros(rows, work_ints(8), dtype=torch.int32, device="cuda")
+    for seed in range(3):
+        scores = realistic_scores(rows, 65536, seed=100 + seed)
+        fused = radix(scores, k, work=work, compact_warps=warps)
+        assert_selects_the_largest(scores, fused, k)
+        assert not work.any()
+        unfused = radix(scores, k, fused_finish=False)
+        assert torch.equal(scores.gather(1, fused.long()).sort(1).values,
+                           scores.gather(1, unfused.long()).sort(1).values)
 
 
 @pytest.mark.gpu
@@ -295,13 +317,13 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["randn", "equal", "inf_tail", "specials"])
-@pytest.mark.parametrize("finish", FINISHES)
+@pytest.mark.parametrize("finish", [*FINISHES, "candidates_fused"])
 def test_radix_topk_from_candidate_count(triton_backend, monkeypatch, kind, finish):
-    """Through radix_topk_from (rounds_done = 0, work given): the candidate finish counts exactly the finite
-    keys whose top 16 bits equal the threshold's into count_cand (work[:, -3], as the finish kernel receives it;
-    -inf keys are never listed, so a causally masked row whose threshold is -inf lists none of its masked
-    columns), runs no histogram round after the second, and leaves the work buffer zero — so a kept buffer
-    serves the next call; the rounds finish leaves count_cand at 0."""
+    """With a work buffer given (rounds_done = 0): the unfused candidate finish's kernel receives in count_cand
+    (work[:, -3]) exactly the finite keys whose top 16 bits equal the threshold's (-inf keys are never listed,
+    so a causally masked row whose threshold is -inf lists none of its masked columns), after no histogram round
+    past the second; both candidate forms leave the work buffer zero — so a kept buffer serves the next call
+    (radix_topk_from, the fused form: no finish launch); the rounds finish leaves count_cand at 0."""
     from mla_quant.kernels.topk import kernel, radix_topk_from
     from mla_quant.kernels.topk.kernel import work_ints
 
@@ -320,7 +342,12 @@ def test_radix_topk_from_candidate_count(triton_backend, monkeypatch, kind, fini
     scores = (torch.randn(4, n, generator=g) if kind == "randn" else rows_of_kind(kind, 4, n, k, g))
     scores = scores.to(triton_backend)
     work = torch.zeros(4, work_ints(8), dtype=torch.int32, device=triton_backend)
-    selection_is_valid(scores, radix_topk_from(scores, k, work, rounds_done=0, finish=finish), k)
+    if finish == "candidates_fused":
+        for _ in range(2):   # the second call on the kept buffer
+            selection_is_valid(scores, radix_topk_from(scores, k, work, rounds_done=0, finish="candidates"), k)
+            assert not seen and not work.cpu().any(), "the fused finish clears the work buffer"
+        return
+    selection_is_valid(scores, _radix_topk(scores, k, work=work, finish=finish, fused_finish=False), k)
     top16 = order_keys(scores.cpu()) >> 16
     thr16 = top16.topk(k, dim=1).values[:, -1:]
     if finish == "candidates":
@@ -330,7 +357,7 @@ def test_radix_topk_from_candidate_count(triton_backend, monkeypatch, kind, fini
             assert counts[0] == 0
         assert not seen[0][:, 2 * 256:4 * 256].any()
         assert not work.cpu().any(), "the finish kernel clears the work buffer"
-        selection_is_valid(scores, radix_topk_from(scores, k, work, rounds_done=0, finish=finish), k)  # kept
+        selection_is_valid(scores, _radix_topk(scores, k, work=work, fused_finish=False), k)  # kept
     else:
         assert not seen and not work.cpu()[:, -3].any()
 
@@ -361,4 +388,4 @@ def test_radix_digit_schedules_cover_32_bits():
     from mla_quant.kernels.topk.kernel import rounds, work_ints
 
     assert rounds(11) == ((21, 11), (10, 11), (0, 10)) and rounds(8) == ((24, 8), (16, 8), (8, 8), (0, 8))
-    assert work_ints(11) == 3 * 2048 + 3 and work_ints(8) == 4 * 256 + 3
+    assert work_ints(11) == 3 * 2048 + 4 and work_ints(8) == 4 * 256 + 4   # + arrived, cand, gt, eq counters

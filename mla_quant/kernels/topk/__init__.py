@@ -126,11 +126,13 @@ def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_don
 
 def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: int | None = None,
                 out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
-                rounds_done: int = 0, finish: str | None = None, cand_block: int = CAND_BLOCK) -> torch.Tensor:
+                rounds_done: int = 0, finish: str | None = None, cand_block: int = CAND_BLOCK,
+                fused_finish: bool = True, compact_warps: int = 4) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
-    (programs per row), ``out`` (int32 [T, min(k, N)], contiguous) and ``cand_block`` (the finish kernel's
-    candidate tile, a power of two) are exposed for tests and the bench; ``work``/``rounds_done``/``finish``:
-    see radix_topk_from."""
+    (programs per row), ``out`` (int32 [T, min(k, N)], contiguous), ``cand_block`` (the finish's candidate tile,
+    a power of two), ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or
+    its own launch) and ``compact_warps`` are exposed for tests and the bench; ``work``/``rounds_done``/
+    ``finish``: see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
     if out is None:
@@ -165,10 +167,12 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
                                    RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
         return out
     cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
+    finish_args = dict(ROUNDS=CAND_ROUNDS, RADIX=radix_bits, WORK=width, WORK_P2=triton.next_power_of_2(width),
+                       CAND_BLOCK=cand_block)
     _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
-                                ROUNDS=CAND_ROUNDS, RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width,
-                                num_warps=4)
-    _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, ROUNDS=CAND_ROUNDS, RADIX=radix_bits,
-                                  NR=len(digits), WORK=width, WORK_P2=triton.next_power_of_2(width),
-                                  CAND_BLOCK=cand_block, num_warps=1)
+                                NR=len(digits), BLOCK=block, FUSED=fused_finish, **finish_args,
+                                num_warps=compact_warps)
+    if not fused_finish:
+        _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, NR=len(digits), **finish_args,
+                                      num_warps=1)
     return out

@@ -36,8 +36,12 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
    slow but exact. The finish runs as one warp, so each of the bit steps' sums is warp shuffles, no barrier;
    it clears the row's work buffer when done (a caller may keep the buffer: no memset per call).
 
+Fused finish (``FUSED`` compact, the launcher's default): the finish runs in the compact pass's last program of a
+row to arrive (an acq_rel arrival counter, after a barrier: every program's candidates are written and visible;
+the candidates are then read through L2, ``.cg``), so the chain loses one launch and its gap.
+
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | count_cand | count_gt | count_eq]``.
+each) | arrived | count_cand | count_gt | count_eq]``.
 """
 import triton
 import triton.language as tl
@@ -59,8 +63,8 @@ def rounds(radix: int) -> tuple[tuple[int, int], ...]:
 
 
 def work_ints(radix: int) -> int:
-    """int32 per row of the work buffer: one 2^radix histogram per round, count_cand, count_gt, count_eq."""
-    return len(rounds(radix)) * (1 << radix) + 3
+    """int32 per row of the work buffer: one 2^radix histogram per round, arrived, count_cand, count_gt, count_eq."""
+    return len(rounds(radix)) * (1 << radix) + 4
 
 
 @triton.jit
@@ -170,10 +174,12 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
 @triton.jit
 def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
                           tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
-                          BLOCK: tl.constexpr, WORK: tl.constexpr):
+                          BLOCK: tl.constexpr, WORK: tl.constexpr, FUSED: tl.constexpr, WORK_P2: tl.constexpr,
+                          CAND_BLOCK: tl.constexpr):
     """After the first ROUNDS (= CAND_ROUNDS) rounds (the threshold's top KNOWN bits P): keys whose top bits > P
     to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
-    int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass."""
+    int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass. With
+    ``FUSED`` the row's last program to arrive then runs the finish (``_finish_row``)."""
     KNOWN: tl.constexpr = ROUNDS * RADIX
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -194,13 +200,19 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
         slot = _claim_slots(work + (WORK - 3), tied)
         tl.store(cand_keys + slot, key, mask=tied > 0)
         tl.store(cand_keys + n + slot, value, mask=tied > 0)
+    if FUSED:
+        tl.debug_barrier()   # every thread's candidates are written before the release below
+        if tl.atomic_add(work + (WORK - 4), 1, sem="acq_rel") == tl.num_programs(1) - 1:   # the row's last
+            c = tl.atomic_add(work + (WORK - 3), 0, sem="acquire")
+            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
 
 
 @triton.jit
 def _candidate_low_bits(keys_ptr, offs, c, LOW: tl.constexpr):
-    """The low LOW bits of candidates ``offs`` (unsigned-order, so their order is the keys' order); -1 past c."""
+    """The low LOW bits of candidates ``offs`` (unsigned-order, so their order is the keys' order); -1 past c.
+    Read through L2 (``.cg``): in the fused finish other programs wrote them during this launch."""
     valid = offs < c
-    key = tl.load(keys_ptr + offs, mask=valid, other=0)
+    key = tl.load(keys_ptr + offs, mask=valid, other=0, cache_modifier=".cg")
     return tl.where(valid, (key ^ SIGN) & ((1 << LOW) - 1), -1)
 
 
@@ -217,16 +229,21 @@ def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr)
 @triton.jit
 def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
                          NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
-    """Slots [k - need, k) of each row from its candidates: those above the need-th largest candidate key, then
-    as many equal to it as still needed; then the row's work buffer is set back to zero (this program is the
-    last to read it), so a kept buffer needs no memset before the next call. Grid (rows,)."""
-    LOW: tl.constexpr = 32 - ROUNDS * RADIX     # key bits below the ROUNDS digits found
+    """The finish as its own launch (the unfused form), grid (rows,): ``_finish_row`` of each row."""
     row = tl.program_id(0).to(tl.int64)
     work = work_ptr + row * WORK
-    out = out_ptr + row * stride_out
-    cand_keys = cand_ptr + row * 2 * n
     _, need = _descend(work, k, ROUNDS, RADIX, NR)
-    c = tl.load(work + (WORK - 3))
+    _finish_row(work, out_ptr + row * stride_out, cand_ptr + row * 2 * n, n, k, need, tl.load(work + (WORK - 3)),
+                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
+
+
+@triton.jit
+def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
+                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
+    """Slots [k - need, k) of one row from its c candidates: those above the need-th largest candidate key, then
+    as many equal to it as still needed; then the row's work buffer is set back to zero (this program is the
+    last to read it), so a kept buffer needs no memset before the next call."""
+    LOW: tl.constexpr = 32 - ROUNDS * RADIX     # key bits below the ROUNDS digits found
     offs = tl.arange(0, CAND_BLOCK)
     thr = tl.zeros([], dtype=tl.int32)          # the threshold's low bits, found from the top bit down
     if c <= CAND_BLOCK:                         # one tile: load once, search in registers
@@ -249,7 +266,7 @@ def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: 
     eq_rank = tl.zeros([], dtype=tl.int32)      # candidates == thr: the first need - n_gt are taken
     for start in range(0, c, WRITE):
         low_t = _candidate_low_bits(cand_keys, start + offs_w, c, LOW)
-        value = tl.load(cand_keys + n + start + offs_w, mask=start + offs_w < c)
+        value = tl.load(cand_keys + n + start + offs_w, mask=start + offs_w < c, cache_modifier=".cg")
         gt = (low_t > thr).to(tl.int32)
         tied = (low_t == thr).to(tl.int32)
         both = gt + (tied << 16)
