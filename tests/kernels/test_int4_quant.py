@@ -85,9 +85,11 @@ def test_quantize_launch_configs_agree(triton_backend, config):
     assert_bitwise_equal(s2, scale, "scale")
 
 
-@pytest.mark.parametrize("config", [{"BN": 2, "BK": 128, "num_warps": 1}, {"BN": 4, "BK": 256, "num_warps": 2}])
+@pytest.mark.parametrize("config", [{"BN": 2, "BK": 128, "num_warps": 1}, {"BN": 4, "BK": 256, "num_warps": 2},
+                                    {"BN": 2, "BK": 128, "MAGIC": True}, {"BN": 4, "BK": 256, "WORD_MAJOR": True},
+                                    {"BN": 2, "BK": 128, "MAGIC": True, "WORD_MAJOR": True}])
 def test_dequantize_launch_configs_agree(triton_backend, config):
-    # ragged row and K tiles (65 x 320)
+    # ragged row and K tiles (65 x 320); the nibble-to-float trick (MAGIC) and the word-major tile are exact
     w = torch.randn(65, 320).to(triton_backend)
     packed, scale = I.int4_quantize(w, 32, torch.float32)
     out = I.int4_dequantize(packed, scale, 32, torch.float32, config=config)
@@ -95,7 +97,8 @@ def test_dequantize_launch_configs_agree(triton_backend, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, {"BN": 4, "BK": 1024, "num_warps": 1}])
+@pytest.mark.parametrize("config", [None, {"BN": 4, "BK": 1024, "num_warps": 1},
+                                    {"BN": 8, "BK": 1024, "MAGIC": True, "WORD_MAJOR": True}])
 def test_dequantize_bit_exact_on_gpu_large(config):
     # 2049 x 7168 (a partial last row block), bf16 and fp32 out
     packed, scale = I.int4_quantize(torch.randn(2049, 7168, device="cuda", dtype=torch.bfloat16), 32)
