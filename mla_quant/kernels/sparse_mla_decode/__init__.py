@@ -25,6 +25,8 @@ from .reference import gather_kv_rows, sparse_mla_decode_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SPLITS = 256  # the combine kernel holds every split's partial of a column block at once
+KERNEL_WARPS = 8  # warps per attention program (GPU)
+COMBINE_PARTIALS = 8192  # fp32 partials per combine program: its column block is this / the splits (≤ 512)
 
 __all__ = ["sparse_mla_decode", "sparse_mla_decode_reference", "gather_kv_rows", "check_kv_pages"]
 
@@ -141,10 +143,10 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         indices.stride(0), o_buf.stride(0), o_buf.stride(1), o_split_stride, l_buf.stride(0), l_buf.stride(1),
         width, sc_row, rope_row,
         DL=d_latent, DR=d_rope, PAGE_SIZE=kv_data.shape[1], KIND=code, DOT_BF16=dot_bf16,
-        SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else 8)
+        SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else KERNEL_WARPS)
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
-        block_d = min(d_latent, max(16, 8192 // block_s))        # ≤ 8k fp32 partials per program
+        block_d = min(d_latent, max(16, COMBINE_PARTIALS // block_s))
         _combine_splits_kernel[(t, h, d_latent // block_d)](
             o_buf, l_buf, out, lse, h, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
             l_buf.stride(0), l_buf.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),

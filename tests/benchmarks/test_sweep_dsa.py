@@ -1,0 +1,22 @@
+"""The DSA sweep's settings on the CPU: each names a knob the library has (a module constant or a parameter of
+the radix select), and applying one restores the library afterwards; the sweep itself runs on the GPU only."""
+import inspect
+
+from benchmarks.sweep_dsa import FINISH, INDEXER, SPARSE, _patched
+from mla_quant.kernels import indexer_scores, sparse_mla_decode, topk
+
+
+def test_settings_name_existing_knobs_and_are_undone():
+    params = inspect.signature(topk._radix_topk).parameters
+    assert all(set(s) <= set(params) for s in FINISH)
+    before = {(m, name): getattr(m, name) for m, grid in ((indexer_scores, INDEXER), (sparse_mla_decode, SPARSE))
+              for s in grid for name in s}
+    radix = topk._radix_topk
+    for part, grid, module in (("indexer", INDEXER, indexer_scores), ("sparse", SPARSE, sparse_mla_decode)):
+        for setting in grid:
+            with _patched(part, setting):
+                assert all(getattr(module, k) == v for k, v in setting.items())
+    with _patched("finish", FINISH[0]):
+        assert topk._radix_topk is not radix
+    assert topk._radix_topk is radix
+    assert all(getattr(m, name) == v for (m, name), v in before.items())
