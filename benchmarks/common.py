@@ -72,6 +72,33 @@ def graph_us(fn, reps: int = 1, warmup_ms: float = 25, rep_ms: float = 100) -> t
         return median_us(fn, warmup_ms, rep_ms) / reps, False
 
 
+def interleaved_graph_us(fns: dict, reps: int = 1, rounds: int = 5, warmup_ms: float = 10,
+                         rep_ms: float = 30) -> dict[str, list[float]]:
+    """For settings whose differences are near the run-to-run drift: each ``fns[name]()`` (``reps`` calls) is
+    captured once in a CUDA graph (after one eager call: compile, autotune), then the graphs are timed in
+    ``rounds`` round-robin passes (do_bench medians, L2 flushed between replays), so slow drift of the clocks
+    or the host reaches every setting alike. Returns name -> the µs per call of each round; a setting whose
+    first call or capture raised maps to its error message instead."""
+    import torch
+
+    graphs, out = {}, {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graphs[name], out[name] = graph, []
+        except Exception as e:  # noqa: BLE001 - one setting that fails to compile or capture is a finding
+            torch.cuda.synchronize()
+            out[name] = f"{type(e).__name__}: {e}"[:300]
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            out[name].append(median_us(graph.replay, warmup_ms, rep_ms) / reps)
+    return out
+
+
 def random_kv_pool(kind: str, num_pages: int, page: int, d_latent: int, d_rope: int, device: str):
     """One layer's MLA pages in ``kind`` (kernels/kv_layout.py) with realistic values and no NaN bit
     patterns, filled chunk by chunk so huge pools need little scratch. Returns (data, scales)."""

@@ -2,7 +2,7 @@
 the radix select), and applying one restores the library afterwards; the sweep itself runs on the GPU only."""
 import inspect
 
-from benchmarks.sweep_dsa import FINISH, INDEXER, SPARSE, _patched
+from benchmarks.sweep_dsa import COMBOS, FINISH, INDEXER, SPARSE, _patched
 from mla_quant.kernels import indexer_scores, sparse_mla_decode, topk
 
 
@@ -18,5 +18,13 @@ def test_settings_name_existing_knobs_and_are_undone():
                 assert all(getattr(module, k) == v for k, v in setting.items())
     with _patched("finish", FINISH[0]):
         assert topk._radix_topk is not radix
+    for combo in COMBOS:
+        with _patched("combo", combo):
+            for part, setting in combo:
+                if part == "finish":
+                    assert topk._radix_topk is not radix
+                else:
+                    module = indexer_scores if part == "indexer" else sparse_mla_decode
+                    assert all(getattr(module, k) == v for k, v in setting.items())
     assert topk._radix_topk is radix
     assert all(getattr(m, name) == v for (m, name), v in before.items())

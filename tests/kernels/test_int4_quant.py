@@ -87,9 +87,11 @@ def test_quantize_launch_configs_agree(triton_backend, config):
 
 @pytest.mark.parametrize("config", [{"BN": 2, "BK": 128, "num_warps": 1}, {"BN": 4, "BK": 256, "num_warps": 2},
                                     {"BN": 2, "BK": 128, "MAGIC": True}, {"BN": 4, "BK": 256, "WORD_MAJOR": True},
-                                    {"BN": 2, "BK": 128, "MAGIC": True, "WORD_MAJOR": True}])
+                                    {"BN": 2, "BK": 128, "MAGIC": True, "WORD_MAJOR": True},
+                                    {"BN": 4, "BK": 128, "K_FAST": True}])
 def test_dequantize_launch_configs_agree(triton_backend, config):
-    # ragged row and K tiles (65 x 320); the nibble-to-float trick (MAGIC) and the word-major tile are exact
+    # ragged row and K tiles (65 x 320); the nibble-to-float trick (MAGIC), the word-major tile and the K-major
+    # grid order are exact
     w = torch.randn(65, 320).to(triton_backend)
     packed, scale = I.int4_quantize(w, 32, torch.float32)
     out = I.int4_dequantize(packed, scale, 32, torch.float32, config=config)

@@ -104,14 +104,14 @@ def int4_dequantize(
     if tuple(scale.shape) != (n, k // group_size):
         raise ValueError(f"scale: shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"with group {group_size} (expected {(n, k // group_size)})")
-    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1, "MAGIC": False, "WORD_MAJOR": False},
-                       group_size)
+    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1, "MAGIC": False, "WORD_MAJOR": False,
+                                "K_FAST": False}, group_size)
     if not use_triton(packed, scale):
         return int4_dequantize_reference(packed, scale, group_size, out_dtype)
     from .kernel import _int4_dequant_kernel
 
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
     if n and k:
-        _int4_dequant_kernel[(triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"]))](
-            packed, scale, out, n, k, GROUP=group_size, **cfg)
+        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"]))
+        _int4_dequant_kernel[grid[::-1] if cfg["K_FAST"] else grid](packed, scale, out, n, k, GROUP=group_size, **cfg)
     return out

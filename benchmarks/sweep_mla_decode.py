@@ -1,0 +1,88 @@
+"""Sweep of ``mla_decode``'s split count × kernel configuration at one BF16 shape, in one GPU call.
+
+    python -m benchmarks.sweep_mla_decode [--out sweep_mla_decode.json] [--batch 64] [--ctx 4096] [--rounds 5]
+
+The launcher picks the split count first (``plan_num_splits``) and the autotuner then picks the kernel
+configuration for it; a configuration with fewer registers or less shared memory fits more programs per SM,
+so a larger split count might only pay with it. This times the pairs jointly at 16 heads (the goal case of
+issue #3: ≥ 75 % of copy at 4k): every (splits, config) pair and the launcher's own choice (``default``) is
+captured once and timed in round-robin passes (``common.interleaved_graph_us``), inputs rotating over block
+tables as in ``bench_mla_decode``. Reports µs (median of the rounds, min, max) and the fraction of the copy
+bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+
+from .common import Context, interleaved_graph_us, measure_ceilings, meta, sweep_args
+
+HEADS = 16
+SPLITS = (3, 4, 5, 6, 8)
+# (BLOCK_M, BLOCK_N, QK_SPLIT_LOAD, num_warps, num_stages): the BF16 16-row candidates of DECODE_CONFIGS;
+# sm_90 (Triton 3.6, compile_check): m16n64w8s2 94 KB smem, 80 registers (2 programs per SM);
+# m16n32w8s2/s3 56 KB, 98-100; m16n16w4s3 37 KB, 124 (4 per SM)
+CONFIGS = ((16, 64, False, 8, 2), (16, 32, False, 8, 2), (16, 32, False, 8, 3), (16, 16, False, 4, 3))
+
+
+def _config(c) -> dict:
+    return {"BLOCK_M": c[0], "BLOCK_N": c[1], "QK_SPLIT_LOAD": c[2], "num_warps": c[3], "num_stages": c[4]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(ap):
+        ap.add_argument("--batch", type=int, default=64)
+        ap.add_argument("--ctx", type=int, default=4096)
+        ap.add_argument("--rounds", type=int, default=5, help="round-robin timing passes over the settings")
+    args = sweep_args(__doc__, "sweep_mla_decode.json", 0.0, argv, extra)
+    if args is None:
+        return 2
+    from mla_quant.kernels._gemm_utils import num_sms
+    from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits, tuned_config
+
+    from .bench_mla_decode import D_LATENT, D_ROPE, PAGE, SCALE, _fill_pool, _input_sets, _row_bytes
+
+    ctx = Context()
+    measure_ceilings(ctx)
+    batch, n, kind = args.batch, args.ctx, "bf16"
+    num_pages = max(16 * batch * n // PAGE, batch * n // PAGE)
+    pool, scales = _fill_pool(kind, num_pages, "cuda")
+    sets = _input_sets(batch, n, HEADS, kind, num_pages, "cuda")
+    seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    moved = batch * (n * _row_bytes(kind) + HEADS * 2 * (D_LATENT + D_ROPE + D_LATENT))
+
+    def decode(splits=None, config=None):
+        return lambda: [mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, num_splits=splits,
+                                   max_seq_len=n, validate=False, config=config) for q, tb in sets]
+
+    fns = {"default": decode()}
+    for s in SPLITS:
+        for c in CONFIGS:
+            fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
+    decode()()
+    planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
+    tuned = tuned_config()
+    times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
+    rows = []
+    print(f"copy {ctx.copy_tbps:.3f} TB/s; bf16 {HEADS} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "
+          f"{tuned}", flush=True)
+    for name, got in times.items():
+        if isinstance(got, str):
+            print(f"  {name:100s} failed: {got}", flush=True)
+            rows.append({"setting": name, "error": got})
+            continue
+        t = statistics.median(got)
+        frac = moved / (t * 1e-6) / 1e12 / ctx.copy_tbps
+        rows.append({"setting": name, "median_us": round(t, 3), "rounds_us": [round(x, 3) for x in got],
+                     "frac_of_copy": round(frac, 4)})
+        print(f"  {name:100s} {t:8.2f} µs (min {min(got):.2f}, max {max(got):.2f}) {frac:.3f} of copy", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta(ctx), "heads": HEADS, "batch": batch, "ctx": n, "launcher_splits": planned,
+                   "launcher_config": tuned, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
