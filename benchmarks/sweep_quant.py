@@ -28,12 +28,9 @@ INT4_QUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
               ((1, 1024, 1), (1, 512, 1), (1, 2048, 2), (2, 1024, 2), (1, 1024, 2), (4, 1024, 4), (2, 512, 1))] + [
     {"BN": bn, "BK": bk, "num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p} for bn, bk, w, st, p in
     ((1, 1024, 1, 3, 16), (4, 1024, 4, 3, 4), (2, 1024, 2, 3, 8), (4, 1024, 4, 4, 4))]
-INT4_DEQUANT = [{"BN": bn, "BK": bk, "num_warps": w} for bn, bk, w in
-                ((8, 1024, 1), (4, 1024, 1), (8, 1024, 2), (16, 1024, 4), (4, 512, 1), (8, 512, 2))] + [
-    {"BN": bn, "BK": bk, "num_warps": w, "MAGIC": m, "WORD_MAJOR": wm, "K_FAST": kf} for bn, bk, w, m, wm, kf in
-    ((8, 1024, 1, True, False, False), (8, 1024, 1, False, True, False), (8, 1024, 1, True, True, False),
-     (4, 1024, 1, True, True, False), (8, 1024, 1, False, False, True), (8, 1024, 1, True, False, True),
-     (4, 2048, 1, False, False, False), (4, 2048, 1, False, False, True), (2, 4096, 1, False, False, True))]
+INT4_DEQUANT = [{"BN": bn, "BK": bk, "num_warps": w, "K_FAST": kf} for bn, bk, w, kf in
+                ((8, 1024, 1, False), (4, 1024, 1, True), (8, 1024, 2, True), (16, 1024, 4, True), (4, 2048, 1, True),
+                 (2, 4096, 1, True), (8, 512, 2, True))]
 KV = [{"BLOCK_T": t, "num_warps": w, "STAGES": 0} for t, w in ((4, 2), (4, 4), (2, 2))] + [
     {"BLOCK_T": t, "num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p}  # persistent, loads pipelined
     for t, w, st, p in ((8, 4, 3, 4), (4, 2, 3, 16), (4, 2, 4, 8), (2, 2, 3, 16), (16, 8, 3, 2), (4, 2, 2, 8))]

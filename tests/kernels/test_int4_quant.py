@@ -86,12 +86,9 @@ def test_quantize_launch_configs_agree(triton_backend, config):
 
 
 @pytest.mark.parametrize("config", [{"BN": 2, "BK": 128, "num_warps": 1}, {"BN": 4, "BK": 256, "num_warps": 2},
-                                    {"BN": 2, "BK": 128, "MAGIC": True}, {"BN": 4, "BK": 256, "WORD_MAJOR": True},
-                                    {"BN": 2, "BK": 128, "MAGIC": True, "WORD_MAJOR": True},
-                                    {"BN": 4, "BK": 128, "K_FAST": True}])
+                                    {"BN": 4, "BK": 128, "K_FAST": False}])
 def test_dequantize_launch_configs_agree(triton_backend, config):
-    # ragged row and K tiles (65 x 320); the nibble-to-float trick (MAGIC), the word-major tile and the K-major
-    # grid order are exact
+    # ragged row and K tiles (65 x 320), in both grid orders
     w = torch.randn(65, 320).to(triton_backend)
     packed, scale = I.int4_quantize(w, 32, torch.float32)
     out = I.int4_dequantize(packed, scale, 32, torch.float32, config=config)
@@ -99,8 +96,7 @@ def test_dequantize_launch_configs_agree(triton_backend, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, {"BN": 4, "BK": 1024, "num_warps": 1},
-                                    {"BN": 8, "BK": 1024, "MAGIC": True, "WORD_MAJOR": True}])
+@pytest.mark.parametrize("config", [None, {"BN": 4, "BK": 1024, "num_warps": 1, "K_FAST": False}])
 def test_dequantize_bit_exact_on_gpu_large(config):
     # 2049 x 7168 (a partial last row block), bf16 and fp32 out
     packed, scale = I.int4_quantize(torch.randn(2049, 7168, device="cuda", dtype=torch.bfloat16), 32)

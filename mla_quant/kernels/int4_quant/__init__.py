@@ -92,9 +92,12 @@ def int4_dequantize(
 ) -> torch.Tensor:
     """(weight_packed int32 [N, K/8], weight_scale [N, K/group]) -> [N, K] ``out_dtype``.
 
-    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``) overrides the launch setting. Streaming
-    stores (``st.global.cs``) were swept on the H200 and lost (0.78 vs 0.80 of copy), and so did persistent grids
-    with loads pipelined 2-4 deep (0.73-0.79 of copy against the default's 0.80, run of 1a54790)."""
+    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``, ``K_FAST``: the grid's fast axis walks K,
+    so consecutive programs fill one BN-row slab of the output) overrides the launch setting. Swept on the H200
+    (``benchmarks/sweep_quant.py``): K_FAST 0.815-0.816 of copy against 0.800-0.802 for the row-major grid in
+    the same run (c5a7276); streaming stores (``st.global.cs``) lost (0.78 vs 0.80), and so did persistent grids
+    with loads pipelined 2-4 deep (0.73-0.79, run of 1a54790), a [BN, BK/8, 8] word-major tile with per-word scales
+    (0.65-0.75) and the nibble-to-float conversion by OR + FADD instead of I2F (0.79-0.80, no gain)."""
     check_tensor("packed", packed, dtype=torch.int32, ndim=2, contiguous=True)
     check_tensor("scale", scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
     check_same_device(packed=packed, scale=scale)
@@ -104,8 +107,7 @@ def int4_dequantize(
     if tuple(scale.shape) != (n, k // group_size):
         raise ValueError(f"scale: shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"with group {group_size} (expected {(n, k // group_size)})")
-    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1, "MAGIC": False, "WORD_MAJOR": False,
-                                "K_FAST": False}, group_size)
+    cfg = _tile_config(config, {"BN": 8, "BK": 1024, "num_warps": 1, "K_FAST": True}, group_size)
     if not use_triton(packed, scale):
         return int4_dequantize_reference(packed, scale, group_size, out_dtype)
     from .kernel import _int4_dequant_kernel

@@ -53,13 +53,8 @@ def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn, n_kb,
 
 @triton.jit
 def _int4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, N, K,
-                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAGIC: tl.constexpr,
-                         WORD_MAJOR: tl.constexpr, K_FAST: tl.constexpr):
-    # MAGIC: a nibble u becomes float(u - 8) as the fp32 bits 0x4B000000 | u (= 2^23 + u) minus 2^23 + 8, one OR
-    # and one FADD instead of an int->float conversion (a quarter-rate instruction). WORD_MAJOR: the tile stays
-    # [BN, BK/8, 8] (each word's 8 values together, the scale gathered per word) instead of being reshaped
-    # through [BN, BK/GROUP, GROUP], so the layout of the loaded words needs no change before the store.
-    # K_FAST: grid axis 0 walks K, so consecutive programs write one BN-row slab of the output end to end.
+                         GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_FAST: tl.constexpr):
+    # K_FAST: grid axis 0 walks K, so consecutive programs write one BN-row slab of the output end to end
     pid_n = tl.program_id(1 if K_FAST else 0)
     pid_k = tl.program_id(0 if K_FAST else 1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -67,22 +62,11 @@ def _int4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, N, K,
     words = tl.load(packed_ptr + rn[:, None].to(tl.int64) * (K // 8) + rw[None, :],
                     mask=(rn[:, None] < N) & (rw[None, :] < K // 8), other=0)
     shifts = tl.arange(0, 8) * 4
-    if MAGIC:
-        q = (((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-        q = q - 8388616.0
-    else:
-        q = ((((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8)).to(tl.float32)
-    if WORD_MAJOR:
-        s = tl.load(scale_ptr + rn[:, None].to(tl.int64) * (K // GROUP) + rw[None, :] // (GROUP // 8),
-                    mask=(rn[:, None] < N) & (rw[None, :] < K // 8), other=0.0).to(tl.float32)
-        w = q * s[:, :, None]
-        tl.store(out_ptr + rn[:, None, None].to(tl.int64) * K + rw[None, :, None] * 8 + tl.arange(0, 8)[None, None, :],
-                 w.to(out_ptr.dtype.element_ty), mask=(rn[:, None, None] < N) & (rw[None, :, None] < K // 8))
-    else:
-        rg = pid_k * (BK // GROUP) + tl.arange(0, BK // GROUP)
-        s = tl.load(scale_ptr + rn[:, None].to(tl.int64) * (K // GROUP) + rg[None, :],
-                    mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP), other=0.0).to(tl.float32)
-        w = tl.reshape(q, (BN, BK // GROUP, GROUP)) * s[:, :, None]
-        rk = pid_k * BK + tl.arange(0, BK)
-        tl.store(out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
-                 tl.reshape(w, (BN, BK)).to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+    q = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) - 8
+    rg = pid_k * (BK // GROUP) + tl.arange(0, BK // GROUP)
+    s = tl.load(scale_ptr + rn[:, None].to(tl.int64) * (K // GROUP) + rg[None, :],
+                mask=(rn[:, None] < N) & (rg[None, :] < K // GROUP), other=0.0).to(tl.float32)
+    w = tl.reshape(q.to(tl.float32), (BN, BK // GROUP, GROUP)) * s[:, :, None]
+    rk = pid_k * BK + tl.arange(0, BK)
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
+             tl.reshape(w, (BN, BK)).to(out_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
