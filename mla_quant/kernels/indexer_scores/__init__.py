@@ -23,8 +23,14 @@ from .reference import indexer_scores_reference
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
 INT = (torch.int32, torch.int64)
-BLOCK_N = 128   # keys per program (GPU)
-WARPS = None    # warps per program (GPU); None: 4 up to 4096 scores per tile (heads x keys), else 8
+# keys per program and warps (GPU). Up to DECODE_TOKENS query tokens (decode, where a program is a chain of
+# dependent DRAM round trips) 64 keys over 2 warps: the DSA step (GLM 5.2, 64k, batch 1) 31.23 µs against 31.73
+# with 128 keys over 4 warps at 8 heads, 40.72 vs 40.92 at 64 (H200 sweep, interleaved rounds, c5a7276; 256 keys
+# 32.03 / 41.36). Prefill keeps 128 keys: consecutive tokens share each key block through L2.
+DECODE_TOKENS = 4
+DECODE_BLOCK_N, DECODE_WARPS = 64, 2
+BLOCK_N = 128
+WARPS = None    # None: 4 up to 4096 scores per tile (heads x keys), else 8
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_scores_reference", "req_ids_from_cu_seqlens",
            "topk_work_buffer", "topk_work_ints"]
@@ -151,7 +157,8 @@ def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hi
     else:
         dot = 1 if {q.dtype, k_cache.dtype} <= {FP8, torch.bfloat16} else 2
     block_h = max(16, triton.next_power_of_2(h))
-    block_n = 64 if interpreted else BLOCK_N
+    block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if t <= DECODE_TOKENS else (BLOCK_N, WARPS)
+    block_n = 64 if interpreted else block_n
     grid = (t, triton.cdiv(n, block_n))
     _indexer_scores_kernel[grid](
         q, weights, k_cache, k_scale if k_scale is not None else weights, block_table, req_ids, positions, out,
@@ -159,5 +166,5 @@ def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hi
         block_table.stride(0), out.stride(0), hist.stride(0) if hist is not None else 0,
         D=d, PAGE_SIZE=k_cache.shape[1], HAS_SCALE=k_scale is not None, DOT=dot,
         BLOCK_H=block_h, BLOCK_N=block_n, HIST=hist is not None, HIST_SHIFT=hist_shift, HIST_BITS=hist_bits,
-        num_warps=WARPS or (4 if block_h * block_n <= 4096 else 8))
+        num_warps=warps or (4 if block_h * block_n <= 4096 else 8))
     return out
