@@ -8,9 +8,7 @@ tables; each setting changes one part and times the whole step:
 
 - ``finish``: the candidate finish in the compact pass's last program of the row (``fused``) or its own
   launch (``unfused``), with compact programs of 1, 2 or 4 warps;
-- ``indexer``: the one-launch scores + top-k (``indexer_scores.ONE_LAUNCH``) or the launch chain, the one-launch
-  form's keys per program (``COOP_BLOCK_N``) and warps (``COOP_WARPS``), the chain's keys per scores program at
-  decode (``DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
+- ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
   program (``COMBINE_PARTIALS``).
 
@@ -29,11 +27,10 @@ import torch
 from .common import Context, interleaved_graph_us, meta, sweep_args
 
 FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))]
-INDEXER = [{"ONE_LAUNCH": False}, {"COOP_BLOCK_N": 256}, {"COOP_BLOCK_N": 64, "COOP_WARPS": 2, "COOP_MAX_PROGRAMS_PER_SM": 8},
-           {"ONE_LAUNCH": False, "DECODE_BLOCK_N": 128, "DECODE_WARPS": None}]
+INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
 # settings of several parts at once: (part, setting) pairs — the defaults before session 7's second sweep
-COMBOS = [(("indexer", {"ONE_LAUNCH": False, "DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
+COMBOS = [(("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
            ("sparse", {"KERNEL_WARPS": 8, "COMBINE_PARTIALS": 8192}))]
 
 

@@ -236,19 +236,6 @@ def test_indexer_topk_all_ties_and_max_ctx(triton_backend):
     selection_is_valid(indexer_scores(q, w, k_cache, k_scale, table, req, pos, 91), idx, 33)
 
 
-def test_indexer_topk_one_launch_needs_compiled_triton(triton_backend):
-    """The one-launch select waits at row barriers, which the interpreter (one program after another) would
-    never pass: asked for there, it is refused by name; by default the launch chain runs."""
-    from mla_quant.kernels._backend import triton_interpreted
-
-    args = decode_step([130, 7], 16, FP8, 0, triton_backend)
-    if not triton_interpreted():
-        pytest.skip("compiled Triton runs the one-launch select (the gpu tests check it)")
-    with pytest.raises(ValueError, match="one_launch"):
-        indexer_topk(*args, 20, one_launch=True)
-    assert indexer_topk(*args, 20).shape == (2, 20)
-
-
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture only sets the backend
 @given(n=st.integers(20, 90), dk=st.sampled_from([-1, 0, 1]), rows=st.integers(1, 5),
        page_size=st.sampled_from([1, 8, 16]), key_dtype=st.sampled_from([FP8, torch.float32]),
@@ -291,43 +278,3 @@ def test_gpu_indexer_topk_fused_glm_decode(n):
     graph.replay()
     torch.cuda.synchronize()
     check(idx)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[65536], [65536, 1500, 40000, 2049], [8192, 2048], [130, 7, 64, 65]])
-def test_gpu_indexer_topk_one_launch_matches_the_chain(lengths):
-    """The one-launch select (scores, two row barriers, compact and finish in one cooperative launch) against
-    the launch chain on the same inputs: valid selections of the kernel's scores whose values agree, -1 padding
-    for requests shorter than k (1500 and 7 keys: the threshold is -inf), call after call on one kept work
-    buffer that stays zero, and replayed from a CUDA graph."""
-    from mla_quant.kernels.indexer_scores import topk_work_buffer
-    from tests.kernels.test_topk import selection_is_valid
-
-    k = 2048 if max(lengths) > 2048 else 20
-    work = topk_work_buffer("cuda")
-    for seed in range(2):
-        q, w, k_cache, k_scale, table, req, pos = decode_step(lengths, 64, FP8, seed, "cuda", heads=32, d=128)
-        q = (q * 20).clamp(-448, 448).to(FP8)
-        args = (q, w, k_cache, k_scale, table, req, pos)
-        scores = indexer_scores(*args)
-        one = indexer_topk(*args, k, work=work, one_launch=True)
-        assert not work.any(), "the one-launch select leaves the work buffer zero"
-        chain = indexer_topk(*args, k, one_launch=False)
-        selection_is_valid(scores, one, k)
-        picked = [torch.where(i >= 0, scores.gather(1, i.clamp(min=0).long()), float("-inf")).sort(1).values
-                  for i in (one, chain)]
-        assert torch.equal(picked[0], picked[1])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        idx = indexer_topk(*args, k, work=work, one_launch=True)
-    q.copy_((torch.randn(q.shape, device="cuda") * 20).clamp(-448, 448).to(FP8))
-    graph.replay()
-    torch.cuda.synchronize()
-    selection_is_valid(indexer_scores(*args), idx, k)
-
-
-@pytest.mark.gpu
-def test_gpu_indexer_topk_one_launch_refuses_a_grid_that_does_not_fit():
-    args = decode_step([131072] * 4, 64, FP8, 0, "cuda", heads=32, d=128)
-    with pytest.raises(ValueError, match="one_launch"):
-        indexer_topk(*args, 2048, one_launch=True)

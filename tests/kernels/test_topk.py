@@ -388,4 +388,4 @@ def test_radix_digit_schedules_cover_32_bits():
     from mla_quant.kernels.topk.kernel import rounds, work_ints
 
     assert rounds(11) == ((21, 11), (10, 11), (0, 10)) and rounds(8) == ((24, 8), (16, 8), (8, 8), (0, 8))
-    assert work_ints(11) == 3 * 2048 + 6 and work_ints(8) == 4 * 256 + 6   # + 2 barriers, arrived, cand, gt, eq
+    assert work_ints(11) == 3 * 2048 + 4 and work_ints(8) == 4 * 256 + 4   # + arrived, cand, gt, eq counters

@@ -15,9 +15,8 @@ import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
-from .._gemm_utils import num_sms
 from ..indexer_k_append import check_key_pages
-from ..topk import CAND_BLOCK, RADIX_BITS, RADIX_MAX_ROWS, radix_topk_from, topk_indices
+from ..topk import RADIX_BITS, RADIX_MAX_ROWS, radix_topk_from, topk_indices
 from ..topk.kernel import rounds, work_ints
 from .reference import indexer_scores_reference
 
@@ -32,11 +31,6 @@ DECODE_TOKENS = 4
 DECODE_BLOCK_N, DECODE_WARPS = 64, 2
 BLOCK_N = 128
 WARPS = None    # None: 4 up to 4096 scores per tile (heads x keys), else 8
-# indexer_topk's one-launch form (scores and the whole radix select, row barriers; a cooperative launch): keys
-# per program, warps, and the most programs per SM it is used for (4-warp programs of ≤ 128 registers: 4 fit)
-ONE_LAUNCH = True
-COOP_BLOCK_N, COOP_WARPS = 128, 4
-COOP_MAX_PROGRAMS_PER_SM = 4
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_scores_reference", "req_ids_from_cu_seqlens",
            "topk_work_buffer", "topk_work_ints"]
@@ -104,14 +98,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
                  block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor, topk: int,
                  max_ctx: int | None = None, validate: bool = False, fused: bool = True,
-                 work: torch.Tensor | None = None, one_launch: bool | None = None) -> torch.Tensor:
+                 work: torch.Tensor | None = None) -> torch.Tensor:
     """``topk_indices(indexer_scores(...), topk)``: int32 [T, min(topk, max_ctx)] logical key positions (-1
     unused, unordered). ``fused`` (Triton backend, rows the radix select serves under ``topk_indices``'s
     "auto", ``max_ctx > topk``): the scores kernel also counts the radix select's first digit, so the select
-    runs one histogram launch and one pass over the scores fewer (decode at small batch). ``one_launch`` (fused
-    path, compiled Triton only): the whole select in the scores kernel's programs, with row barriers
-    (``kernel._indexer_topk_kernel``, a cooperative launch); None: when the grid of ``COOP_BLOCK_N``-key programs
-    stays within ``COOP_MAX_PROGRAMS_PER_SM`` per SM; True where it does not fit raises. ``work`` (optional,
+    runs one histogram launch and one pass over the scores fewer (decode at small batch). ``work`` (optional,
     fused path): a kept int32 buffer of zeros, at least [T, ``topk_work_ints()``] (``topk_work_buffer``), whose
     first T rows the select uses and leaves zero again — no memset launch per call; a call that raised midway
     may leave it dirty (make a new one then). Without it each fused call zeroes a new one."""
@@ -130,45 +121,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         if work.shape[0] < t or work.shape[1] != topk_work_ints():
             raise ValueError(f"work: shape {tuple(work.shape)}, expected at least ({t}, {topk_work_ints()})")
         work = work[:t]
-    fits = not triton_interpreted() and t * triton.cdiv(n, COOP_BLOCK_N) <= COOP_MAX_PROGRAMS_PER_SM * num_sms(
-        q.device)
-    if one_launch and not fits:
-        raise ValueError(f"one_launch: {t} token(s) × {triton.cdiv(n, COOP_BLOCK_N)} programs do not fit one "
-                         f"cooperative launch ({COOP_MAX_PROGRAMS_PER_SM} per SM; never under TRITON_INTERPRET)")
-    if one_launch or (one_launch is None and ONE_LAUNCH and fits):
-        return _launch_topk(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, topk, work)
     shift, bits = rounds(RADIX_BITS)[0]
     scores = _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, work, shift, bits)
     return radix_topk_from(scores, topk, work, rounds_done=1)
-
-
-def _dot_mode(q: torch.Tensor, k_cache: torch.Tensor) -> int:
-    """The scores kernel's DOT: 0 tensor-core dot of equal dtypes, 1 e4m3 with bf16, 2 fp32 (and interpreted)."""
-    if triton_interpreted() or torch.float32 in (q.dtype, k_cache.dtype):
-        return 2
-    if q.dtype == k_cache.dtype:
-        return 0
-    return 1 if {q.dtype, k_cache.dtype} <= {FP8, torch.bfloat16} else 2
-
-
-def _launch_topk(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, topk, work) -> torch.Tensor:
-    """The one-launch scores + top-k (cooperative: every program resident, or the launch fails)."""
-    from .kernel import _indexer_topk_kernel
-
-    t, h, d = q.shape
-    out = torch.empty((t, topk), dtype=torch.int32, device=q.device)
-    cand = torch.empty((t, 2, n), dtype=torch.int32, device=q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    weights = weights.contiguous()
-    width = topk_work_ints()
-    _indexer_topk_kernel[(t, triton.cdiv(n, COOP_BLOCK_N))](
-        q, weights, k_cache, k_scale if k_scale is not None else weights, block_table, req_ids, positions, work,
-        out, cand, h, n, topk, q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
-        D=d, PAGE_SIZE=k_cache.shape[1], HAS_SCALE=k_scale is not None, DOT=_dot_mode(q, k_cache),
-        BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=COOP_BLOCK_N, RADIX=RADIX_BITS,
-        NR=len(rounds(RADIX_BITS)), WORK=width, WORK_P2=triton.next_power_of_2(width), CAND_BLOCK=CAND_BLOCK,
-        num_warps=COOP_WARPS, launch_cooperative_grid=True)
-    return out
 
 
 def topk_work_ints() -> int:
@@ -195,7 +150,12 @@ def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hi
         q = q.contiguous()
     weights = weights.contiguous()
     interpreted = triton_interpreted()
-    dot = _dot_mode(q, k_cache)
+    if interpreted or torch.float32 in (q.dtype, k_cache.dtype):
+        dot = 2
+    elif q.dtype == k_cache.dtype:
+        dot = 0
+    else:
+        dot = 1 if {q.dtype, k_cache.dtype} <= {FP8, torch.bfloat16} else 2
     block_h = max(16, triton.next_power_of_2(h))
     block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if t <= DECODE_TOKENS else (BLOCK_N, WARPS)
     block_n = 64 if interpreted else block_n

@@ -38,13 +38,10 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
 
 Fused finish (``FUSED`` compact, the launcher's default): the finish runs in the compact pass's last program of a
 row to arrive (an acq_rel arrival counter, after a barrier: every program's candidates are written and visible;
-the candidates are then read through L2, ``.cg``), so the chain loses one launch and its gap. The histograms are
-read through L2 too (``_threshold_bin``): a kernel that waits at a row barrier (``row_barrier``, the indexer's
-one-launch top-k) reads them after other programs counted into them during the same launch.
+the candidates are then read through L2, ``.cg``), so the chain loses one launch and its gap.
 
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | barrier_1 | barrier_2 | arrived | count_cand | count_gt | count_eq]`` (the two barrier counters serve
-the one-launch top-k of ``indexer_scores``).
+each) | arrived | count_cand | count_gt | count_eq]``.
 """
 import triton
 import triton.language as tl
@@ -66,9 +63,8 @@ def rounds(radix: int) -> tuple[tuple[int, int], ...]:
 
 
 def work_ints(radix: int) -> int:
-    """int32 per row of the work buffer: one 2^radix histogram per round, two barrier counters, arrived,
-    count_cand, count_gt, count_eq."""
-    return len(rounds(radix)) * (1 << radix) + 6
+    """int32 per row of the work buffer: one 2^radix histogram per round, arrived, count_cand, count_gt, count_eq."""
+    return len(rounds(radix)) * (1 << radix) + 4
 
 
 @triton.jit
@@ -86,7 +82,7 @@ def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
     """The bin t holding the k-th largest of the counted keys (#keys in bins > t < k ≤ #keys in bins ≥ t)
     and k minus the keys above it."""
     b = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + b, cache_modifier=".cg")
+    h = tl.load(hist_ptr + b)
     at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     t = tl.max(tl.where(at_or_above >= k, b, -1), 0)
     above = tl.sum(tl.where(b > t, h, 0), 0)
@@ -184,6 +180,7 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
     to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
     int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass. With
     ``FUSED`` the row's last program to arrive then runs the finish (``_finish_row``)."""
+    KNOWN: tl.constexpr = ROUNDS * RADIX
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row_ptr = scores_ptr + row * stride_row
@@ -191,50 +188,23 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
     out = out_ptr + row * stride_out
     cand_keys = cand_ptr + row * 2 * n
     prefix, need = _descend(work, k, ROUNDS, RADIX, NR)
+    n_above = k - need
     for i in range(0, tiles_per_chunk):
         cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
-        compact_tile(key, cols, valid, prefix, k - need, work, out, cand_keys, n, ROUNDS * RADIX, WORK)
+        value = tl.where(key == NEG_INF_KEY, -1, cols)
+        top = ((key ^ SIGN) >> (32 - KNOWN)) & ((1 << KNOWN) - 1)
+        above = (valid & (top > prefix)).to(tl.int32)
+        slot = _claim_slots(work + (WORK - 2), above)
+        tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
+        tied = (valid & (top == prefix) & (key != NEG_INF_KEY)).to(tl.int32)   # -inf: no candidate (below)
+        slot = _claim_slots(work + (WORK - 3), tied)
+        tl.store(cand_keys + slot, key, mask=tied > 0)
+        tl.store(cand_keys + n + slot, value, mask=tied > 0)
     if FUSED:
-        arrive_and_finish(work, out, cand_keys, n, k, need, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
-
-
-@triton.jit
-def compact_tile(key, cols, valid, prefix, n_above, work, out, cand_keys, n, KNOWN: tl.constexpr,
-                 WORK: tl.constexpr):
-    """One tile of the compact pass: keys whose top KNOWN bits > ``prefix`` to the output's slots [0, n_above),
-    keys whose top bits == prefix (but not -inf) appended (key, column) to the row's candidates."""
-    value = tl.where(key == NEG_INF_KEY, -1, cols)
-    top = ((key ^ SIGN) >> (32 - KNOWN)) & ((1 << KNOWN) - 1)
-    above = (valid & (top > prefix)).to(tl.int32)
-    slot = _claim_slots(work + (WORK - 2), above)
-    tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
-    tied = (valid & (top == prefix) & (key != NEG_INF_KEY)).to(tl.int32)   # -inf: no candidate (_finish_row)
-    slot = _claim_slots(work + (WORK - 3), tied)
-    tl.store(cand_keys + slot, key, mask=tied > 0)
-    tl.store(cand_keys + n + slot, value, mask=tied > 0)
-
-
-@triton.jit
-def arrive_and_finish(work, out, cand_keys, n, k, need, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                      WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
-    """A compacting program of a row (grid axis 1) is done: the row's last to arrive runs ``_finish_row``."""
-    tl.debug_barrier()   # every thread's candidates are written before the release below
-    if tl.atomic_add(work + (WORK - 4), 1, sem="acq_rel") == tl.num_programs(1) - 1:   # the row's last
-        c = tl.atomic_add(work + (WORK - 3), 0, sem="acquire")
-        _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
-
-
-@triton.jit
-def row_barrier(counter_ptr):
-    """Wait until every program of the row (grid axis 1) has arrived at ``counter_ptr`` (a zeroed int32 of the
-    row's work buffer): what each wrote before it is then visible to all. Only for launches whose programs are
-    all resident at once (a cooperative launch), else the waiters could hold the SMs that the others need."""
-    tl.debug_barrier()   # every thread's writes and atomics are issued before the release below
-    programs = tl.num_programs(1)
-    seen = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
-    while seen < programs:
-        seen = tl.load(counter_ptr, volatile=True)   # polled with plain loads: no atomic queue at one address
-    tl.atomic_add(counter_ptr, 0, sem="acquire")     # orders the reads after the barrier
+        tl.debug_barrier()   # every thread's candidates are written before the release below
+        if tl.atomic_add(work + (WORK - 4), 1, sem="acq_rel") == tl.num_programs(1) - 1:   # the row's last
+            c = tl.atomic_add(work + (WORK - 3), 0, sem="acquire")
+            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
 
 
 @triton.jit
