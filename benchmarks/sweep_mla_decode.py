@@ -7,8 +7,9 @@ configuration for it; a configuration with fewer registers or less shared memory
 so a larger split count might only pay with it. This times the pairs jointly at 16 heads (the goal case of
 issue #3: ≥ 75 % of copy at 4k): every (splits, config) pair and the launcher's own choice (``default``) is
 captured once and timed in round-robin passes (``common.interleaved_graph_us``), inputs rotating over block
-tables as in ``bench_mla_decode``. Reports µs (median of the rounds, min, max) and the fraction of the copy
-bandwidth measured in the same run.
+tables as in ``bench_mla_decode``; so are the split merge's settings (``MERGES``, at the launcher's split and
+config). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the
+same run.
 """
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ SPLITS = (3, 4, 5, 6, 8)
 # sm_90 (Triton 3.6, compile_check): m16n64w8s2 94 KB smem, 80 registers (2 programs per SM);
 # m16n32w8s2/s3 56 KB, 98-100; m16n16w4s3 37 KB, 124 (4 per SM)
 CONFIGS = ((16, 64, False, 8, 2), (16, 32, False, 8, 2), (16, 32, False, 8, 3), (16, 16, False, 4, 3))
+
+
+# the row merge (mla_decode.ROWS_BLOCK_R query rows per program, ROWS_WARPS): 4 splits x 64 requests x 16 heads
+# at 8 rows is 128 programs, about one per SM, each reading 64 KB of partials
+MERGES = tuple({"ROWS_BLOCK_R": r, "ROWS_WARPS": w} for r, w in ((2, 4), (4, 4), (8, 8), (2, 2)))
+
+
+def _patched(fn, constants: dict):
+    """``fn`` run with module constants of ``mla_decode`` set to ``constants`` (restored after each call)."""
+    from mla_quant.kernels import mla_decode as module
+
+    def run():
+        saved = {name: getattr(module, name) for name in constants}
+        for name, value in constants.items():
+            setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+    return run
 
 
 def _config(c) -> dict:
@@ -61,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in SPLITS:
         for c in CONFIGS:
             fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
+    for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
+        fns[json.dumps(merge)] = _patched(decode(), merge)
     decode()()
     planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
     tuned = tuned_config()

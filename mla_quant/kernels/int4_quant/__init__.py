@@ -57,8 +57,9 @@ def int4_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``).
 
-    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``; ``STAGES`` >= 1 with ``PROGRAMS_PER_SM``:
-    a persistent grid looping over the tiles, loads pipelined) overrides the launch setting."""
+    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``; ``K_FAST``: the grid's fast axis walks K;
+    ``STAGES`` >= 1 with ``PROGRAMS_PER_SM``: a persistent grid looping over the tiles, loads pipelined)
+    overrides the launch setting."""
     check_tensor("w", w, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     _check_group(group_size)
     check_divisible("w.shape[1]", w.shape[1], group_size, "group_size")
@@ -66,8 +67,8 @@ def int4_quantize(
         raise TypeError(f"scale_dtype: {scale_dtype} not supported, expected one of {SCALE_DTYPES}")
     if w.stride(-1) != 1:
         raise ValueError("w: the last dimension must be contiguous")
-    cfg = _tile_config(config, {"BN": 1, "BK": 1024, "num_warps": 1, "STAGES": 0, "PROGRAMS_PER_SM": 16},
-                       group_size)  # K is masked
+    cfg = _tile_config(config, {"BN": 1, "BK": 1024, "num_warps": 1, "STAGES": 0, "PROGRAMS_PER_SM": 16,
+                                "K_FAST": False}, group_size)  # K is masked
     if not use_triton(w):
         return int4_quantize_reference(w, group_size, scale_dtype)
     from .kernel import _int4_quant_pack_kernel
@@ -76,7 +77,7 @@ def int4_quantize(
     packed = torch.empty((n, k // 8), dtype=torch.int32, device=w.device)
     scale = torch.empty((n, k // group_size), dtype=scale_dtype, device=w.device)
     nb, kb = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
-    grid = (nb, kb)
+    grid = (kb, nb) if cfg["K_FAST"] else (nb, kb)
     if cfg["STAGES"]:
         grid = (persistent_programs(nb * kb, cfg, w.device),)
     else:

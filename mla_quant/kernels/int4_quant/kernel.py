@@ -39,12 +39,14 @@ def _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, pid_n, pid_k, N, K, stri
 
 @triton.jit
 def _int4_quant_pack_kernel(w_ptr, packed_ptr, scale_ptr, N, K, stride_wn, n_kb, n_tiles,
-                            GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    # STAGES 0: one tile per program, grid (N tiles, K tiles). STAGES >= 1: a persistent 1-D grid whose programs
-    # stride over the tiles in K-major order, loads pipelined STAGES deep (cp.async).
+                            GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                            K_FAST: tl.constexpr):
+    # STAGES 0: one tile per program, grid (N tiles, K tiles), or (K tiles, N tiles) with K_FAST (consecutive
+    # programs read one BN-row slab end to end). STAGES >= 1: a persistent 1-D grid whose programs stride over
+    # the tiles in K-major order, loads pipelined STAGES deep (cp.async).
     if STAGES == 0:
-        _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, tl.program_id(0), tl.program_id(1), N, K, stride_wn,
-                              GROUP, BN, BK)
+        _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, tl.program_id(1 if K_FAST else 0),
+                              tl.program_id(0 if K_FAST else 1), N, K, stride_wn, GROUP, BN, BK)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
             _int4_quant_pack_tile(w_ptr, packed_ptr, scale_ptr, tile // n_kb, tile % n_kb, N, K, stride_wn,

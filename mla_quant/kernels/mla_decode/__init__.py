@@ -280,6 +280,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
 
 
 ROWS_MAX_SPLITS = 8  # combine_splits("auto"): the row kernel up to this many splits (measured, docstring)
+ROWS_BLOCK_R, ROWS_WARPS = 8, 4   # the row merge's query rows per program and warps
 
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -297,10 +298,9 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     if kernel == "auto":
         kernel = "rows" if num_splits <= ROWS_MAX_SPLITS else "tiles"
     if kernel == "rows":
-        block_r = 8
-        _mla_decode_combine_kernel[(triton.cdiv(m_rows, block_r), bsz)](
-            o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=block_r,
-            SPLITS_P2=splits_p2, num_warps=4)
+        _mla_decode_combine_kernel[(triton.cdiv(m_rows, ROWS_BLOCK_R), bsz)](
+            o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=ROWS_BLOCK_R,
+            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS)
         return
     if kernel != "tiles":
         raise ValueError(f"kernel: {kernel!r} not in ('auto', 'tiles', 'rows')")

@@ -1,4 +1,4 @@
-"""The DSA sweep's settings on the CPU: each names a knob the library has (a module constant or a parameter of
+"""The DSA and MLA-decode sweeps' settings on the CPU: each names a knob the library has (a module constant or a parameter of
 the radix select), and applying one restores the library afterwards; the sweep itself runs on the GPU only."""
 import inspect
 
@@ -28,3 +28,14 @@ def test_settings_name_existing_knobs_and_are_undone():
                     assert all(getattr(module, k) == v for k, v in setting.items())
     assert topk._radix_topk is radix
     assert all(getattr(m, name) == v for (m, name), v in before.items())
+
+
+def test_mla_decode_sweep_merge_settings_name_module_constants():
+    from benchmarks.sweep_mla_decode import MERGES, _patched
+    from mla_quant.kernels import mla_decode
+
+    before = {name: getattr(mla_decode, name) for m in MERGES for name in m}
+    seen = []
+    _patched(lambda: seen.append({name: getattr(mla_decode, name) for name in MERGES[0]}), MERGES[0])()
+    assert seen == [MERGES[0]]
+    assert {name: getattr(mla_decode, name) for name in before} == before
