@@ -1,5 +1,5 @@
-"""The DSA and MLA-decode sweeps' settings on the CPU: each names a knob the library has (a module constant or a parameter of
-the radix select), and applying one restores the library afterwards; the sweep itself runs on the GPU only."""
+"""The DSA and MLA-decode sweeps' settings on the CPU: each names a knob the library has (a module constant or a
+parameter of the radix select), and applying one restores the library afterwards; the sweeps run on the GPU only."""
 import inspect
 
 from benchmarks.sweep_dsa import COMBOS, FINISH, INDEXER, SPARSE, _patched
