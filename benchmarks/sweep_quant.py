@@ -25,8 +25,8 @@ BLOCK_QUANT = [{"num_warps": w, "K_FAST": f} for w in (4, 8, 16) for f in (False
     {"num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p} for w, st, p in ((8, 3, 2), (8, 2, 2), (8, 4, 1), (16, 2, 2))]
 BLOCK_DEQUANT = [{"num_warps": 4, "K_FAST": True}, {"num_warps": 8, "K_FAST": False}, {"num_warps": 8, "K_FAST": True}]
 INT4_QUANT = [{"BN": bn, "BK": bk, "num_warps": w, "K_FAST": kf} for bn, bk, w, kf in
-              ((1, 1024, 1, True), (2, 1024, 2, True), (1, 2048, 2, True), (1, 512, 1, True), (4, 1024, 4, True),
-               (1, 512, 1, False), (2, 1024, 2, False))] + [
+              ((1, 1024, 1, False), (2, 1024, 2, True), (1, 2048, 2, True), (1, 512, 1, True), (4, 1024, 4, True),
+               (2, 1024, 2, False))] + [
     {"BN": bn, "BK": bk, "num_warps": w, "STAGES": st, "PROGRAMS_PER_SM": p} for bn, bk, w, st, p in
     ((1, 1024, 1, 3, 16), (4, 1024, 4, 3, 4), (2, 1024, 2, 3, 8), (4, 1024, 4, 4, 4))]
 INT4_DEQUANT = [{"BN": bn, "BK": bk, "num_warps": w, "K_FAST": kf} for bn, bk, w, kf in

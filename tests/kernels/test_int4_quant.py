@@ -73,7 +73,7 @@ def test_kernels_match_reference(triton_backend, shape, group):
                                  I.int4_dequantize_reference(pr, sr, group, out), f"dequant {out}")
 
 
-@pytest.mark.parametrize("config", [{"BN": 2, "BK": 256, "num_warps": 2}, {"BN": 2, "BK": 128, "K_FAST": True},
+@pytest.mark.parametrize("config", [{"BN": 2, "BK": 256, "num_warps": 2}, {"BN": 2, "BK": 128, "K_FAST": False},
                                     {"BN": 2, "BK": 128, "num_warps": 1, "STAGES": 2, "PROGRAMS_PER_SM": 3}])
 def test_quantize_launch_configs_agree(triton_backend, config):
     # persistent (STAGES): 3 programs loop over the 33 x 3 tiles, masked at the edges (K = 320)

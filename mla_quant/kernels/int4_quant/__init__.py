@@ -57,8 +57,9 @@ def int4_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [N, K] -> (weight_packed int32 [N, K/8], weight_scale [N, K/group] ``scale_dtype``).
 
-    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``; ``K_FAST``: the grid's fast axis walks K;
-    ``STAGES`` >= 1 with ``PROGRAMS_PER_SM``: a persistent grid looping over the tiles, loads pipelined)
+    ``config`` (``BN`` rows × ``BK`` columns per program, ``num_warps``; ``K_FAST``: the grid's fast axis walks K,
+    the default since the H200 sweep of 84444bd: 0.841 of copy against 0.819 row-major, as for the dequantization;
+    ``STAGES`` >= 1 with ``PROGRAMS_PER_SM``: a persistent grid looping over the tiles, loads pipelined, 0.67-0.73)
     overrides the launch setting."""
     check_tensor("w", w, dtype=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
     _check_group(group_size)
@@ -68,7 +69,7 @@ def int4_quantize(
     if w.stride(-1) != 1:
         raise ValueError("w: the last dimension must be contiguous")
     cfg = _tile_config(config, {"BN": 1, "BK": 1024, "num_warps": 1, "STAGES": 0, "PROGRAMS_PER_SM": 16,
-                                "K_FAST": False}, group_size)  # K is masked
+                                "K_FAST": True}, group_size)  # K is masked
     if not use_triton(w):
         return int4_quantize_reference(w, group_size, scale_dtype)
     from .kernel import _int4_quant_pack_kernel
