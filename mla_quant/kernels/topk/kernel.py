@@ -27,14 +27,16 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
    to the row's candidate buffer (int32 keys and columns, capacity N, through count_cand) — except keys of
    -inf, whose columns come out as -1 whichever of them is chosen: a causally masked row (a short request in a
    long batch) would otherwise list all its masked columns.
-2. finish (grid (rows,), one program per row): the ``need``-th largest candidate key, found bit by bit over the
-   ``LOW = 32 − 2·RADIX`` remaining bits (set the bit, count candidates at or above, keep it if that count ≥
-   need), then the candidates above it and the first ``need − #above`` equal to it to slots ``[k − need, k)``;
-   with fewer than ``need`` candidates, all of them and -1 for the rest.
-   Up to ``CAND_BLOCK`` candidates (the common case: only the keys of one 16-bit bin) are loaded once and
-   searched in registers; more (ties or a dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit:
-   slow but exact. The finish runs as one warp, so each of the bit steps' sums is warp shuffles, no barrier;
-   it clears the row's work buffer when done (a caller may keep the buffer: no memset per call).
+2. finish (one program per row: its own launch, or the compact pass's last program of the row): the
+   ``need``-th largest candidate key over the ``LOW = 32 − 2·RADIX`` remaining bits, then the candidates above
+   it and the first ``need − #above`` equal to it to slots ``[k − need, k)``; with fewer than ``need``
+   candidates, all of them and -1 for the rest. Up to ``CAND_BLOCK`` candidates (the common case: only the keys
+   of one 16-bit bin) are loaded once and searched in registers as two radix digits (a histogram of the high
+   half of the low bits, its threshold bin, a histogram of the low half among the keys in that bin); more (ties
+   or a dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit (set the bit, count candidates at or
+   above, keep it if that count ≥ need): slow but exact. The first chunk of the writes' keys and columns loads
+   beside the search's. The finish clears the row's work buffer when done (a caller may keep the buffer: no
+   memset per call).
 
 Fused finish (``FUSED`` compact, the launcher's default): the finish runs in the compact pass's last program of a
 row to arrive (an acq_rel arrival counter, after a barrier: every program's candidates are written and visible;
@@ -82,7 +84,12 @@ def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
     """The bin t holding the k-th largest of the counted keys (#keys in bins > t < k ≤ #keys in bins ≥ t)
     and k minus the keys above it."""
     b = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + b)
+    return _threshold_of_counts(tl.load(hist_ptr + b), b, k)
+
+
+@triton.jit
+def _threshold_of_counts(h, b, k):
+    """``_threshold_bin`` of counts ``h`` over bins ``b`` held in registers (t = -1 when fewer than k keys)."""
     at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     t = tl.max(tl.where(at_or_above >= k, b, -1), 0)
     above = tl.sum(tl.where(b > t, h, 0), 0)
@@ -175,7 +182,7 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
 def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
                           tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
                           BLOCK: tl.constexpr, WORK: tl.constexpr, FUSED: tl.constexpr, WORK_P2: tl.constexpr,
-                          CAND_BLOCK: tl.constexpr):
+                          CAND_BLOCK: tl.constexpr, DIGITS: tl.constexpr):
     """After the first ROUNDS (= CAND_ROUNDS) rounds (the threshold's top KNOWN bits P): keys whose top bits > P
     to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
     int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass. With
@@ -204,7 +211,7 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
         tl.debug_barrier()   # every thread's candidates are written before the release below
         if tl.atomic_add(work + (WORK - 4), 1, sem="acq_rel") == tl.num_programs(1) - 1:   # the row's last
             c = tl.atomic_add(work + (WORK - 3), 0, sem="acquire")
-            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
+            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, DIGITS)
 
 
 @triton.jit
@@ -228,55 +235,77 @@ def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr)
 
 @triton.jit
 def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                         NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
+                         NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr,
+                         DIGITS: tl.constexpr):
     """The finish as its own launch (the unfused form), grid (rows,): ``_finish_row`` of each row."""
     row = tl.program_id(0).to(tl.int64)
     work = work_ptr + row * WORK
     _, need = _descend(work, k, ROUNDS, RADIX, NR)
     _finish_row(work, out_ptr + row * stride_out, cand_ptr + row * 2 * n, n, k, need, tl.load(work + (WORK - 3)),
-                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
+                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, DIGITS)
 
 
 @triton.jit
 def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
+                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr, DIGITS: tl.constexpr):
     """Slots [k - need, k) of one row from its c candidates: those above the need-th largest candidate key, then
     as many equal to it as still needed; then the row's work buffer is set back to zero (this program is the
     last to read it), so a kept buffer needs no memset before the next call."""
     LOW: tl.constexpr = 32 - ROUNDS * RADIX     # key bits below the ROUNDS digits found
-    offs = tl.arange(0, CAND_BLOCK)
-    thr = tl.zeros([], dtype=tl.int32)          # the threshold's low bits, found from the top bit down
-    if c <= CAND_BLOCK:                         # one tile: load once, search in registers
-        low = _candidate_low_bits(cand_keys, offs, c, LOW)
+    # the writes go in chunks of WRITE candidates; the first chunk's keys and columns load now, beside the search's
+    # keys, not after the search (the common case, ~90 candidates, is that one chunk)
+    WRITE: tl.constexpr = 128
+    offs_w = tl.arange(0, WRITE)
+    low_w = _candidate_low_bits(cand_keys, offs_w, c, LOW)
+    value_w = tl.load(cand_keys + n + offs_w, mask=offs_w < c, cache_modifier=".cg")
+    if c <= CAND_BLOCK and not DIGITS:          # one tile in registers, searched bit by bit (session 6's form)
+        low = _candidate_low_bits(cand_keys, tl.arange(0, CAND_BLOCK), c, LOW)
+        thr = tl.zeros([], dtype=tl.int32)
         for b in tl.static_range(LOW):
             t = thr | (1 << (LOW - 1 - b))
             thr = tl.where(tl.sum((low >= t).to(tl.int32), 0) >= need, t, thr)
         n_gt = tl.sum((low > thr).to(tl.int32), 0)
+    elif c <= CAND_BLOCK:                       # one tile in registers: a radix search of two digits
+        low = _candidate_low_bits(cand_keys, tl.arange(0, CAND_BLOCK), c, LOW)
+        LO: tl.constexpr = LOW // 2
+        HI: tl.constexpr = LOW - LO
+        listed = low >= 0
+        hi = low >> LO
+        t_hi, rem = _threshold_of_counts(tl.histogram(hi, 1 << HI, mask=listed), tl.arange(0, 1 << HI), need)
+        t_hi = tl.maximum(t_hi, 0)              # -1: fewer than need candidates, the threshold is 0 then
+        t_lo, _ = _threshold_of_counts(tl.histogram(low & ((1 << LO) - 1), 1 << LO, mask=listed & (hi == t_hi)),
+                                       tl.arange(0, 1 << LO), rem)
+        thr = (t_hi << LO) | tl.maximum(t_lo, 0)
+        n_gt = tl.sum((low > thr).to(tl.int32), 0)
     else:                                       # many candidates (ties, a dense bin): one read of all per bit
+        thr = tl.zeros([], dtype=tl.int32)      # the threshold's low bits, found from the top bit down
         for b in range(LOW):
             t = thr | (1 << (LOW - 1 - b))
             thr = tl.where(_count_at_least(cand_keys, c, t, LOW, CAND_BLOCK) >= need, t, thr)
         n_gt = _count_at_least(cand_keys, c, thr + 1, LOW, CAND_BLOCK)
-    # the writes: slots from a prefix sum over a tile of WRITE candidates. A scan over a one-warp tile is a chain
-    # of dependent shuffles per register the tile takes (a 1024-wide tile: 32), so the tile is small and the two
-    # classes share one scan (> thr counted in the low 16 bits, == thr in the high 16)
-    WRITE: tl.constexpr = 128
-    offs_w = tl.arange(0, WRITE)
-    gt_slot = k - need                          # candidates > thr: n_gt < need of them
-    eq_rank = tl.zeros([], dtype=tl.int32)      # candidates == thr: the first need - n_gt are taken
-    for start in range(0, c, WRITE):
+    gt_slot, eq_rank = _write_chunk(low_w, value_w, thr, out, k, need, n_gt, k - need, 0)
+    for start in range(WRITE, c, WRITE):
         low_t = _candidate_low_bits(cand_keys, start + offs_w, c, LOW)
         value = tl.load(cand_keys + n + start + offs_w, mask=start + offs_w < c, cache_modifier=".cg")
-        gt = (low_t > thr).to(tl.int32)
-        tied = (low_t == thr).to(tl.int32)
-        both = gt + (tied << 16)
-        before = tl.cumsum(both, 0) - both
-        tl.store(out + gt_slot + (before & 0xFFFF), value, mask=gt > 0)
-        rank = eq_rank + (before >> 16)
-        tl.store(out + (k - need + n_gt) + rank, value, mask=(tied > 0) & (rank < need - n_gt))
-        gt_slot += tl.sum(gt, 0)
-        eq_rank += tl.sum(tied, 0)
+        gt_slot, eq_rank = _write_chunk(low_t, value, thr, out, k, need, n_gt, gt_slot, eq_rank)
     for start in range(c, need, WRITE):         # fewer finite candidates than needed: the rest score -inf
         tl.store(out + (k - need) + start + offs_w, -1, mask=start + offs_w < need)
     clear = tl.arange(0, WORK_P2)
     tl.store(work + clear, tl.zeros([WORK_P2], dtype=tl.int32), mask=clear < WORK)
+
+
+@triton.jit
+def _write_chunk(low, value, thr, out, k, need, n_gt, gt_slot, eq_rank):
+    """One chunk of candidates (low bits ``low``, -1 past the list; columns ``value``) to the output: those above
+    ``thr`` from slot ``gt_slot`` on, the first ``need - n_gt`` equal to it (counting ``eq_rank`` already seen)
+    after the n_gt above. Slots come from one prefix sum with both classes packed (> thr in the low 16 bits,
+    == thr in the high 16): a scan over a one-warp tile is a chain of dependent shuffles per register the tile
+    takes, so the chunk is small and scanned once. Returns the updated (gt_slot, eq_rank)."""
+    gt = (low > thr).to(tl.int32)
+    tied = (low == thr).to(tl.int32)
+    both = gt + (tied << 16)
+    before = tl.cumsum(both, 0) - both
+    tl.store(out + gt_slot + (before & 0xFFFF), value, mask=gt > 0)
+    rank = eq_rank + (before >> 16)
+    tl.store(out + (k - need + n_gt) + rank, value, mask=(tied > 0) & (rank < need - n_gt))
+    return gt_slot + tl.sum(gt, 0), eq_rank + tl.sum(tied, 0)
