@@ -7,8 +7,7 @@ work buffer, the sparse attention and its split merge) timed as one CUDA-graph r
 tables; each setting changes one part and times the whole step:
 
 - ``finish``: the candidate finish in the compact pass's last program of the row (``fused``) or its own
-  launch (``unfused``), with compact programs of 1, 2 or 4 warps; its in-register search by two radix digits
-  (``finish_digits``, the default) or bit by bit;
+  launch (``unfused``), with compact programs of 1, 2 or 4 warps;
 - ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
   program (``COMBINE_PARTIALS``).
@@ -27,7 +26,7 @@ import torch
 
 from .common import Context, interleaved_graph_us, meta, sweep_args
 
-FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))] + [{"finish_digits": False}]
+FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))]
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
 # settings of several parts at once: (part, setting) pairs — the defaults before session 7's second sweep

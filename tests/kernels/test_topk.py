@@ -154,13 +154,12 @@ def test_kernel_empty_batch(triton_backend):
        kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow", "narrow_ties"]),
        block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]),
        finish=st.sampled_from(FINISHES), cand_block=st.sampled_from([16, 64, 4096]), fused=st.booleans(),
-       warps=st.sampled_from([1, 4]), digits=st.booleans())
+       warps=st.sampled_from([1, 4]))
 def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits, finish, cand_block, fused,
-                           warps, digits):
+                           warps):
     """Both finishes at both digit widths (the candidate finish after two 11-bit rounds searches 10 low bits),
     candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers), the candidate finish fused
-    into the compact pass's last program or launched on its own, compact programs of 1 or 4 warps, the finish's
-    in-register search as two radix digits or bit by bit."""
+    into the compact pass's last program or launched on its own, compact programs of 1 or 4 warps."""
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         scores = torch.randn(rows, n, generator=g)
@@ -168,8 +167,7 @@ def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks
         scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
     scores = scores.to(triton_backend)
     selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits, finish=finish,
-                                     cand_block=cand_block, fused_finish=fused, compact_warps=warps,
-                                     finish_digits=digits), k)
+                                     cand_block=cand_block, fused_finish=fused, compact_warps=warps), k)
 
 
 def test_bad_inputs():
@@ -234,7 +232,7 @@ def test_gpu_fused_finish_matches_unfused(rows, warps):
         fused = radix(scores, k, work=work, compact_warps=warps)
         assert_selects_the_largest(scores, fused, k)
         assert not work.any()
-        unfused = radix(scores, k, fused_finish=False, finish_digits=False)   # session 6's finish
+        unfused = radix(scores, k, fused_finish=False)
         assert torch.equal(scores.gather(1, fused.long()).sort(1).values,
                            scores.gather(1, unfused.long()).sort(1).values)
 
