@@ -30,13 +30,15 @@ class Context:
     notes: list[str] = field(default_factory=list)
 
 
-def sweep_args(doc: str, out: str, budget_s: float, argv: list[str] | None = None,
+def sweep_args(doc: str, out: str, budget_s: float | None, argv: list[str] | None = None,
                extra=lambda ap: None) -> argparse.Namespace | None:
-    """Arguments of a one-call GPU sweep or profile (``--out``, ``--budget-s``, and what ``extra`` adds to the
-    parser); None (after saying so) when there is no CUDA device to run on."""
+    """Arguments of a one-call GPU sweep or profile (``--out``, ``--budget-s`` unless ``budget_s`` is None — the
+    sweeps timed in interleaved rounds have no budget — and what ``extra`` adds to the parser); None (after
+    saying so) when there is no CUDA device to run on."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=out)
-    ap.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new settings after this long")
+    if budget_s is not None:
+        ap.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new settings after this long")
     extra(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     def extra(ap):
         ap.add_argument("--heads", default="8", help="comma-separated attention heads per GPU (8: TP8, 64: one GPU)")
         ap.add_argument("--rounds", type=int, default=7, help="round-robin timing passes over the settings")
-    args = sweep_args(__doc__, "sweep_dsa.json", 120.0, argv, extra)
+    args = sweep_args(__doc__, "sweep_dsa.json", None, argv, extra)
     if args is None:
         return 2
     from mla_quant.kernels.indexer_scores import indexer_topk, topk_work_buffer

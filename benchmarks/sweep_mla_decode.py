@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--batch", type=int, default=64)
         ap.add_argument("--ctx", type=int, default=4096)
         ap.add_argument("--rounds", type=int, default=5, help="round-robin timing passes over the settings")
-    args = sweep_args(__doc__, "sweep_mla_decode.json", 0.0, argv, extra)
+    args = sweep_args(__doc__, "sweep_mla_decode.json", None, argv, extra)
     if args is None:
         return 2
     from mla_quant.kernels._gemm_utils import num_sms
