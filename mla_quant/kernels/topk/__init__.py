@@ -12,12 +12,15 @@ k = 2048 on the H200, 40 µs at 8k). Two ways to finish (``finish``):
 - ``"candidates"`` (the default at 8 bits): two rounds (the threshold's top bits P: 16 at 8 bits, 22 at 11),
   then a compact pass (``rows × chunks`` programs) writes the keys above P and appends the keys in P's bin
   (key, column) to a per-row candidate buffer (int32 [T, 2, N], allocated here: 1 GiB at 2048 rows of 64k,
-  which only ``method="radix"`` reaches), and a finish kernel (one program per row) finds the threshold among
-  the candidates bit by bit, writes the rest and clears the row's work buffer. One memset (none with a kept
-  work buffer: ``radix_topk_from``) and 4 kernels; at one row of 64k it replaces rounds 2-3 and the select pass
-  (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by the compact pass (3.8 µs) and the finish (4.9 µs:
-  one warp; 15.9 as 4 warps over 4096-candidate tiles) — the whole select 16.2 µs against 18.2 for the rounds
-  finish in the same run (08559a3, k = 2048), and at 64 rows of 64k 92 against 130.
+  which only ``method="radix"`` reaches); then the finish (one program per row) finds the threshold among the
+  candidates bit by bit, writes the rest and clears the row's work buffer. The finish runs in the compact pass's
+  last program of each row to arrive (an arrival counter; its own one-warp launch with ``fused_finish=False``):
+  one memset (none with a kept work buffer: ``radix_topk_from``) and 3 kernels. At one row of 64k it replaces
+  rounds 2-3 and the select pass (3.0 + 3.0 + 4.5 µs on the H200, plus a launch gap each) by the compact pass
+  (3.8 µs) and the finish (4.9 µs as its own one-warp launch; 15.9 as 4 warps over 4096-candidate tiles) — the
+  whole select 16.2 µs against 18.2 for the rounds finish in the same run (08559a3, k = 2048), and at 64 rows of
+  64k 92 against 130. Fusing the finish into the compact pass (session 7) took a further 0.9 µs off the DSA
+  step (31.30 vs 32.18 µs, interleaved sweep of 84444bd; compact + finish 8.75 µs of kernel).
 
 No host sync either way (CUDA-graph safe). ``radix_topk_from`` continues a select whose first rounds another
 kernel counted (``indexer_scores.indexer_topk`` fuses round 0 into the scores kernel).
