@@ -6,6 +6,7 @@ cases made by :func:`case` (schema in DESIGN.md, "Benchmark results file").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import itertools
 import json
@@ -72,6 +73,19 @@ def graph_us(fn, reps: int = 1, warmup_ms: float = 25, rep_ms: float = 100) -> t
     except RuntimeError:
         torch.cuda.synchronize()
         return median_us(fn, warmup_ms, rep_ms) / reps, False
+
+
+@contextlib.contextmanager
+def module_attrs(module, values: dict):
+    """Set attributes of ``module`` (a launcher's module constants: a sweep's setting) for the ``with`` body."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def interleaved_graph_us(fns: dict, reps: int = 1, rounds: int = 5, warmup_ms: float = 10,

@@ -18,13 +18,14 @@ Every setting (and the dense ``mla_decode`` peer) is captured once and timed in 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import statistics
 
 import torch
 
-from .common import Context, interleaved_graph_us, meta, sweep_args
+from .common import Context, interleaved_graph_us, meta, module_attrs, sweep_args
 
 FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))]
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
@@ -37,28 +38,15 @@ COMBOS = [(("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
 def _patched(part: str, setting: dict):
     """A context that applies one setting of ``part`` (``"combo"``: ``setting`` is a tuple of (part, setting)
     pairs) to the library's modules and restores them."""
-    import contextlib
-
     from mla_quant.kernels import indexer_scores, sparse_mla_decode, topk
 
-    @contextlib.contextmanager
-    def ctx():
-        saved = []
-        for p, s in (setting if part == "combo" else ((part, setting),)):
-            if p == "finish":
-                saved.append((topk, "_radix_topk", topk._radix_topk))
-                topk._radix_topk = functools.partial(topk._radix_topk, **s)
-            else:
-                module = indexer_scores if p == "indexer" else sparse_mla_decode
-                for name, value in s.items():
-                    saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, value)
-        try:
-            yield
-        finally:
-            for module, name, value in reversed(saved):
-                setattr(module, name, value)
-    return ctx()
+    stack = contextlib.ExitStack()
+    for p, s in (setting if part == "combo" else ((part, setting),)):
+        if p == "finish":   # launcher arguments of the radix select, bound into the function its callers look up
+            stack.enter_context(module_attrs(topk, {"_radix_topk": functools.partial(topk._radix_topk, **s)}))
+        else:
+            stack.enter_context(module_attrs(indexer_scores if p == "indexer" else sparse_mla_decode, s))
+    return stack
 
 
 def main(argv: list[str] | None = None) -> int:

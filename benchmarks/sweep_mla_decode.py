@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from .common import Context, interleaved_graph_us, measure_ceilings, meta, sweep_args
+from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
 
 HEADS = 16
 SPLITS = (3, 4, 5, 6, 8)
@@ -38,14 +38,8 @@ def _patched(fn, constants: dict):
     from mla_quant.kernels import mla_decode as module
 
     def run():
-        saved = {name: getattr(module, name) for name in constants}
-        for name, value in constants.items():
-            setattr(module, name, value)
-        try:
+        with module_attrs(module, constants):
             return fn()
-        finally:
-            for name, value in saved.items():
-                setattr(module, name, value)
     return run
 
 
