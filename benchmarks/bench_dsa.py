@@ -70,6 +70,16 @@ def _fill_pools(kind: str, num_pages: int, dev: str):
     return data, scales, keys, key_scales
 
 
+def decode_queries(batch: int, n: int, dev: str):
+    """One decode token per request at position n - 1 of an n-token context: (seq_lens, req_ids, positions,
+    indexer q (e4m3 [batch, 32, 128]), indexer head weights (fp32 [batch, 32]))."""
+    seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
+    req_ids = torch.arange(batch, dtype=torch.int32, device=dev)
+    positions = torch.full((batch,), n - 1, dtype=torch.int64, device=dev)
+    q_idx = torch.randn(batch, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
+    return seq_lens, req_ids, positions, q_idx, torch.rand(batch, IDX_HEADS, device=dev)
+
+
 def _tables(batch: int, ctx: int, bytes_per_set: int, num_pages: int, dev: str) -> list[torch.Tensor]:
     """Block tables over distinct pages of the pool, enough that one pass reads more than 3× L2."""
     pages = ctx // PAGE
@@ -110,11 +120,7 @@ def _decode_cases(ctx: Context, kinds, heads_list, batches, contexts) -> list[di
         row_bytes = KVFormat(kind).bytes_per_token(D_LATENT, D_ROPE)
         for heads, batch, n in itertools.product(heads_list, batches, contexts):
             tables = _tables(batch, n, batch * n * (row_bytes + INDEX_KEY_BYTES), num_pages, dev)
-            seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
-            req_ids = torch.arange(batch, dtype=torch.int32, device=dev)
-            positions = torch.full((batch,), n - 1, dtype=torch.int64, device=dev)
-            q_idx = torch.randn(batch, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
-            w_idx = torch.rand(batch, IDX_HEADS, device=dev)
+            seq_lens, req_ids, positions, q_idx, w_idx = decode_queries(batch, n, dev)
             q = torch.randn(batch, heads, D_LATENT + D_ROPE, device=dev, dtype=torch.bfloat16)
             q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
 

@@ -55,18 +55,26 @@ def median_us(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def _captured(fn):
+    """``fn`` called once eagerly (compile / autotune outside the capture), then captured in a CUDA graph."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def graph_us(fn, reps: int = 1, warmup_ms: float = 25, rep_ms: float = 100) -> tuple[float, bool]:
     """Median µs of one of ``reps`` calls made by ``fn()``, replayed from a CUDA graph, so host-side launch
     overhead is excluded for ours and the peers alike (as in a CUDA-graph decode loop). Falls back to eager
     timing when capture fails. Returns (µs, captured)."""
     import torch
 
-    fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = _captured(fn)
         t = median_us(graph.replay, warmup_ms, rep_ms) / reps
         del graph
         return t, True
@@ -100,12 +108,7 @@ def interleaved_graph_us(fns: dict, reps: int = 1, rounds: int = 5, warmup_ms: f
     graphs, out = {}, {}
     for name, fn in fns.items():
         try:
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graphs[name], out[name] = graph, []
+            graphs[name], out[name] = _captured(fn), []
         except Exception as e:  # noqa: BLE001 - one setting that fails to compile or capture is a finding
             torch.cuda.synchronize()
             out[name] = f"{type(e).__name__}: {e}"[:300]

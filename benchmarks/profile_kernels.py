@@ -66,15 +66,11 @@ def _dsa_step(dev):
     from mla_quant.kernels.indexer_scores import indexer_topk
     from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
 
-    from .bench_dsa import D_LATENT, IDX_DIM, IDX_HEADS, PAGE, SCALE, TOPK, _fill_pools
+    from .bench_dsa import D_LATENT, PAGE, SCALE, TOPK, _fill_pools, decode_queries
     n, heads, kind = 65536, 8, "fp8_ds_mla"
     pool, scales, keys, key_scales = _fill_pools(kind, n // PAGE, dev)
     table = torch.randperm(n // PAGE, device=dev).to(torch.int32)[None]
-    seq_lens = torch.full((1,), n, dtype=torch.int32, device=dev)
-    req_ids = torch.zeros(1, dtype=torch.int32, device=dev)
-    positions = torch.full((1,), n - 1, dtype=torch.int64, device=dev)
-    q_idx = torch.randn(1, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
-    w_idx = torch.rand(1, IDX_HEADS, device=dev)
+    seq_lens, req_ids, positions, q_idx, w_idx = decode_queries(1, n, dev)
     q = torch.randn(1, heads, D_LATENT + 64, device=dev, dtype=torch.bfloat16)
 
     def step():

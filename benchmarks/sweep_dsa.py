@@ -60,19 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     from mla_quant.kernels.mla_decode import mla_decode, tuned_config
     from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
 
-    from .bench_dsa import (D_LATENT, D_ROPE, IDX_DIM, IDX_HEADS, INDEX_KEY_BYTES, PAGE, SCALE, TOPK,
-                            _fill_pools, _tables)
+    from .bench_dsa import D_LATENT, D_ROPE, INDEX_KEY_BYTES, PAGE, SCALE, TOPK, _fill_pools, _tables, decode_queries
     from mla_quant.formats import KVFormat
 
     dev, kind, n, batch = "cuda", "fp8_ds_mla", 65536, 1
     pool, scales, keys, key_scales = _fill_pools(kind, 16 * n // PAGE, dev)
     row_bytes = KVFormat(kind).bytes_per_token(D_LATENT, D_ROPE)
     tables = _tables(batch, n, batch * n * (row_bytes + INDEX_KEY_BYTES), 16 * n // PAGE, dev)
-    seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
-    req_ids = torch.arange(batch, dtype=torch.int32, device=dev)
-    positions = torch.full((batch,), n - 1, dtype=torch.int64, device=dev)
-    q_idx = torch.randn(batch, IDX_HEADS, IDX_DIM, device=dev).mul(30).to(torch.float8_e4m3fn)
-    w_idx = torch.rand(batch, IDX_HEADS, device=dev)
+    seq_lens, req_ids, positions, q_idx, w_idx = decode_queries(batch, n, dev)
     work = topk_work_buffer(dev, batch)
     rows = []
     for heads in [int(h) for h in args.heads.split(",") if h]:

@@ -28,9 +28,9 @@ SPLITS = (3, 4, 5, 6, 8)
 CONFIGS = ((16, 64, False, 8, 2), (16, 32, False, 8, 2), (16, 32, False, 8, 3), (16, 16, False, 4, 3))
 
 
-# the row merge (mla_decode.ROWS_BLOCK_R query rows per program, ROWS_WARPS): 4 splits x 64 requests x 16 heads
-# at 8 rows is 128 programs, about one per SM, each reading 64 KB of partials
-MERGES = tuple({"ROWS_BLOCK_R": r, "ROWS_WARPS": w} for r, w in ((2, 4), (4, 4), (8, 8), (2, 2)))
+# the row merge (mla_decode.ROWS_BLOCK_R query rows per program, ROWS_WARPS) besides the launcher's 4 rows, 4 warps:
+# at 4 splits x 64 requests x 16 heads, 8 rows are 128 programs (about one per SM), each reading 64 KB of partials
+MERGES = tuple({"ROWS_BLOCK_R": r, "ROWS_WARPS": w} for r, w in ((2, 4), (8, 4), (8, 8), (2, 2)))
 
 
 def _patched(fn, constants: dict):
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context()
     measure_ceilings(ctx)
     batch, n, kind = args.batch, args.ctx, "bf16"
-    num_pages = max(16 * batch * n // PAGE, batch * n // PAGE)
+    num_pages = 16 * batch * n // PAGE   # 16 distinct input sets at most (bench_mla_decode._input_sets)
     pool, scales = _fill_pool(kind, num_pages, "cuda")
     sets = _input_sets(batch, n, HEADS, kind, num_pages, "cuda")
     seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
