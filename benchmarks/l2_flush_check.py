@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from .common import _captured
+
 FLUSH_BYTES = 256 * 2**20
 
 
@@ -40,12 +42,8 @@ def timed_us(fn, flush, reps: int = 60, warmup: int = 5) -> float:
 
 
 def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    """The replay of ``fn`` captured in a CUDA graph (``common._captured``)."""
+    return _captured(fn).replay
 
 
 def both_flushes(label: str, bytes_moved: int, fn, flushes: dict) -> dict:
