@@ -6,7 +6,7 @@
 How: a fake Triton driver reports an sm_90 CUDA target; ``JITFunction.run`` compiles without launching;
 ``Autotuner.run`` compiles every config that survives the kernel's own ``early_config_prune``; the library's
 dispatch (``_backend.use_triton`` / ``triton_interpreted``, ``num_sms`` and ``torch.cuda.get_device_properties``,
-132 SMs) takes the GPU path for CPU tensors. Each op's public launcher is then called on CPU tensors of
+132 SMs, ``_pdl.pdl_launch``) takes the GPU path for CPU tensors. Each op's public launcher is then called on CPU tensors of
 representative shapes (``OPS`` below), so the launch code picks its kernels, constexprs and configs as on
 the H200, and nothing runs.
 
@@ -152,7 +152,8 @@ def install_fake_hopper(log: CompileLog, ptxas: bool = True) -> None:
         if importlib.util.find_spec(f"mla_quant.kernels.{op}.kernel"):
             importlib.import_module(f"mla_quant.kernels.{op}.kernel")
     patches = {"use_triton": lambda *tensors: True, "triton_interpreted": lambda: False,
-               "num_sms": lambda device=None: HOPPER_SMS}
+               "num_sms": lambda device=None: HOPPER_SMS,
+               "pdl_launch": lambda device=None: {"PDL": True, "launch_pdl": True}}   # as on the H200
     for name, module in list(sys.modules.items()):
         if name == kernels_pkg.__name__ or name.startswith(kernels_pkg.__name__ + "."):
             for attr, fake in patches.items():

@@ -10,7 +10,9 @@ tables; each setting changes one part and times the whole step:
   launch (``unfused``), with compact programs of 1, 2 or 4 warps;
 - ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
-  program (``COMBINE_PARTIALS``).
+  program (``COMBINE_PARTIALS``);
+- ``pdl``: every kernel launched plainly (``_pdl.ENABLED`` False) instead of with programmatic dependent launch;
+  the dense peer is also timed so (``dense_no_pdl``).
 
 Every setting (and the dense ``mla_decode`` peer) is captured once and timed in ``--rounds`` round-robin passes
 (``common.interleaved_graph_us``: in session 7's first sweep the default, timed first and last in a row, read
@@ -31,6 +33,7 @@ FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
 # settings of several parts at once: (part, setting) pairs — the defaults before session 7's second sweep
+PDL = [{"ENABLED": False}]
 COMBOS = [(("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
            ("sparse", {"KERNEL_WARPS": 8, "COMBINE_PARTIALS": 8192}))]
 
@@ -38,14 +41,15 @@ COMBOS = [(("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
 def _patched(part: str, setting: dict):
     """A context that applies one setting of ``part`` (``"combo"``: ``setting`` is a tuple of (part, setting)
     pairs) to the library's modules and restores them."""
-    from mla_quant.kernels import indexer_scores, sparse_mla_decode, topk
+    from mla_quant.kernels import _pdl, indexer_scores, sparse_mla_decode, topk
 
     stack = contextlib.ExitStack()
     for p, s in (setting if part == "combo" else ((part, setting),)):
         if p == "finish":   # launcher arguments of the radix select, bound into the function its callers look up
             stack.enter_context(module_attrs(topk, {"_radix_topk": functools.partial(topk._radix_topk, **s)}))
         else:
-            stack.enter_context(module_attrs(indexer_scores if p == "indexer" else sparse_mla_decode, s))
+            module = {"indexer": indexer_scores, "sparse": sparse_mla_decode, "pdl": _pdl}[p]
+            stack.enter_context(module_attrs(module, s))
     return stack
 
 
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                               validate=False)
 
         settings = [("default", {}), *[("finish", x) for x in FINISH], *[("indexer", x) for x in INDEXER],
-                    *[("sparse", x) for x in SPARSE], *[("combo", c) for c in COMBOS]]
+                    *[("sparse", x) for x in SPARSE], *[("pdl", x) for x in PDL], *[("combo", c) for c in COMBOS]]
 
         def setting_fn(part, setting):
             def run():
@@ -91,14 +95,20 @@ def main(argv: list[str] | None = None) -> int:
                     return [step(tb) for tb in tables]
             return run
 
-        fns = {"dense": lambda: [dense(tb) for tb in tables]}
+        def dense_no_pdl():
+            with _patched("pdl", {"ENABLED": False}):
+                return [dense(tb) for tb in tables]
+
+        fns = {"dense": lambda: [dense(tb) for tb in tables], "dense_no_pdl": dense_no_pdl}
         fns.update({json.dumps([part, setting]): setting_fn(part, setting) for part, setting in settings})
         times = interleaved_graph_us(fns, reps=len(tables), rounds=args.rounds)
         if isinstance(times["dense"], str):
             raise RuntimeError(f"the dense peer failed: {times['dense']}")
         t_dense = statistics.median(times["dense"])
+        no_pdl = times["dense_no_pdl"]
+        t_dense_no_pdl = round(statistics.median(no_pdl), 3) if not isinstance(no_pdl, str) else no_pdl
         print(f"heads {heads}: dense mla_decode {t_dense:.2f} µs ({tuned_config()}), rounds "
-              f"{[round(t, 2) for t in times['dense']]}", flush=True)
+              f"{[round(t, 2) for t in times['dense']]}; without PDL {t_dense_no_pdl}", flush=True)
         for part, setting in settings:
             got = times[json.dumps([part, setting])]
             if isinstance(got, str):
@@ -108,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             t = statistics.median(got)
             rows.append({"heads": heads, "part": part, "setting": setting, "step_us": round(t, 3),
                          "rounds_us": [round(x, 3) for x in got], "dense_us": round(t_dense, 3),
+                         "dense_no_pdl_us": t_dense_no_pdl,
                          "ratio_vs_dense": round(t / t_dense, 4)})
             print(f"  {part:8s} {json.dumps(setting):60s} {t:8.2f} µs (min {min(got):.2f}, max {max(got):.2f})"
                   f"  {t / t_dense:.3f}x dense", flush=True)

@@ -8,7 +8,8 @@ so a larger split count might only pay with it. This times the pairs jointly at 
 issue #3: ≥ 75 % of copy at 4k): every (splits, config) pair and the launcher's own choice (``default``) is
 captured once and timed in round-robin passes (``common.interleaved_graph_us``), inputs rotating over block
 tables as in ``bench_mla_decode``; so are the split merge's settings (``MERGES``, at the launcher's split and
-config). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the
+config), and the launcher's choice with plain launches instead of programmatic dependent ones (``no_pdl``:
+``_pdl.ENABLED`` False). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the
 same run.
 """
 from __future__ import annotations
@@ -33,9 +34,11 @@ CONFIGS = ((16, 64, False, 8, 2), (16, 32, False, 8, 2), (16, 32, False, 8, 3), 
 MERGES = tuple({"ROWS_BLOCK_R": r, "ROWS_WARPS": w} for r, w in ((2, 4), (8, 4), (8, 8), (2, 2)))
 
 
-def _patched(fn, constants: dict):
-    """``fn`` run with module constants of ``mla_decode`` set to ``constants`` (restored after each call)."""
-    from mla_quant.kernels import mla_decode as module
+def _patched(fn, constants: dict, module=None):
+    """``fn`` run with module constants of ``module`` (default ``mla_decode``) set to ``constants`` (restored after
+    each call)."""
+    if module is None:
+        from mla_quant.kernels import mla_decode as module
 
     def run():
         with module_attrs(module, constants):
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sweep_args(__doc__, "sweep_mla_decode.json", None, argv, extra)
     if args is None:
         return 2
+    from mla_quant.kernels import _pdl
     from mla_quant.kernels._gemm_utils import num_sms
     from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits, tuned_config
 
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
         fns[json.dumps(merge)] = _patched(decode(), merge)
+    fns["no_pdl"] = _patched(decode(), {"ENABLED": False}, _pdl)
     decode()()
     planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
     tuned = tuned_config()

@@ -4,6 +4,7 @@ import os
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Globals read inside @triton.jit code must be constexpr (Triton >= 3.2 refuses plain Python floats).
 FP8_MAX = tl.constexpr(448.0)
@@ -61,3 +62,13 @@ def cast_fp8_saturating(y):
     """Clamp to ±448 keeping NaN (tl.maximum would drop it), then round to e4m3."""
     c = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     return tl.where(y != y, y, c).to(tl.float8e4nv)
+
+
+@triton.jit
+def grid_dependency_sync(PDL: tl.constexpr):
+    """With ``PDL`` (a launch through ``_pdl.pdl_launch``): wait until the previous kernel in the stream has
+    finished and its writes are visible, then let the next kernel be scheduled. Call it before the kernel's
+    first load or store."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -2,17 +2,17 @@
 parameter of the radix select), and applying one restores the library afterwards; the sweeps run on the GPU only."""
 import inspect
 
-from benchmarks.sweep_dsa import COMBOS, FINISH, INDEXER, SPARSE, _patched
-from mla_quant.kernels import indexer_scores, sparse_mla_decode, topk
+from benchmarks.sweep_dsa import COMBOS, FINISH, INDEXER, PDL, SPARSE, _patched
+from mla_quant.kernels import _pdl, indexer_scores, sparse_mla_decode, topk
 
 
 def test_settings_name_existing_knobs_and_are_undone():
     params = inspect.signature(topk._radix_topk).parameters
     assert all(set(s) <= set(params) for s in FINISH)
-    before = {(m, name): getattr(m, name) for m, grid in ((indexer_scores, INDEXER), (sparse_mla_decode, SPARSE))
-              for s in grid for name in s}
+    modules = ((indexer_scores, INDEXER, "indexer"), (sparse_mla_decode, SPARSE, "sparse"), (_pdl, PDL, "pdl"))
+    before = {(m, name): getattr(m, name) for m, grid, _ in modules for s in grid for name in s}
     radix = topk._radix_topk
-    for part, grid, module in (("indexer", INDEXER, indexer_scores), ("sparse", SPARSE, sparse_mla_decode)):
+    for module, grid, part in modules:
         for setting in grid:
             with _patched(part, setting):
                 assert all(getattr(module, k) == v for k, v in setting.items())

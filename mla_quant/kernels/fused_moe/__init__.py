@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
+from .._pdl import pdl_launch
 from ..fp8_quant import FP8, act_quant_fp8, act_quant_fp8_reference
 from ..int4_quant import GROUP_SIZES
 from ..moe_align import moe_align
@@ -256,7 +257,7 @@ def fused_moe(
                                    PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile)
         else:
             grid = lambda meta: (programs, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-            tuned[grid](*launch_args, GATED=gated, **consts, **extra)
+            tuned[grid](*launch_args, GATED=gated, **consts, **extra, **pdl_launch(x.device))
 
     # The interpreter rounds fp32 -> e4m3 wrongly (DESIGN.md): there the activation rounding runs in torch.
     quant = act_quant_fp8_reference if interpret else act_quant_fp8

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from .._gemm_utils import (PLANE_WORDS, autotune_bench, int4_codes, int4_plane_gemv_step, load_k, plane_offsets,
                            plane_scale, reduce_arrivals)
+from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -233,12 +234,13 @@ def _moe_gemm_kernel(
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
-        HAS_SHARED: tl.constexpr = False):
+        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
     # ids outside [0, E) skipped); the gate-up launch zeroes the down launch's counters (COUNTERS per program m),
     # the down launch combines each token's rows into res (+ shared) as they arrive (_combine_on_arrival).
+    grid_dependency_sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if COUNTERS > 0:

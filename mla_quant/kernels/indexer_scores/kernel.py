@@ -11,6 +11,7 @@ needs neither that launch nor that pass over the scores.
 import triton
 import triton.language as tl
 
+from .._triton_utils import grid_dependency_sync
 from ..topk.kernel import SIGN, _order_key
 
 
@@ -19,7 +20,9 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, bt_ptr, req_ptr, pos_ptr
                            H, max_ctx, stride_qt, stride_qh, stride_wt, stride_bt, stride_ot, stride_hist,
                            D: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
                            DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HIST: tl.constexpr, HIST_SHIFT: tl.constexpr, HIST_BITS: tl.constexpr):
+                           HIST: tl.constexpr, HIST_SHIFT: tl.constexpr, HIST_BITS: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     tok = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_N
     offs_n = start + tl.arange(0, BLOCK_N)

@@ -15,6 +15,7 @@ import triton
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from .._outputs import output_buffer
+from .._pdl import pdl_launch
 from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
@@ -262,7 +263,8 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma)
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
+                **pdl_launch(q.device))
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
@@ -302,11 +304,12 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     if kernel == "rows":
         _mla_decode_combine_kernel[(triton.cdiv(m_rows, ROWS_BLOCK_R), bsz)](
             o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=ROWS_BLOCK_R,
-            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS)
+            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS, **pdl_launch(o_part.device))
         return
     if kernel != "tiles":
         raise ValueError(f"kernel: {kernel!r} not in ('auto', 'tiles', 'rows')")
     block_d = min(128, d_latent)
     _mla_decode_combine_tiles_kernel[(m_rows, bsz, d_latent // block_d)](
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
-        SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4)
+        SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4,
+        **pdl_launch(o_part.device))

@@ -24,7 +24,7 @@ PREFETCH loads the next tile's bytes one iteration ahead into registers (docs/ml
 import triton
 import triton.language as tl
 
-from .._triton_utils import cast_fp8_saturating, reciprocal, rint
+from .._triton_utils import cast_fp8_saturating, grid_dependency_sync, reciprocal, rint
 
 # how the latent part of a row is scaled (mirrors kv_layout.py)
 SCALE_NONE = tl.constexpr(0)    # bf16
@@ -192,6 +192,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -205,6 +206,7 @@ def _mla_decode_kernel(
     per-row scale (fp8 tensor-core dots, no conversion of K); the PV dot takes the bytes converted to fp16 with p
     as for F16_DOTS (1), or the bytes as they are with p·scale/(tile max)·2^8 rounded to e4m3 (2). QK_SPLIT_LOAD
     is ignored; fp8_ds_mla and bf16 pages run the usual kernel."""
+    grid_dependency_sync(PDL)
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
@@ -635,10 +637,11 @@ def _combine_store(out_ptr, lse_ptr, acc, m_use, denom, base, rows, row_ok, cols
 @triton.jit
 def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
                                      D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                                     SPLITS_P2: tl.constexpr, CHUNK_S: tl.constexpr):
+                                     SPLITS_P2: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False):
     """The merge of _mla_decode_combine_kernel over a 3-D grid (row blocks, requests, column blocks), reading
     CHUNK_S splits per step ([CHUNK_S, BLOCK_R, BLOCK_D] loads): many small programs and few dependent steps, where
     the row-block kernel walks every split serially in a handful of programs (batch 1: 2 programs × 218 splits)."""
+    grid_dependency_sync(PDL)
     pid_r, b, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
@@ -658,8 +661,10 @@ def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
 
 @triton.jit
 def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NUM_SPLITS,
-                               D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr):
+                               D_LAT: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_P2: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """Merge the splits' (o, lse) of BLOCK_R query rows: out = Σ_s 2^(lse_s - lse)·o_s."""
+    grid_dependency_sync(PDL)
     pid_r, b = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M

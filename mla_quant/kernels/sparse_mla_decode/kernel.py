@@ -11,6 +11,8 @@ decode and prefill (FlashMLA does the same).
 import triton
 import triton.language as tl
 
+from .._triton_utils import grid_dependency_sync
+
 LN2 = tl.constexpr(0.6931471805599453)  # globals read in @triton.jit code must be constexpr (Triton >= 3.2)
 
 # KIND: 0 bf16 rows, 1 fp8_e4m3 per-token scale, 2 fp8_e4m3 per-tensor scale, 3 fp8_ds_mla (656-byte rows)
@@ -24,7 +26,8 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
                               row_stride, sc_row_stride, rope_row_stride,
                               DL: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr, KIND: tl.constexpr,
                               DOT_BF16: tl.constexpr, SINGLE: tl.constexpr,
-                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -113,10 +116,11 @@ def _sparse_mla_decode_kernel(qn_ptr, qp_ptr, kv_ptr, sc_ptr, rope_ptr, bt_ptr, 
 def _combine_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, H, S,
                            stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h,
                            stride_o_t, stride_o_h, stride_l_t, stride_l_h,
-                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """One program = one (token, head) × BLOCK_D latent columns. All S partial outputs are loaded as one
     [BLOCK_S, BLOCK_D] tile (no loop over splits: at batch 1 there are up to 64 splits, and a loop would
     chain one L2 round trip per split)."""
+    grid_dependency_sync(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)

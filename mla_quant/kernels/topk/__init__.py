@@ -48,6 +48,7 @@ import triton
 from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
+from .._pdl import pdl_launch
 from .kernel import CAND_ROUNDS, rounds, work_ints
 from .reference import topk_indices_reference
 
@@ -158,24 +159,25 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
     grid = (rows, triton.cdiv(tiles, tiles_per_chunk))
     digits = rounds(radix_bits)
     width = work_ints(radix_bits)
+    pdl = pdl_launch(scores.device)
     if work is None:
         work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
     counted = CAND_ROUNDS if finish == "candidates" else len(digits)
     for r, (shift, bits) in list(enumerate(digits))[rounds_done:counted]:
         _radix_histogram_kernel[grid](scores, scores.stride(0), work, n, kk, tiles_per_chunk, ROUND=r,
                                       SHIFT=shift, BITS=bits, RADIX=radix_bits, NR=len(digits), BLOCK=block,
-                                      WORK=width, num_warps=4)
+                                      WORK=width, num_warps=4, **pdl)
     if finish == "rounds":
         _radix_select_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), n, kk, tiles_per_chunk,
-                                   RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4)
+                                   RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4, **pdl)
         return out
     cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
     finish_args = dict(ROUNDS=CAND_ROUNDS, RADIX=radix_bits, WORK=width, WORK_P2=triton.next_power_of_2(width),
                        CAND_BLOCK=cand_block)
     _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
                                 NR=len(digits), BLOCK=block, FUSED=fused_finish, **finish_args,
-                                num_warps=compact_warps)
+                                num_warps=compact_warps, **pdl)
     if not fused_finish:
         _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, NR=len(digits), **finish_args,
-                                      num_warps=1)
+                                      num_warps=1, **pdl)
     return out

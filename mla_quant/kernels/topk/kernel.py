@@ -48,6 +48,8 @@ each) | arrived | count_cand | count_gt | count_eq]``.
 import triton
 import triton.language as tl
 
+from .._triton_utils import grid_dependency_sync
+
 SIGN = tl.constexpr(-2 ** 31)               # 0x80000000 as int32
 LOW31 = tl.constexpr(2 ** 31 - 1)           # 0x7FFFFFFF
 NEG_INF_KEY = tl.constexpr(-2 ** 31 + 0x7FFFFF)   # _order_key(-inf), signed form
@@ -118,10 +120,11 @@ def _load_keys(row_ptr, start, n, BLOCK: tl.constexpr):
 @triton.jit
 def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_chunk, ROUND: tl.constexpr,
                             SHIFT: tl.constexpr, BITS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
-                            BLOCK: tl.constexpr, WORK: tl.constexpr):
+                            BLOCK: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr = False):
     """Round ``ROUND`` of ``NR`` (its digit is bits [SHIFT, SHIFT + BITS) of the key, counted in the round's
     histogram of the work row): histogram of that digit over the keys matching the digits found before.
     Grid (rows, chunks); a chunk is ``tiles_per_chunk`` tiles of BLOCK columns."""
+    grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row_ptr = scores_ptr + row * stride_row
@@ -151,9 +154,11 @@ def _claim_slots(counter_ptr, flags):
 
 @triton.jit
 def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, n, k, tiles_per_chunk,
-                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr):
+                         RADIX: tl.constexpr, NR: tl.constexpr, BLOCK: tl.constexpr, WORK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Write the selection: keys > threshold to slots [0, k - need), ``need`` keys == threshold after them;
     columns scoring -inf are written as -1."""
+    grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row_ptr = scores_ptr + row * stride_row
@@ -177,11 +182,12 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
 def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
                           tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
                           BLOCK: tl.constexpr, WORK: tl.constexpr, FUSED: tl.constexpr, WORK_P2: tl.constexpr,
-                          CAND_BLOCK: tl.constexpr):
+                          CAND_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """After the first ROUNDS (= CAND_ROUNDS) rounds (the threshold's top KNOWN bits P): keys whose top bits > P
     to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
     int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass. With
     ``FUSED`` the row's last program to arrive then runs the finish (``_finish_row``)."""
+    grid_dependency_sync(PDL)
     KNOWN: tl.constexpr = ROUNDS * RADIX
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -230,8 +236,10 @@ def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr)
 
 @triton.jit
 def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                         NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
+                         NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """The finish as its own launch (the unfused form), grid (rows,): ``_finish_row`` of each row."""
+    grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     work = work_ptr + row * WORK
     _, need = _descend(work, k, ROUNDS, RADIX, NR)

@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (PDL, sm_90 and later) for the kernels of one decode step.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still running: its
+programs become resident, then block in ``griddepcontrol.wait`` (``grid_dependency_sync``, the first statement
+of every kernel that takes ``PDL``) until that kernel has finished and its writes are visible, and only then
+read or write memory. Right after the wait each program signals that the next kernel may be scheduled, so a
+chain of short kernels (the DSA step: indexer, top-k rounds, sparse attention, split merge) loses most of the
+launch gap between kernels, also inside a CUDA graph (stream capture keeps the programmatic edges). Because
+every program waits before its first memory access, the ordering is the same as a plain launch: a kernel sees
+all writes of every kernel before it, and none of its writes can overtake a read of the kernel before it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ._backend import triton_interpreted
+
+ENABLED = os.environ.get("MLA_QUANT_PDL", "1") != "0"   # module constant: the sweeps time both settings
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Keyword arguments for launching a kernel that takes ``PDL: tl.constexpr``: ``PDL=True`` and
+    ``launch_pdl=True`` on an sm_90+ CUDA device while ``ENABLED`` (``MLA_QUANT_PDL=0`` turns it off), else
+    ``PDL=False`` (a plain launch; the interpreter and older GPUs)."""
+    if ENABLED and device.type == "cuda" and not triton_interpreted():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _sm90_or_later(index):
+            return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
