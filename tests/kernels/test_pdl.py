@@ -1,0 +1,112 @@
+"""Programmatic dependent launch (``kernels/_pdl.py``) changes when a kernel is scheduled, never what it reads:
+each decode-step chain, captured in a CUDA graph with PDL and replayed on new inputs, gives what plain launches
+give (bit for bit where the kernels are deterministic). GPU only; the CPU side is in test_backend.py."""
+import pytest
+import torch
+
+from mla_quant.kernels import _pdl
+from mla_quant.kernels.fused_moe import fused_moe
+from mla_quant.kernels.indexer_scores import indexer_topk, topk_work_buffer
+from mla_quant.kernels.mla_decode import mla_decode
+from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
+from tests.kernels.test_fused_moe import experts, routing
+from tests.kernels.test_indexer_scores import FP8, decode_step
+
+pytestmark = pytest.mark.gpu
+
+
+def plain(fn, monkeypatch):
+    """fn() with every kernel launched without PDL."""
+    with monkeypatch.context() as m:
+        m.setattr(_pdl, "ENABLED", False)
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+
+def captured(fn):
+    """fn's outputs and a CUDA graph of it, captured with PDL after one eager (compiling) call."""
+    assert _pdl.pdl_launch(torch.device("cuda")).get("PDL"), "PDL should be on for an sm_90+ GPU"
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def replayed(graph, out):
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def test_mla_decode_split_and_merge(monkeypatch):
+    """16 heads, ragged requests long enough to split: the decode and its merge, chained with PDL in a graph,
+    equal plain launches bit for bit, on the captured queries and on new ones."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [5000, 4097, 130]
+    pages = 3 * 80 + 8                          # 80 pages of 64 tokens per request: up to 5120 tokens
+    pool = torch.randn(pages, 64, 576, generator=g, device="cuda").to(torch.bfloat16)
+    table = torch.randperm(pages, generator=g, device="cuda")[:3 * 80].view(3, 80).to(torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 1, 16, 576, generator=g, device="cuda").to(torch.bfloat16)
+
+    def step():
+        return mla_decode(q, pool, None, table, seq_lens, 0.07, "bf16", 512, max_seq_len=5000, validate=False)
+
+    graph, out = captured(step)
+    for _ in range(2):
+        got = [t.clone() for t in replayed(graph, out)]
+        want = plain(step, monkeypatch)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+
+
+@pytest.mark.parametrize("n", [8192, 65536])
+def test_dsa_step(monkeypatch, n):
+    """GLM 5.2 decode at batch 1: indexer scores (first radix digit fused), the top-k rounds and the fused
+    finish, the sparse attention and its merge — five kernels chained with PDL in a graph with a kept work
+    buffer — select the same 2048 keys as plain launches and attend to the same result (the selection's order,
+    claimed by atomics, may differ, and so the summation order)."""
+    q_idx, w_idx, keys, key_scales, table, req, pos = decode_step([n], 64, FP8, 0, "cuda", heads=32, d=128)
+    q_idx = (q_idx * 20).clamp(-448, 448).to(FP8)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pool = torch.randn(keys.shape[0], 64, 576, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(1, 8, 576, generator=g, device="cuda").to(torch.bfloat16)
+    seq_lens = pos.to(torch.int32) + 1
+    work = topk_work_buffer("cuda", 1)
+
+    def step():
+        idx = indexer_topk(q_idx, w_idx, keys, key_scales, table, req, pos, 2048, n, work=work)
+        out, lse = sparse_mla_decode(q[..., :512], q[..., 512:], pool, None, "bf16", table, seq_lens, req, idx,
+                                     256 ** -0.5)
+        return idx, out, lse
+
+    graph, outs = captured(step)
+    for _ in range(2):
+        idx, out, lse = [t.clone() for t in replayed(graph, outs)]
+        want_idx, want_out, want_lse = plain(step, monkeypatch)
+        assert torch.equal(idx.sort(dim=-1).values, want_idx.sort(dim=-1).values)
+        assert not work.any(), "the kept work buffer must be left zero"
+        torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+        q_idx.copy_((torch.randn(q_idx.shape, generator=g, device="cuda") * 20).clamp(-448, 448).to(FP8))
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+
+
+def test_fused_moe_int4_one_token(monkeypatch):
+    """The INT4 decode path at one token (gate-up GEMV zeroing the arrival counters, down GEMV combining on
+    arrival) chained with PDL in a graph equals plain launches."""
+    gate, up, down = experts("int4_group", 16, 1024, 512, seed=3, device="cuda")
+    weights, ids = routing(1, 16, 4, seed=4, device="cuda")
+    x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
+
+    def step():
+        return fused_moe(x, weights, ids, gate, up, down, "int4_group")
+
+    graph, out = captured(step)
+    for seed in (5, 6):
+        got = replayed(graph, out).clone()
+        want = plain(step, monkeypatch)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
