@@ -153,7 +153,7 @@ def install_fake_hopper(log: CompileLog, ptxas: bool = True) -> None:
             importlib.import_module(f"mla_quant.kernels.{op}.kernel")
     patches = {"use_triton": lambda *tensors: True, "triton_interpreted": lambda: False,
                "num_sms": lambda device=None: HOPPER_SMS,
-               "pdl_launch": lambda device=None: {"PDL": True, "launch_pdl": True}}   # as on the H200
+               "pdl_launch": lambda device=None, op=None: {"PDL": True, "launch_pdl": True}}   # every op, SKIP too
     for name, module in list(sys.modules.items()):
         if name == kernels_pkg.__name__ or name.startswith(kernels_pkg.__name__ + "."):
             for attr, fake in patches.items():

@@ -11,8 +11,9 @@ tables; each setting changes one part and times the whole step:
 - ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
   program (``COMBINE_PARTIALS``);
-- ``pdl``: every kernel launched plainly (``_pdl.ENABLED`` False) instead of with programmatic dependent launch;
-  the dense peer is also timed so (``dense_no_pdl``).
+- ``pdl``: every kernel launched plainly (``_pdl.ENABLED`` False) instead of with programmatic dependent launch,
+  or one more op launched plainly (``_pdl.SKIP``); the dense peer is also timed with plain launches
+  (``dense_no_pdl``) and with PDL for its split kernel too (``dense_pdl_all``, ``SKIP`` empty).
 
 Every setting (and the dense ``mla_decode`` peer) is captured once and timed in ``--rounds`` round-robin passes
 (``common.interleaved_graph_us``: in session 7's first sweep the default, timed first and last in a row, read
@@ -32,10 +33,16 @@ from .common import Context, interleaved_graph_us, meta, module_attrs, sweep_arg
 FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))]
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
-# settings of several parts at once: (part, setting) pairs — the defaults before session 7's second sweep
-PDL = [{"ENABLED": False}]
+PDL = [{"ENABLED": False}, *({"SKIP": ["mla_decode", op]} for op in
+                              ("indexer_scores", "topk", "sparse_mla_decode", "sparse_mla_decode_merge"))]
+# settings of several parts at once: the best of each part with PDL (c698703, 8 heads)
 COMBOS = [(("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
-           ("sparse", {"KERNEL_WARPS": 8, "COMBINE_PARTIALS": 8192}))]
+           ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 2048})),
+          (("finish", {"fused_finish": False, "compact_warps": 4}),
+           ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 2048})),
+          (("finish", {"fused_finish": False, "compact_warps": 4}),
+           ("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
+           ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 2048}))]
 
 
 def _patched(part: str, setting: dict):
@@ -47,9 +54,9 @@ def _patched(part: str, setting: dict):
     for p, s in (setting if part == "combo" else ((part, setting),)):
         if p == "finish":   # launcher arguments of the radix select, bound into the function its callers look up
             stack.enter_context(module_attrs(topk, {"_radix_topk": functools.partial(topk._radix_topk, **s)}))
-        else:
+        elif s:
             module = {"indexer": indexer_scores, "sparse": sparse_mla_decode, "pdl": _pdl}[p]
-            stack.enter_context(module_attrs(module, s))
+            stack.enter_context(module_attrs(module, {k: frozenset(v) if k == "SKIP" else v for k, v in s.items()}))
     return stack
 
 
@@ -95,20 +102,24 @@ def main(argv: list[str] | None = None) -> int:
                     return [step(tb) for tb in tables]
             return run
 
-        def dense_no_pdl():
-            with _patched("pdl", {"ENABLED": False}):
-                return [dense(tb) for tb in tables]
+        def dense_with(pdl_setting):
+            def run():
+                with _patched("pdl", pdl_setting):
+                    return [dense(tb) for tb in tables]
+            return run
 
-        fns = {"dense": lambda: [dense(tb) for tb in tables], "dense_no_pdl": dense_no_pdl}
+        fns = {"dense": lambda: [dense(tb) for tb in tables], "dense_no_pdl": dense_with({"ENABLED": False}),
+               "dense_pdl_all": dense_with({"SKIP": []})}
         fns.update({json.dumps([part, setting]): setting_fn(part, setting) for part, setting in settings})
         times = interleaved_graph_us(fns, reps=len(tables), rounds=args.rounds)
         if isinstance(times["dense"], str):
             raise RuntimeError(f"the dense peer failed: {times['dense']}")
         t_dense = statistics.median(times["dense"])
-        no_pdl = times["dense_no_pdl"]
-        t_dense_no_pdl = round(statistics.median(no_pdl), 3) if not isinstance(no_pdl, str) else no_pdl
+        t_dense_no_pdl, t_dense_pdl_all = (round(statistics.median(t), 3) if not isinstance(t, str) else t
+                                           for t in (times["dense_no_pdl"], times["dense_pdl_all"]))
         print(f"heads {heads}: dense mla_decode {t_dense:.2f} µs ({tuned_config()}), rounds "
-              f"{[round(t, 2) for t in times['dense']]}; without PDL {t_dense_no_pdl}", flush=True)
+              f"{[round(t, 2) for t in times['dense']]}; without PDL {t_dense_no_pdl}, with PDL for its split kernel "
+              f"too {t_dense_pdl_all}", flush=True)
         for part, setting in settings:
             got = times[json.dumps([part, setting])]
             if isinstance(got, str):
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             t = statistics.median(got)
             rows.append({"heads": heads, "part": part, "setting": setting, "step_us": round(t, 3),
                          "rounds_us": [round(x, 3) for x in got], "dense_us": round(t_dense, 3),
-                         "dense_no_pdl_us": t_dense_no_pdl,
+                         "dense_no_pdl_us": t_dense_no_pdl, "dense_pdl_all_us": t_dense_pdl_all,
                          "ratio_vs_dense": round(t / t_dense, 4)})
             print(f"  {part:8s} {json.dumps(setting):60s} {t:8.2f} µs (min {min(got):.2f}, max {max(got):.2f})"
                   f"  {t / t_dense:.3f}x dense", flush=True)

@@ -9,7 +9,7 @@ issue #3: ≥ 75 % of copy at 4k): every (splits, config) pair and the launcher'
 captured once and timed in round-robin passes (``common.interleaved_graph_us``), inputs rotating over block
 tables as in ``bench_mla_decode``; so are the split merge's settings (``MERGES``, at the launcher's split and
 config), and the launcher's choice with plain launches instead of programmatic dependent ones (``no_pdl``:
-``_pdl.ENABLED`` False). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the
+``_pdl.ENABLED`` False) or with the split kernel launched so too (``pdl_all``: ``_pdl.SKIP`` empty). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the
 same run.
 """
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
         fns[json.dumps(merge)] = _patched(decode(), merge)
     fns["no_pdl"] = _patched(decode(), {"ENABLED": False}, _pdl)
+    fns["pdl_all"] = _patched(decode(), {"SKIP": frozenset()}, _pdl)
     decode()()
     planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
     tuned = tuned_config()

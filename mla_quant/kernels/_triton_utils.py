@@ -68,7 +68,7 @@ def cast_fp8_saturating(y):
 def grid_dependency_sync(PDL: tl.constexpr):
     """With ``PDL`` (a launch through ``_pdl.pdl_launch``): wait until the previous kernel in the stream has
     finished and its writes are visible, then let the next kernel be scheduled. Call it before the kernel's
-    first load or store."""
+    first load or store. In a kernel launched without the PDL attribute the wait returns at once."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

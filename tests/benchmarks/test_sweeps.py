@@ -15,7 +15,7 @@ def test_settings_name_existing_knobs_and_are_undone():
     for module, grid, part in modules:
         for setting in grid:
             with _patched(part, setting):
-                assert all(getattr(module, k) == v for k, v in setting.items())
+                assert all(getattr(module, k) == (frozenset(v) if k == "SKIP" else v) for k, v in setting.items())
     with _patched("finish", FINISH[0]):
         assert topk._radix_topk is not radix
     for combo in COMBOS:
@@ -26,6 +26,9 @@ def test_settings_name_existing_knobs_and_are_undone():
                 else:
                     module = indexer_scores if part == "indexer" else sparse_mla_decode
                     assert all(getattr(module, k) == v for k, v in setting.items())
+    with _patched("default", {}):
+        assert topk._radix_topk is radix
+    assert all(set(s.get("SKIP", ())) <= set(_pdl.OPS) for s in PDL)
     assert topk._radix_topk is radix
     assert all(getattr(m, name) == v for (m, name), v in before.items())
 

@@ -29,22 +29,25 @@ def test_unknown_backend_is_named(monkeypatch):
 
 
 def test_pdl_only_on_hopper_cuda_devices(monkeypatch):
-    """Programmatic dependent launch is asked for on sm_90+ CUDA devices only, never in the interpreter, and
-    MLA_QUANT_PDL=0 (``_pdl.ENABLED``) turns it off; every kernel taking ``PDL`` defaults to a plain launch."""
+    """Programmatic dependent launch is asked for on sm_90+ CUDA devices only, never in the interpreter, nor
+    for an op in ``_pdl.SKIP`` (launched plainly, its kernel still signals the next one); MLA_QUANT_PDL=0 (``_pdl.ENABLED``) turns it off; an unknown op is an error."""
     from mla_quant.kernels import _pdl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert _pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    assert _pdl.pdl_launch(torch.device("cpu"), "topk") == {"PDL": False}
     caps = {0: (9, 0), 1: (8, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: caps[index])
     _pdl._sm90_or_later.cache_clear()
     try:
-        assert _pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
-        assert _pdl.pdl_launch(torch.device("cuda", 1)) == {"PDL": False}
+        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": True, "launch_pdl": True}
+        assert _pdl.pdl_launch(torch.device("cuda", 1), "topk") == {"PDL": False}
+        assert _pdl.pdl_launch(torch.device("cuda", 0), "mla_decode") == {"PDL": True}   # in SKIP: plain launch
+        with pytest.raises(ValueError, match="op"):
+            _pdl.pdl_launch(torch.device("cuda", 0), "mla_decod")
         monkeypatch.setattr(_pdl, "ENABLED", False)
-        assert _pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": False}
         monkeypatch.setattr(_pdl, "ENABLED", True)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert _pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": False}
     finally:
         _pdl._sm90_or_later.cache_clear()

@@ -26,7 +26,7 @@ def plain(fn, monkeypatch):
 
 def captured(fn):
     """fn's outputs and a CUDA graph of it, captured with PDL after one eager (compiling) call."""
-    assert _pdl.pdl_launch(torch.device("cuda")).get("PDL"), "PDL should be on for an sm_90+ GPU"
+    assert _pdl.pdl_launch(torch.device("cuda"), "topk").get("PDL"), "PDL should be on for an sm_90+ GPU"
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -40,9 +40,12 @@ def replayed(graph, out):
     return out
 
 
-def test_mla_decode_split_and_merge(monkeypatch):
-    """16 heads, ragged requests long enough to split: the decode and its merge, chained with PDL in a graph,
-    equal plain launches bit for bit, on the captured queries and on new ones."""
+@pytest.mark.parametrize("skip", [None, frozenset()], ids=["default", "split_kernel_too"])
+def test_mla_decode_split_and_merge(monkeypatch, skip):
+    """16 heads, ragged requests long enough to split: the merge (and with ``SKIP`` empty the split kernel too)
+    launched with PDL in a graph equal plain launches bit for bit, on the captured queries and on new ones."""
+    if skip is not None:
+        monkeypatch.setattr(_pdl, "SKIP", skip)
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [5000, 4097, 130]
     pages = 3 * 80 + 8                          # 80 pages of 64 tokens per request: up to 5120 tokens
@@ -102,7 +105,7 @@ def test_fused_moe_int4_one_token(monkeypatch):
     x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
 
     def step():
-        return fused_moe(x, weights, ids, gate, up, down, "int4_group")
+        return fused_moe(x, weights, ids, gate, up, down, kind="int4_group")
 
     graph, out = captured(step)
     for seed in (5, 6):

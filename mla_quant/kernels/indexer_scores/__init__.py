@@ -167,5 +167,5 @@ def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hi
         block_table.stride(0), out.stride(0), hist.stride(0) if hist is not None else 0,
         D=d, PAGE_SIZE=k_cache.shape[1], HAS_SCALE=k_scale is not None, DOT=dot,
         BLOCK_H=block_h, BLOCK_N=block_n, HIST=hist is not None, HIST_SHIFT=hist_shift, HIST_BITS=hist_bits,
-        num_warps=warps or (4 if block_h * block_n <= 4096 else 8), **pdl_launch(q.device))
+        num_warps=warps or (4 if block_h * block_n <= 4096 else 8), **pdl_launch(q.device, "indexer_scores"))
     return out

@@ -264,7 +264,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
-                **pdl_launch(q.device))
+                **pdl_launch(q.device, "mla_decode"))
 
     def grid(m):
         return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
@@ -304,7 +304,8 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     if kernel == "rows":
         _mla_decode_combine_kernel[(triton.cdiv(m_rows, ROWS_BLOCK_R), bsz)](
             o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=ROWS_BLOCK_R,
-            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS, **pdl_launch(o_part.device))
+            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS,
+            **pdl_launch(o_part.device, "mla_decode_merge"))
         return
     if kernel != "tiles":
         raise ValueError(f"kernel: {kernel!r} not in ('auto', 'tiles', 'rows')")
@@ -312,4 +313,4 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     _mla_decode_combine_tiles_kernel[(m_rows, bsz, d_latent // block_d)](
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
         SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4,
-        **pdl_launch(o_part.device))
+        **pdl_launch(o_part.device, "mla_decode_merge"))

@@ -148,12 +148,13 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         width, sc_row, rope_row,
         DL=d_latent, DR=d_rope, PAGE_SIZE=kv_data.shape[1], KIND=code, DOT_BF16=dot_bf16,
         SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else KERNEL_WARPS,
-        **pdl_launch(q_nope.device))
+        **pdl_launch(q_nope.device, "sparse_mla_decode"))
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
         block_d = min(d_latent, max(16, COMBINE_PARTIALS // block_s))
         _combine_splits_kernel[(t, h, d_latent // block_d)](
             o_buf, l_buf, out, lse, h, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
             l_buf.stride(0), l_buf.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4, **pdl_launch(q_nope.device))
+            BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+            **pdl_launch(q_nope.device, "sparse_mla_decode_merge"))
     return out, lse

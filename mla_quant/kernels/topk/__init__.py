@@ -159,7 +159,7 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
     grid = (rows, triton.cdiv(tiles, tiles_per_chunk))
     digits = rounds(radix_bits)
     width = work_ints(radix_bits)
-    pdl = pdl_launch(scores.device)
+    pdl = pdl_launch(scores.device, "topk")
     if work is None:
         work = torch.zeros(rows, width, dtype=torch.int32, device=scores.device)
     counted = CAND_ROUNDS if finish == "candidates" else len(digits)
