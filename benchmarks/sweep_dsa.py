@@ -28,27 +28,28 @@ import statistics
 
 import torch
 
+from mla_quant.kernels import _pdl
+
 from .common import Context, interleaved_graph_us, meta, module_attrs, sweep_args
 
 FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))]
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
-PDL = [{"ENABLED": False}, *({"SKIP": ["mla_decode", op]} for op in
-                              ("indexer_scores", "topk", "sparse_mla_decode", "sparse_mla_decode_merge"))]
-# settings of several parts at once: the best of each part with PDL (c698703, 8 heads)
+PDL_SKIP = sorted(_pdl.SKIP)   # the ops the library launches plainly
+# without PDL; the previous default (only mla_decode plain); one op more or fewer launched plainly than the default
+PDL = [{"ENABLED": False}, {"SKIP": ["mla_decode"]}, {"SKIP": [op for op in PDL_SKIP if op != "indexer_scores"]},
+       *({"SKIP": [*PDL_SKIP, op]} for op in ("topk", "sparse_mla_decode", "sparse_mla_decode_merge"))]
+# settings of several parts at once: the best of each part with PDL (c698703 and 38510b6, 8 heads)
 COMBOS = [(("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
            ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 2048})),
           (("finish", {"fused_finish": False, "compact_warps": 4}),
-           ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 2048})),
-          (("finish", {"fused_finish": False, "compact_warps": 4}),
-           ("indexer", {"DECODE_BLOCK_N": 128, "DECODE_WARPS": None}),
            ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 2048}))]
 
 
 def _patched(part: str, setting: dict):
     """A context that applies one setting of ``part`` (``"combo"``: ``setting`` is a tuple of (part, setting)
     pairs) to the library's modules and restores them."""
-    from mla_quant.kernels import _pdl, indexer_scores, sparse_mla_decode, topk
+    from mla_quant.kernels import indexer_scores, sparse_mla_decode, topk
 
     stack = contextlib.ExitStack()
     for p, s in (setting if part == "combo" else ((part, setting),)):

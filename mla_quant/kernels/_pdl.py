@@ -19,13 +19,17 @@ import torch
 from ._backend import triton_interpreted
 
 ENABLED = os.environ.get("MLA_QUANT_PDL", "1") != "0"   # module constant: the sweeps time both settings
-OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_decode", "sparse_mla_decode_merge",
-       "fused_moe")
+OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_decode", "sparse_mla_decode_wide",
+       "sparse_mla_decode_merge", "fused_moe")   # sparse_mla_decode_wide: the split kernel at more than 16 heads
 # Ops launched plainly even when ENABLED: they start once the previous kernel has finished, yet still let the next
-# kernel be scheduled early. mla_decode's split kernel sizes its grid to fill the SMs evenly; launched early, its
-# programs are placed while the previous kernel still holds SMs, some SMs get two and the wave ends late: GLM 5.2
-# at 64 heads, batch 1, 64k context, 198.9 µs against 167.0 plain (H200, sweep_dsa, c698703).
-SKIP = frozenset({"mla_decode"})
+# kernel be scheduled early. Launched early, a kernel's programs are placed on the SMs as the previous kernel's
+# programs leave them, not spread evenly; that costs a kernel whose grid is one balanced wave of long programs.
+# H200, sweep_dsa (interleaved rounds, fp8_ds_mla, batch 1, 64k; runs of c698703 and 38510b6): GLM 5.2's dense
+# mla_decode at 64 heads took 201.2 µs with its merge launched early against 168.7 plain (the merge of 218 splits
+# is itself ~26 µs long); the DSA step at 64 heads 42.6 µs with the sparse split kernel launched early against 39.2
+# plain (at 8 heads 30.6 against 30.9: kept there); the indexer launched plainly 30.1 against 30.6 µs at 8 heads,
+# 42.2 against 42.6 at 64. The top-k launches and the sparse merge gain 0.2-0.5 µs each from PDL.
+SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode_wide"})
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,17 +65,18 @@ def test_mla_decode_split_and_merge(monkeypatch, skip):
         q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
 
 
-@pytest.mark.parametrize("n", [8192, 65536])
-def test_dsa_step(monkeypatch, n):
+@pytest.mark.parametrize("n,heads", [(8192, 8), (65536, 8), (65536, 64)])
+def test_dsa_step(monkeypatch, n, heads):
     """GLM 5.2 decode at batch 1: indexer scores (first radix digit fused), the top-k rounds and the fused
     finish, the sparse attention and its merge — five kernels chained with PDL in a graph with a kept work
-    buffer — select the same 2048 keys as plain launches and attend to the same result (the selection's order,
-    claimed by atomics, may differ, and so the summation order)."""
+    buffer (at 64 heads the sparse split kernel is launched plainly) — select the same 2048 keys as plain
+    launches and attend to the same result (the selection's order, claimed by atomics, may differ, and so the
+    summation order)."""
     q_idx, w_idx, keys, key_scales, table, req, pos = decode_step([n], 64, FP8, 0, "cuda", heads=32, d=128)
     q_idx = (q_idx * 20).clamp(-448, 448).to(FP8)
     g = torch.Generator(device="cuda").manual_seed(1)
     pool = torch.randn(keys.shape[0], 64, 576, generator=g, device="cuda").to(torch.bfloat16)
-    q = torch.randn(1, 8, 576, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(1, heads, 576, generator=g, device="cuda").to(torch.bfloat16)
     seq_lens = pos.to(torch.int32) + 1
     work = topk_work_buffer("cuda", 1)
 

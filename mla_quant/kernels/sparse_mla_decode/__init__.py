@@ -148,7 +148,7 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         width, sc_row, rope_row,
         DL=d_latent, DR=d_rope, PAGE_SIZE=kv_data.shape[1], KIND=code, DOT_BF16=dot_bf16,
         SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else KERNEL_WARPS,
-        **pdl_launch(q_nope.device, "sparse_mla_decode"))
+        **pdl_launch(q_nope.device, "sparse_mla_decode" if head_blocks == 1 else "sparse_mla_decode_wide"))
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
         block_d = min(d_latent, max(16, COMBINE_PARTIALS // block_s))
