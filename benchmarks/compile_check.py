@@ -147,13 +147,14 @@ def install_fake_hopper(log: CompileLog, ptxas: bool = True) -> None:
         multi_processor_count=HOPPER_SMS, name="fake Hopper")
 
     import mla_quant.kernels as kernels_pkg
+    from mla_quant.kernels import _pdl   # every op compiled with PDL, those in _pdl.SKIP too
     for op in kernels_pkg_ops():  # launchers and kernel modules, so that every imported name gets patched
         importlib.import_module(f"mla_quant.kernels.{op}")
         if importlib.util.find_spec(f"mla_quant.kernels.{op}.kernel"):
             importlib.import_module(f"mla_quant.kernels.{op}.kernel")
     patches = {"use_triton": lambda *tensors: True, "triton_interpreted": lambda: False,
                "num_sms": lambda device=None: HOPPER_SMS,
-               "pdl_launch": lambda device=None, op=None: {"PDL": True, "launch_pdl": True}}   # every op, SKIP too
+               "pdl_launch": lambda device=None, op=None: {"PDL": 2 if _pdl.EARLY else 1, "launch_pdl": True}}
     for name, module in list(sys.modules.items()):
         if name == kernels_pkg.__name__ or name.startswith(kernels_pkg.__name__ + "."):
             for attr, fake in patches.items():

@@ -30,6 +30,9 @@ OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_d
 # plain (at 8 heads 30.6 against 30.9: kept there); the indexer launched plainly 30.1 against 30.6 µs at 8 heads,
 # 42.2 against 42.6 at 64. The top-k launches and the sparse merge gain 0.2-0.5 µs each from PDL.
 SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode_wide"})
+# Each program lets the next kernel be scheduled before (True) or after (False) its own wait. Before: a chain's
+# kernels are scheduled two ahead; still every program waits before touching memory (MLA_QUANT_PDL_EARLY=1).
+EARLY = os.environ.get("MLA_QUANT_PDL_EARLY", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,13 +42,14 @@ def _sm90_or_later(index: int) -> bool:
 
 def pdl_launch(device: torch.device, op: str) -> dict:
     """Keyword arguments for launching ``op``'s kernel (one of ``OPS``; it takes ``PDL: tl.constexpr``):
-    ``PDL=True`` and ``launch_pdl=True`` on an sm_90+ CUDA device while ``ENABLED`` (``MLA_QUANT_PDL=0`` turns
-    it off); only ``PDL=True`` for an op in ``SKIP`` (a plain launch whose kernel still signals the next one);
-    ``PDL=False`` otherwise (a plain launch; the interpreter and older GPUs)."""
+    ``PDL=1`` (2 with ``EARLY``: signal, then wait) and ``launch_pdl=True`` on an sm_90+ CUDA device while
+    ``ENABLED`` (``MLA_QUANT_PDL=0`` turns it off); only ``PDL`` for an op in ``SKIP`` (a plain launch whose
+    kernel still signals the next one); ``PDL=False`` otherwise (a plain launch; the interpreter, older GPUs)."""
     if op not in OPS:
         raise ValueError(f"op: {op!r} not in {OPS}")
     if ENABLED and device.type == "cuda" and not triton_interpreted():
         index = device.index if device.index is not None else torch.cuda.current_device()
         if _sm90_or_later(index):
-            return {"PDL": True} if op in SKIP else {"PDL": True, "launch_pdl": True}
+            mode = 2 if EARLY else 1
+            return {"PDL": mode} if op in SKIP else {"PDL": mode, "launch_pdl": True}
     return {"PDL": False}

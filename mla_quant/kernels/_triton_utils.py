@@ -67,8 +67,12 @@ def cast_fp8_saturating(y):
 @triton.jit
 def grid_dependency_sync(PDL: tl.constexpr):
     """With ``PDL`` (a launch through ``_pdl.pdl_launch``): wait until the previous kernel in the stream has
-    finished and its writes are visible, then let the next kernel be scheduled. Call it before the kernel's
-    first load or store. In a kernel launched without the PDL attribute the wait returns at once."""
-    if PDL:
+    finished and its writes are visible, then let the next kernel be scheduled (``PDL == 2``: let it be scheduled
+    first, then wait). Call it before the kernel's first load or store. In a kernel launched without the PDL
+    attribute the wait returns at once."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -11,6 +11,7 @@ def test_settings_name_existing_knobs_and_are_undone():
     assert all(set(s) <= set(params) for s in FINISH)
     modules = ((indexer_scores, INDEXER, "indexer"), (sparse_mla_decode, SPARSE, "sparse"), (_pdl, PDL, "pdl"))
     before = {(m, name): getattr(m, name) for m, grid, _ in modules for s in grid for name in s}
+    before.update({(_pdl, name): getattr(_pdl, name) for c in COMBOS for p, s in c if p == "pdl" for name in s})
     radix = topk._radix_topk
     for module, grid, part in modules:
         for setting in grid:
@@ -24,11 +25,12 @@ def test_settings_name_existing_knobs_and_are_undone():
                 if part == "finish":
                     assert topk._radix_topk is not radix
                 else:
-                    module = indexer_scores if part == "indexer" else sparse_mla_decode
-                    assert all(getattr(module, k) == v for k, v in setting.items())
+                    module = {"indexer": indexer_scores, "sparse": sparse_mla_decode, "pdl": _pdl}[part]
+                    assert all(getattr(module, k) == (frozenset(v) if k == "SKIP" else v) for k, v in setting.items())
     with _patched("default", {}):
         assert topk._radix_topk is radix
-    assert all(set(s.get("SKIP", ())) <= set(_pdl.OPS) for s in PDL)
+    pdl_settings = [*PDL, *(s for c in COMBOS for p, s in c if p == "pdl")]
+    assert all(set(s.get("SKIP", ())) <= set(_pdl.OPS) for s in pdl_settings)
     assert topk._radix_topk is radix
     assert all(getattr(m, name) == v for (m, name), v in before.items())
 
