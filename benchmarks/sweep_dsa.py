@@ -12,7 +12,7 @@ tables; each setting changes one part and times the whole step:
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
   program (``COMBINE_PARTIALS``);
 - ``pdl``: every kernel launched plainly (``_pdl.ENABLED`` False) instead of with programmatic dependent launch,
-  each program signalling the next kernel before its wait (``EARLY``), or one op more or fewer launched plainly
+  each program signalling the next kernel after its wait (``EARLY`` False), or one op more or fewer launched plainly
   (``_pdl.SKIP``); the dense peer is also timed with plain launches
   (``dense_no_pdl``) and with PDL for its split kernel too (``dense_pdl_all``, ``SKIP`` empty).
 
@@ -37,13 +37,12 @@ FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
 PDL_SKIP = sorted(_pdl.SKIP)   # the ops the library launches plainly
-# without PDL; each program signalling before its wait; one op more or fewer launched plainly than the default
-PDL = [{"ENABLED": False}, {"EARLY": True}, {"SKIP": [op for op in PDL_SKIP if op != "indexer_scores"]},
+# without PDL; each program signalling after its wait; one op more or fewer launched plainly than the default
+PDL = [{"ENABLED": False}, {"EARLY": False}, {"SKIP": [op for op in PDL_SKIP if op != "indexer_scores"]},
        *({"SKIP": [*PDL_SKIP, op]} for op in ("topk", "sparse_mla_decode", "sparse_mla_decode_merge"))]
-# settings of several parts at once: early signalling with the runners-up of e9fbe0a's sweep
-COMBOS = [(("pdl", {"EARLY": True}), ("finish", {"fused_finish": False, "compact_warps": 4})),
-          (("pdl", {"EARLY": True, "SKIP": [op for op in PDL_SKIP if op != "indexer_scores"]}),),
-          (("pdl", {"EARLY": True}), ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 8192}))]
+# settings of several parts at once: signalling after the wait with the runners-up of e9fbe0a's sweep
+COMBOS = [(("pdl", {"EARLY": False}), ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 8192})),
+          (("pdl", {"EARLY": False}), ("finish", {"fused_finish": False, "compact_warps": 4}))]
 
 
 def _patched(part: str, setting: dict):

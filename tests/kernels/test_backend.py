@@ -39,10 +39,9 @@ def test_pdl_only_on_hopper_cuda_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: caps[index])
     _pdl._sm90_or_later.cache_clear()
     try:
-        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": 1, "launch_pdl": True}
-        monkeypatch.setattr(_pdl, "EARLY", True)
-        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": 2, "launch_pdl": True}
+        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": 2, "launch_pdl": True}   # EARLY
         monkeypatch.setattr(_pdl, "EARLY", False)
+        assert _pdl.pdl_launch(torch.device("cuda", 0), "topk") == {"PDL": 1, "launch_pdl": True}
         assert _pdl.pdl_launch(torch.device("cuda", 1), "topk") == {"PDL": False}
         assert _pdl.pdl_launch(torch.device("cuda", 0), "mla_decode") == {"PDL": 1}   # in SKIP: plain launch
         with pytest.raises(ValueError, match="op"):
