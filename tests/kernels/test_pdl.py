@@ -26,7 +26,8 @@ def plain(fn, monkeypatch):
 
 def captured(fn):
     """fn's outputs and a CUDA graph of it, captured with PDL after one eager (compiling) call."""
-    assert _pdl.pdl_launch(torch.device("cuda"), "topk").get("PDL"), "PDL should be on for an sm_90+ GPU"
+    if not _pdl.pdl_launch(torch.device("cuda"), "topk").get("launch_pdl"):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
