@@ -6,9 +6,9 @@
 How: a fake Triton driver reports an sm_90 CUDA target; ``JITFunction.run`` compiles without launching;
 ``Autotuner.run`` compiles every config that survives the kernel's own ``early_config_prune``; the library's
 dispatch (``_backend.use_triton`` / ``triton_interpreted``, ``num_sms`` and ``torch.cuda.get_device_properties``,
-132 SMs, ``_pdl.pdl_launch``) takes the GPU path for CPU tensors. Each op's public launcher is then called on CPU tensors of
-representative shapes (``OPS`` below), so the launch code picks its kernels, constexprs and configs as on
-the H200, and nothing runs.
+132 SMs, ``_pdl.pdl_launch``) takes the GPU path for CPU tensors. Each op's public launcher is then called on CPU
+tensors of representative shapes (``OPS`` below), so the launch code picks its kernels, constexprs and configs as
+on the H200, and nothing runs.
 
 Reported per op: the kernels compiled, the largest shared memory one of them needs, registers and spills
 (from ``ptxas -v`` on the kernel's PTX). An op FAILS on a compile error or a kernel that needs more shared

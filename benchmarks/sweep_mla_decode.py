@@ -9,8 +9,9 @@ issue #3: ≥ 75 % of copy at 4k): every (splits, config) pair and the launcher'
 captured once and timed in round-robin passes (``common.interleaved_graph_us``), inputs rotating over block
 tables as in ``bench_mla_decode``; so are the split merge's settings (``MERGES``, at the launcher's split and
 config), and the launcher's choice with plain launches instead of programmatic dependent ones (``no_pdl``:
-``_pdl.ENABLED`` False) or with the split kernel launched so too (``pdl_all``: ``_pdl.SKIP`` empty). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the
-same run.
+``_pdl.ENABLED`` False) or with the split kernel and the merge launched so too (``pdl_all``: ``_pdl.SKIP``
+empty). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the same
+run.
 """
 from __future__ import annotations
 

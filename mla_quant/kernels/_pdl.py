@@ -27,11 +27,15 @@ OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_d
 # Ops launched plainly even when ENABLED: they start once the previous kernel has finished, yet still let the next
 # kernel be scheduled early. Launched early, a kernel's programs are placed on the SMs as the previous kernel's
 # programs leave them, not spread evenly; that costs a kernel whose grid is one balanced wave of long programs.
-# H200, sweep_dsa (interleaved rounds, fp8_ds_mla, batch 1, 64k; runs of c698703 and 38510b6): GLM 5.2's dense
-# mla_decode at 64 heads took 201.2 µs with its merge launched early against 168.7 plain (the merge of 218 splits
-# is itself ~26 µs long); the DSA step at 64 heads 42.6 µs with the sparse split kernel launched early against 39.2
-# plain (at 8 heads 30.6 against 30.9: kept there); the indexer launched plainly 30.1 against 30.6 µs at 8 heads,
-# 42.2 against 42.6 at 64. The top-k launches and the sparse merge gain 0.2-0.5 µs each from PDL.
+# H200, sweep_dsa (interleaved rounds, fp8_ds_mla, batch 1, 64k; runs of c698703 to 29275a0):
+# - mla_decode_merge: GLM 5.2's dense decode at 64 heads took 201.2 µs with its merge launched early against
+#   168.7 plain (that merge of 218 splits runs ~26 µs);
+# - mla_decode: the same kind of grid, kept plain, not timed early on its own (early together with the merge:
+#   199-201 µs at 64 heads; 83.2-84.5 against 84.7-84.9 at 8);
+# - sparse_mla_decode_wide: the DSA step at 64 heads 42.6 µs with the sparse kernel launched early against 39.2
+#   (at 8 heads 30.6 against 30.9: launched early there, as sparse_mla_decode);
+# - indexer_scores: launched plainly 30.1 against 30.6 µs at 8 heads, 42.2 against 42.6 at 64.
+# The top-k launches and the sparse merge gain 0.2-0.5 µs each from PDL.
 SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode_wide"})
 # Each program lets the next kernel be scheduled before (True) or after (False) its own wait; before, a chain's
 # kernels are scheduled up to two ahead (MLA_QUANT_PDL_EARLY=0: after). Run of 29275a0: the DSA step at 8 heads

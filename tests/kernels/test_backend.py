@@ -30,7 +30,8 @@ def test_unknown_backend_is_named(monkeypatch):
 
 def test_pdl_only_on_hopper_cuda_devices(monkeypatch):
     """Programmatic dependent launch is asked for on sm_90+ CUDA devices only, never in the interpreter, nor
-    for an op in ``_pdl.SKIP`` (launched plainly, its kernel still signals the next one); MLA_QUANT_PDL=0 (``_pdl.ENABLED``) turns it off; an unknown op is an error."""
+    for an op in ``_pdl.SKIP`` (launched plainly, its kernel still signals the next one); MLA_QUANT_PDL=0
+    (``_pdl.ENABLED``) turns it off; an unknown op is an error."""
     from mla_quant.kernels import _pdl
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
