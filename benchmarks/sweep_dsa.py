@@ -96,21 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         settings = [("default", {}), *[("finish", x) for x in FINISH], *[("indexer", x) for x in INDEXER],
                     *[("sparse", x) for x in SPARSE], *[("pdl", x) for x in PDL], *[("combo", c) for c in COMBOS]]
 
-        def setting_fn(part, setting):
+        def over_tables(fn, part="default", setting=None):
+            """fn over every block table, under one setting."""
             def run():
-                with _patched(part, setting):
-                    return [step(tb) for tb in tables]
+                with _patched(part, setting or {}):
+                    return [fn(tb) for tb in tables]
             return run
 
-        def dense_with(pdl_setting):
-            def run():
-                with _patched("pdl", pdl_setting):
-                    return [dense(tb) for tb in tables]
-            return run
-
-        fns = {"dense": lambda: [dense(tb) for tb in tables], "dense_no_pdl": dense_with({"ENABLED": False}),
-               "dense_pdl_all": dense_with({"SKIP": []})}
-        fns.update({json.dumps([part, setting]): setting_fn(part, setting) for part, setting in settings})
+        fns = {"dense": over_tables(dense), "dense_no_pdl": over_tables(dense, "pdl", {"ENABLED": False}),
+               "dense_pdl_all": over_tables(dense, "pdl", {"SKIP": []})}
+        fns.update({json.dumps([part, setting]): over_tables(step, part, setting) for part, setting in settings})
         times = interleaved_graph_us(fns, reps=len(tables), rounds=args.rounds)
         if isinstance(times["dense"], str):
             raise RuntimeError(f"the dense peer failed: {times['dense']}")
