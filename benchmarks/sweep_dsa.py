@@ -7,7 +7,8 @@ work buffer, the sparse attention and its split merge) timed as one CUDA-graph r
 tables; each setting changes one part and times the whole step:
 
 - ``finish``: the candidate finish in the compact pass's last program of the row (``fused``) or its own
-  launch (``unfused``), with compact programs of 1, 2 or 4 warps;
+  launch (``unfused``), with compact programs of 1, 2 or 4 warps; the finish's ranked write for up to 0 (never:
+  the bit-by-bit search) or 256 candidates instead of ``topk.RANK_BLOCK``;
 - ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
   program (``COMBINE_PARTIALS``);
@@ -33,7 +34,8 @@ from mla_quant.kernels import _pdl
 
 from .common import Context, interleaved_graph_us, meta, module_attrs, sweep_args
 
-FINISH = [{"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))]
+FINISH = [*({"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))),
+          *({"rank_block": r} for r in (0, 256))]   # the bit-by-bit search always; up to 256 candidates ranked
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
 PDL_SKIP = sorted(_pdl.SKIP)   # the ops the library launches plainly

@@ -10,8 +10,8 @@ captured once and timed in round-robin passes (``common.interleaved_graph_us``),
 tables as in ``bench_mla_decode``; so are the split merge's settings (``MERGES``, at the launcher's split and
 config), and the launcher's choice with plain launches instead of programmatic dependent ones (``no_pdl``:
 ``_pdl.ENABLED`` False) or with the split kernel and the merge launched so too (``pdl_all``: ``_pdl.SKIP``
-empty). Reports µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the same
-run.
+empty), and with bf16 split partials (``PARTIAL_DTYPE``) at the launcher's split count and at 5 and 6. Reports
+µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the same run.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: [mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, num_splits=splits,
                                    max_seq_len=n, validate=False, config=config) for q, tb in sets]
 
+    planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
     fns = {"default": decode()}
     for s in SPLITS:
         for c in CONFIGS:
@@ -86,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         fns[json.dumps(merge)] = _patched(decode(), merge)
     fns["no_pdl"] = _patched(decode(), {"ENABLED": False}, _pdl)
     fns["pdl_all"] = _patched(decode(), {"SKIP": frozenset()}, _pdl)
+    for s in (None, 5, 6):   # bf16 partials: half the split traffic, so more splits may pay
+        fns[f"partials_bf16_splits{s or planned}"] = _patched(decode(s), {"PARTIAL_DTYPE": torch.bfloat16})
     decode()()
-    planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
     tuned = tuned_config()
     times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
     rows = []

@@ -465,6 +465,31 @@ def test_decode_combine_choices(triton_backend, kind, tensor_scale, num_splits, 
         mla_decode(*args, num_splits=num_splits, config=cfg, combine="fused")
 
 
+@pytest.mark.parametrize("combine", ["rows", "tiles"])
+def test_bf16_partials_cost_one_rounding(triton_backend, monkeypatch, combine):
+    """``PARTIAL_DTYPE`` bf16 (a sweep setting): each split's output rounded to bf16 before the merge moves the
+    result by at most one bf16 rounding of the largest value, and not at all where the partial is exact; lse is
+    unchanged (it stays fp32)."""
+    from mla_quant.kernels import mla_decode as mod
+
+    dev = triton_backend
+    lengths, page_size = [70, 1, 33], 16
+    table = torch.randperm(18).int().reshape(3, 6)
+    kv, scales, _ = build_pages(lengths, table, 18, page_size, "bf16", None, 64, 32, seed=5, device=dev)
+    q = torch.randn(3, 1, 5, 96)
+    args = (q.to(dev), kv, scales, table.to(dev), torch.tensor(lengths, dtype=torch.int32).to(dev), 0.1, "bf16", 64)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
+    o32, lse32 = mla_decode(*args, num_splits=4, config=cfg, combine=combine)
+    monkeypatch.setattr(mod, "PARTIAL_DTYPE", torch.bfloat16)
+    o16, lse16 = mla_decode(*args, num_splits=4, config=cfg, combine=combine)
+    assert torch.equal(lse16, lse32)
+    # a partial is a convex combination of value rows, so its rounding error is ≤ 2^-8 · max |value|, and so
+    # is the merge's (its weights sum to 1)
+    diff = (o16 - o32).abs().cpu()
+    assert diff.amax() <= 2.0 ** -8 * kv.float().nan_to_num(0.0).abs().amax().cpu() and diff.amax() > 0
+    assert torch.equal(o16[1], o32[1])   # one token: its split's output is its bf16 page row, exact either way
+
+
 # ------------------------------------------------------------------------------------------ split rule
 def test_choose_num_splits():
     assert choose_num_splits(work_items=300, max_len=65536, min_tokens=256, slots=264) == 1  # grid already full

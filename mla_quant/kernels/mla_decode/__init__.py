@@ -252,7 +252,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
                          "(row stride, page stride, offset)")
     split = num_splits > 1
     if split:
-        o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
+        o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=PARTIAL_DTYPE, device=q.device)
         lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
     else:
         o_dst, lse_dst = out, lse
@@ -281,6 +281,9 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     return out, lse
 
 
+# the splits' partial outputs (their lse stay fp32): bf16 halves the bytes they move (8 MB written and read at
+# 16 heads × 64 requests × 4 splits, beside 302 MB of bf16 pages at 4k) for one more rounding; a sweep setting
+PARTIAL_DTYPE = torch.float32
 ROWS_MAX_SPLITS = 8  # combine_splits("auto"): the row kernel up to this many splits (measured, docstring)
 # the row merge's query rows per program and warps: 16 heads × 64 requests × 4 splits at 4k, 4 rows 99.34 µs for
 # the whole decode against 99.86 at 8 (H200, sweep_mla_decode, interleaved rounds, 84444bd; 2 rows 99.42)
@@ -289,7 +292,7 @@ ROWS_BLOCK_R, ROWS_WARPS = 4, 4
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    kernel: str = "auto") -> None:
-    """The split-K merge (Triton): partials ``o_part`` fp32 [B, splits, M, D] and ``lse_part`` fp32 (log2)
+    """The split-K merge (Triton): partials ``o_part`` fp32 (or bf16) [B, splits, M, D] and ``lse_part`` fp32 (log2)
     [B, splits, M] -> ``out`` [B, M, D] (any float dtype, contiguous, e.g. [B, S, H, D]) and ``lse`` (natural
     log) [B, M]. ``kernel``: ``"tiles"`` (programs over (row, request, 128-column block), 16 splits per step),
     ``"rows"`` (programs over ``ROWS_BLOCK_R``-row blocks walking the splits one by one) or ``"auto"``: rows up to

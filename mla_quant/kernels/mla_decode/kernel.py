@@ -505,9 +505,10 @@ def _mla_decode_kernel(
     l_use = tl.where(empty, 1.0, l_i)
     o = acc / l_use[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_use))
-    if SPLIT_OUT:  # partials: o [B, NUM_SPLITS, M, D_LAT] fp32, lse [B, NUM_SPLITS, M] (log2)
+    if SPLIT_OUT:  # partials: o [B, NUM_SPLITS, M, D_LAT] (fp32 by default), lse [B, NUM_SPLITS, M] fp32 (log2)
         base = (b * NUM_SPLITS + pid_split).to(tl.int64) * M
-        tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o, mask=row_ok[:, None])
+        tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
         tl.store(lse_ptr + base + rows, lse2, mask=row_ok)
     else:  # final: out [B, S_Q, H, D_LAT] = [B, M, D_LAT], lse [B, M] (natural log)
         base = b.to(tl.int64) * M
@@ -654,7 +655,8 @@ def _mla_decode_combine_tiles_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
         ok = (sp[:, None] < NUM_SPLITS) & row_ok[None, :]                                          # [C, R]
         idx = part + sp[:, None] * M + rows[None, :]
         w = tl.exp2(tl.load(lse_part_ptr + idx, mask=ok, other=float("-inf")) - m_use[None, :])
-        o = tl.load(o_part_ptr + idx[:, :, None] * D_LAT + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+        o = tl.load(o_part_ptr + idx[:, :, None] * D_LAT + cols[None, None, :], mask=ok[:, :, None],
+                    other=0.0).to(tl.float32)
         acc += tl.sum(w[:, :, None] * o, 0)
     _combine_store(out_ptr, lse_ptr, acc, m_use, denom, b.to(tl.int64) * M, rows, row_ok, cols, D_LAT, pid_d == 0)
 
@@ -675,6 +677,6 @@ def _mla_decode_combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, M, NU
     for s in range(NUM_SPLITS):
         w = tl.exp2(tl.load(lse_part_ptr + part + s * M + rows, mask=row_ok, other=float("-inf")) - m_use)
         o = tl.load(o_part_ptr + (part + s * M + rows)[:, None] * D_LAT + d_lat[None, :],
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
         acc += w[:, None] * o
     _combine_store(out_ptr, lse_ptr, acc, m_use, denom, b.to(tl.int64) * M, rows, row_ok, d_lat, D_LAT, True)
