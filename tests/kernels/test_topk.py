@@ -326,6 +326,9 @@ def test_radix_topk_from_checks_the_work_buffer():
         radix_topk_from(scores, 10, torch.zeros(2, 7, dtype=torch.int32), 1)
     with pytest.raises(ValueError, match="work"):
         radix_topk_from(scores, 300, torch.zeros(2, work_ints(RADIX_BITS), dtype=torch.int32), 1)   # N <= k
+    shifted = torch.zeros(2 * work_ints(RADIX_BITS) + 1, dtype=torch.int32)[1:].view(2, -1)   # 4-byte aligned only
+    with pytest.raises(ValueError, match="aligned"):
+        radix_topk_from(scores, 10, shifted, 1)
 
 
 def order_keys(scores: torch.Tensor) -> torch.Tensor:

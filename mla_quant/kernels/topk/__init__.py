@@ -129,6 +129,8 @@ def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_don
     if n <= k or tuple(work.shape) != (rows, work_ints(RADIX_BITS)) or work.dtype != torch.int32:
         raise ValueError(f"work: int32 {(rows, work_ints(RADIX_BITS))} for N > k expected, got "
                          f"{work.dtype} {tuple(work.shape)} at N={n}, k={k}")
+    if not work.is_contiguous() or work.data_ptr() % 8:
+        raise ValueError("work: must be contiguous and 8-byte aligned (the finish reads two counters as one int64)")
     return _radix_topk(scores, k, work=work, rounds_done=rounds_done, finish=finish)
 
 

@@ -46,7 +46,9 @@ row to arrive (an acq_rel arrival counter, after a barrier: every program's cand
 the candidates are then read through L2, ``.cg``), so the chain loses one launch and its gap.
 
 Work buffer per row (int32, zeroed by the launcher; ``work_ints``): ``[HIST_0 | .. | HIST_{NR-1} (2^RADIX
-each) | arrived | count_cand | count_gt | count_eq]``.
+each) | arrived | count_cand | count_gt | count_eq]``; arrived and count_cand are also one int64 (the arrival
+word: the compact pass claims candidate slots in its high half, and the arrival that adds 1 to its low half
+returns both), so rows are 8-byte aligned (contiguous from an aligned base: WORK is even at both widths).
 """
 import triton
 import triton.language as tl
@@ -85,11 +87,10 @@ def _order_key(x):
 
 
 @triton.jit
-def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
-    """The bin t holding the k-th largest of the counted keys (#keys in bins > t < k ≤ #keys in bins ≥ t)
-    and k minus the keys above it."""
+def _threshold_bin(h, k, BINS: tl.constexpr):
+    """Of a histogram ``h`` [BINS] (int32): the bin t holding the k-th largest of the counted keys (#keys in bins
+    > t < k ≤ #keys in bins ≥ t) and k minus the keys above it."""
     b = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + b)
     at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     t = tl.max(tl.where(at_or_above >= k, b, -1), 0)
     above = tl.sum(tl.where(b > t, h, 0), 0)
@@ -97,18 +98,48 @@ def _threshold_bin(hist_ptr, k, BINS: tl.constexpr):
 
 
 @triton.jit
+def _round_hist(work_ptr, r: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr):
+    """Round r's histogram from the work row (the last round's has 2^(bits left over) bins)."""
+    BINS: tl.constexpr = (1 << (32 - r * RADIX)) if r == NR - 1 else (1 << RADIX)
+    return tl.load(work_ptr + r * (1 << RADIX) + tl.arange(0, BINS))
+
+
+@triton.jit
+def _descend_step(prefix, rem, h, r: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr):
+    if r == NR - 1:     # the last digit: the bits left over
+        t, rem = _threshold_bin(h, rem, 1 << (32 - r * RADIX))
+        prefix = (prefix << (32 - r * RADIX)) | t   # all 32 bits (wraps negative when the top bit is set)
+    else:
+        t, rem = _threshold_bin(h, rem, 1 << RADIX)
+        prefix = (prefix << RADIX) | t
+    return prefix, rem
+
+
+@triton.jit
 def _descend(work_ptr, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr):
-    """The threshold's digits found by the first ``ROUNDS`` of the ``NR`` histogram rounds (as one int32, most
-    significant first) and how many of the k are still to be found among keys with that prefix."""
+    """The threshold's digits found by the first ``ROUNDS`` (≤ 4) of the ``NR`` histogram rounds (as one int32,
+    most significant first) and how many of the k are still to be found among keys with that prefix. Every
+    histogram is loaded before the first is scanned: the scans' barriers would otherwise hold each later load
+    back by one L2 round trip."""
+    tl.static_assert(ROUNDS <= 4)
     prefix = tl.zeros([], dtype=tl.int32)
     rem = k
-    for r in tl.static_range(ROUNDS):
-        if r == NR - 1:     # the last digit: the bits left over
-            t, rem = _threshold_bin(work_ptr + r * (1 << RADIX), rem, 1 << (32 - r * RADIX))
-            prefix = (prefix << (32 - r * RADIX)) | t   # all 32 bits (wraps negative when the top bit is set)
-        else:
-            t, rem = _threshold_bin(work_ptr + r * (1 << RADIX), rem, 1 << RADIX)
-            prefix = (prefix << RADIX) | t
+    if ROUNDS > 0:
+        h0 = _round_hist(work_ptr, 0, RADIX, NR)
+    if ROUNDS > 1:
+        h1 = _round_hist(work_ptr, 1, RADIX, NR)
+    if ROUNDS > 2:
+        h2 = _round_hist(work_ptr, 2, RADIX, NR)
+    if ROUNDS > 3:
+        h3 = _round_hist(work_ptr, 3, RADIX, NR)
+    if ROUNDS > 0:
+        prefix, rem = _descend_step(prefix, rem, h0, 0, RADIX, NR)
+    if ROUNDS > 1:
+        prefix, rem = _descend_step(prefix, rem, h1, 1, RADIX, NR)
+    if ROUNDS > 2:
+        prefix, rem = _descend_step(prefix, rem, h2, 2, RADIX, NR)
+    if ROUNDS > 3:
+        prefix, rem = _descend_step(prefix, rem, h3, 3, RADIX, NR)
     return prefix, rem
 
 
@@ -118,6 +149,13 @@ def _load_keys(row_ptr, start, n, BLOCK: tl.constexpr):
     valid = cols < n
     x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     return cols, valid, _order_key(x)
+
+
+@triton.jit
+def _next_tile(row_ptr, first, i, tiles_per_chunk, n, BLOCK: tl.constexpr):
+    """The keys of tile i + 1 of a chunk starting at tile ``first``, loaded while tile i is processed; nothing
+    (every lane masked) past the chunk's last tile."""
+    return _load_keys(row_ptr, (first + i + 1) * BLOCK, tl.where(i + 1 < tiles_per_chunk, n, 0), BLOCK)
 
 
 @triton.jit
@@ -132,16 +170,19 @@ def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_ch
     chunk = tl.program_id(1)
     row_ptr = scores_ptr + row * stride_row
     work = work_ptr + row * WORK
+    first = chunk * tiles_per_chunk
+    cols, valid, key = _load_keys(row_ptr, first * BLOCK, n, BLOCK)   # beside the histograms (see _descend)
     prefix, rem = _descend(work, k, ROUND, RADIX, NR)
     PREFIX_BITS: tl.constexpr = 32 - SHIFT - BITS
     acc = tl.zeros([1 << BITS], dtype=tl.int32)
     for i in range(0, tiles_per_chunk):
-        cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
         u = key ^ SIGN                                   # unsigned-order bit pattern
         digit = (u >> SHIFT) & ((1 << BITS) - 1)
+        counted = valid
         if PREFIX_BITS > 0:
-            valid = valid & (((u >> (SHIFT + BITS)) & ((1 << PREFIX_BITS) - 1)) == prefix)
-        acc += tl.histogram(digit, 1 << BITS, mask=valid)
+            counted = valid & (((u >> (SHIFT + BITS)) & ((1 << PREFIX_BITS) - 1)) == prefix)
+        acc += tl.histogram(digit, 1 << BITS, mask=counted)
+        cols, valid, key = _next_tile(row_ptr, first, i, tiles_per_chunk, n, BLOCK)
     bins = tl.arange(0, 1 << BITS)
     tl.atomic_add(work + ROUND * (1 << RADIX) + bins, acc, mask=acc > 0, sem="relaxed")
 
@@ -167,11 +208,12 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
     row_ptr = scores_ptr + row * stride_row
     work = work_ptr + row * WORK
     out = out_ptr + row * stride_out
+    first = chunk * tiles_per_chunk
+    cols, valid, key = _load_keys(row_ptr, first * BLOCK, n, BLOCK)   # beside the histograms (see _descend)
     thr_u, need = _descend(work, k, NR, RADIX, NR)
     thr = thr_u ^ SIGN
     n_above = k - need
     for i in range(0, tiles_per_chunk):
-        cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
         value = tl.where(key == NEG_INF_KEY, -1, cols)
         above = (valid & (key > thr)).to(tl.int32)
         slot = _claim_slots(work + (WORK - 2), above)
@@ -179,6 +221,23 @@ def _radix_select_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, 
         tied = (valid & (key == thr)).to(tl.int32)
         rank = _claim_slots(work + (WORK - 1), tied)
         tl.store(out + n_above + rank, value, mask=(tied > 0) & (rank < need))
+        cols, valid, key = _next_tile(row_ptr, first, i, tiles_per_chunk, n, BLOCK)
+
+
+@triton.jit
+def _arrival_word(work, WORK: tl.constexpr):
+    """arrived (low half) and count_cand (high half) of a work row as one int64, so that the fused finish's arrival
+    atomic also returns the candidate count (one L2 round trip, not two); the row's offset, a multiple of 8 bytes
+    at both digit widths, keeps it aligned."""
+    return (work + (WORK - 4)).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _claim_candidate_slots(word_ptr, flags):
+    """_claim_slots on count_cand, the high half of the arrival word."""
+    n_tile = tl.sum(flags, 0)
+    base = tl.atomic_add(word_ptr, n_tile.to(tl.int64) << 32, mask=n_tile > 0, sem="relaxed")
+    return (base >> 32).to(tl.int32) + tl.cumsum(flags, 0) - flags
 
 
 @triton.jit
@@ -198,23 +257,26 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
     work = work_ptr + row * WORK
     out = out_ptr + row * stride_out
     cand_keys = cand_ptr + row * 2 * n
+    first = chunk * tiles_per_chunk
+    cols, valid, key = _load_keys(row_ptr, first * BLOCK, n, BLOCK)   # beside the histograms (see _descend)
     prefix, need = _descend(work, k, ROUNDS, RADIX, NR)
     n_above = k - need
     for i in range(0, tiles_per_chunk):
-        cols, valid, key = _load_keys(row_ptr, (chunk * tiles_per_chunk + i) * BLOCK, n, BLOCK)
         value = tl.where(key == NEG_INF_KEY, -1, cols)
         top = ((key ^ SIGN) >> (32 - KNOWN)) & ((1 << KNOWN) - 1)
         above = (valid & (top > prefix)).to(tl.int32)
         slot = _claim_slots(work + (WORK - 2), above)
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
         tied = (valid & (top == prefix) & (key != NEG_INF_KEY)).to(tl.int32)   # -inf: no candidate (below)
-        slot = _claim_slots(work + (WORK - 3), tied)
+        slot = _claim_candidate_slots(_arrival_word(work, WORK), tied)
         tl.store(cand_keys + slot, key, mask=tied > 0)
         tl.store(cand_keys + n + slot, value, mask=tied > 0)
+        cols, valid, key = _next_tile(row_ptr, first, i, tiles_per_chunk, n, BLOCK)
     if FUSED:
         tl.debug_barrier()   # every thread's candidates are written before the release below
-        if tl.atomic_add(work + (WORK - 4), 1, sem="acq_rel") == tl.num_programs(1) - 1:   # the row's last
-            c = tl.atomic_add(work + (WORK - 3), 0, sem="acquire")
+        seen = tl.atomic_add(_arrival_word(work, WORK), 1, sem="acq_rel")   # (arrived, count_cand) before
+        if (seen & 0xFFFFFFFF) == tl.num_programs(1) - 1:   # the row's last: every candidate is listed
+            c = (seen >> 32).to(tl.int32)
             _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, RANK_BLOCK)
 
 
