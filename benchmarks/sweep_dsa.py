@@ -7,11 +7,11 @@ work buffer, the sparse attention and its split merge) timed as one CUDA-graph r
 tables; each setting changes one part and times the whole step:
 
 - ``finish``: the candidate finish in the compact pass's last program of the row (``fused``) or its own
-  launch (``unfused``), with compact programs of 1, 2 or 4 warps; the finish's ranked write for up to 0 (never:
-  the bit-by-bit search) or 256 candidates instead of ``topk.RANK_BLOCK``;
+  launch (``unfused``), with compact programs of 1, 2 or 4 warps; radix tiles of 128 or 512 columns instead of
+  ``topk.radix_block``'s 256 (round 1 and the compact pass: 512 or 128 programs at one row of 64k);
 - ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
-  program (``COMBINE_PARTIALS``);
+  program (``COMBINE_PARTIALS``); bf16 split partials (``PARTIAL_DTYPE``);
 - ``pdl``: every kernel launched plainly (``_pdl.ENABLED`` False) instead of with programmatic dependent launch,
   each program signalling the next kernel after its wait (``EARLY`` False), or one op more or fewer launched plainly
   (``_pdl.SKIP``); the dense peer is also timed with plain launches
@@ -35,9 +35,10 @@ from mla_quant.kernels import _pdl
 from .common import Context, interleaved_graph_us, meta, module_attrs, sweep_args
 
 FINISH = [*({"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))),
-          *({"rank_block": r} for r in (0, 256))]   # the bit-by-bit search always; up to 256 candidates ranked
+          *({"block": b} for b in (128, 512))]   # columns per radix tile (round 1, compact): 512 or 128 programs
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
-SPARSE = [{"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))]
+SPARSE = [*({"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))),
+          {"PARTIAL_DTYPE": "bfloat16"}]   # the split partials in bf16: half the bytes written and merged
 PDL_SKIP = sorted(_pdl.SKIP)   # the ops the library launches plainly
 # without PDL; each program signalling after its wait; one op more or fewer launched plainly than the default
 PDL = [{"ENABLED": False}, {"EARLY": False}, {"SKIP": [op for op in PDL_SKIP if op != "indexer_scores"]},
@@ -45,6 +46,13 @@ PDL = [{"ENABLED": False}, {"EARLY": False}, {"SKIP": [op for op in PDL_SKIP if 
 # settings of several parts at once: signalling after the wait with the runners-up of e9fbe0a's sweep
 COMBOS = [(("pdl", {"EARLY": False}), ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 8192})),
           (("pdl", {"EARLY": False}), ("finish", {"fused_finish": False, "compact_warps": 4}))]
+
+
+def knob_value(name: str, value):
+    """A setting's value as the module constant takes it (settings are JSON: lists for sets, names for dtypes)."""
+    if name == "SKIP":
+        return frozenset(value)
+    return getattr(torch, value) if name == "PARTIAL_DTYPE" else value
 
 
 def _patched(part: str, setting: dict):
@@ -58,7 +66,7 @@ def _patched(part: str, setting: dict):
             stack.enter_context(module_attrs(topk, {"_radix_topk": functools.partial(topk._radix_topk, **s)}))
         elif s:
             module = {"indexer": indexer_scores, "sparse": sparse_mla_decode, "pdl": _pdl}[p]
-            stack.enter_context(module_attrs(module, {k: frozenset(v) if k == "SKIP" else v for k, v in s.items()}))
+            stack.enter_context(module_attrs(module, {k: knob_value(k, v) for k, v in s.items()}))
     return stack
 
 

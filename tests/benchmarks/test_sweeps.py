@@ -2,7 +2,7 @@
 parameter of the radix select), and applying one restores the library afterwards; the sweeps run on the GPU only."""
 import inspect
 
-from benchmarks.sweep_dsa import COMBOS, FINISH, INDEXER, PDL, SPARSE, _patched
+from benchmarks.sweep_dsa import COMBOS, FINISH, INDEXER, PDL, SPARSE, _patched, knob_value
 from mla_quant.kernels import _pdl, indexer_scores, sparse_mla_decode, topk
 
 
@@ -16,7 +16,7 @@ def test_settings_name_existing_knobs_and_are_undone():
     for module, grid, part in modules:
         for setting in grid:
             with _patched(part, setting):
-                assert all(getattr(module, k) == (frozenset(v) if k == "SKIP" else v) for k, v in setting.items())
+                assert all(getattr(module, k) == knob_value(k, v) for k, v in setting.items())
     with _patched("finish", FINISH[0]):
         assert topk._radix_topk is not radix
     for combo in COMBOS:
@@ -26,7 +26,7 @@ def test_settings_name_existing_knobs_and_are_undone():
                     assert topk._radix_topk is not radix
                 else:
                     module = {"indexer": indexer_scores, "sparse": sparse_mla_decode, "pdl": _pdl}[part]
-                    assert all(getattr(module, k) == (frozenset(v) if k == "SKIP" else v) for k, v in setting.items())
+                    assert all(getattr(module, k) == knob_value(k, v) for k, v in setting.items())
     with _patched("default", {}):
         assert topk._radix_topk is radix
     pdl_settings = [*PDL, *(s for c in COMBOS for p, s in c if p == "pdl")]

@@ -468,7 +468,7 @@ def test_decode_combine_choices(triton_backend, kind, tensor_scale, num_splits, 
 @pytest.mark.parametrize("combine", ["rows", "tiles"])
 def test_bf16_partials_cost_one_rounding(triton_backend, monkeypatch, combine):
     """``PARTIAL_DTYPE`` bf16 (a sweep setting): each split's output rounded to bf16 before the merge moves the
-    result by at most one bf16 rounding of the largest value, and not at all where the partial is exact; lse is
+    result by at most one bf16 step of the largest value, and not at all where the partial is exact; lse is
     unchanged (it stays fp32)."""
     from mla_quant.kernels import mla_decode as mod
 
@@ -483,10 +483,10 @@ def test_bf16_partials_cost_one_rounding(triton_backend, monkeypatch, combine):
     monkeypatch.setattr(mod, "PARTIAL_DTYPE", torch.bfloat16)
     o16, lse16 = mla_decode(*args, num_splits=4, config=cfg, combine=combine)
     assert torch.equal(lse16, lse32)
-    # a partial is a convex combination of value rows, so its rounding error is ≤ 2^-8 · max |value|, and so
-    # is the merge's (its weights sum to 1)
+    # a partial is a convex combination of value rows, so its rounding error is ≤ one bf16 step of max |value|
+    # (2^-7 of it: the interpreter truncates where the GPU rounds to nearest), and so is the merge's
     diff = (o16 - o32).abs().cpu()
-    assert diff.amax() <= 2.0 ** -8 * kv.float().nan_to_num(0.0).abs().amax().cpu() and diff.amax() > 0
+    assert diff.amax() <= 2.0 ** -7 * kv.float().nan_to_num(0.0).abs().amax().cpu() and diff.amax() > 0
     assert torch.equal(o16[1], o32[1])   # one token: its split's output is its bf16 page row, exact either way
 
 

@@ -134,6 +134,27 @@ def test_kernel_many_splits_combine_in_column_blocks(triton_backend):
     assert rel_err(out, ro) < 1e-5 and rel_err(lse, rl) < 1e-6
 
 
+def test_bf16_partials_cost_one_rounding(triton_backend, monkeypatch):
+    """``PARTIAL_DTYPE`` bf16 (a sweep setting): each split's output, a convex combination of value rows, is
+    rounded once to bf16 before the merge, so the result moves by at most one bf16 step of the largest value
+    (2^-7 of it: the interpreter truncates where the GPU rounds to nearest); lse is unchanged (fp32)."""
+    from mla_quant.kernels import sparse_mla_decode as mod
+
+    dev = triton_backend
+    lengths, ps, dl, dr = [300], 16, 128, 64
+    data, scales, table, seq_lens = make_pages("bf16", "token", lengths, ps, dl, dr, device=dev)
+    req_ids = torch.zeros(1, dtype=torch.int32, device=dev)
+    idx = random_indices(lengths, req_ids.cpu(), 256, seed=3).to(dev)
+    q_nope, q_pe = torch.randn(1, 3, dl, device=dev), torch.randn(1, 3, dr, device=dev)
+    args = (q_nope, q_pe, data, scales, "bf16", table, seq_lens, req_ids, idx, 0.1)
+    o32, l32 = sparse_mla_decode(*args, num_splits=8)
+    monkeypatch.setattr(mod, "PARTIAL_DTYPE", torch.bfloat16)
+    o16, l16 = sparse_mla_decode(*args, num_splits=8)
+    assert torch.equal(l16, l32)
+    diff = (o16 - o32).abs().max()
+    assert 0 < diff <= 2.0 ** -7 * data.float().nan_to_num(0.0).abs().max()
+
+
 def test_kernel_ds_mla_with_several_scale_tiles(triton_backend):
     dev = triton_backend
     lengths, ps, dl, dr = [45, 20], 16, 256, 32

@@ -2,8 +2,7 @@
 columns whose values are the k largest, ties in any order), on random rows, exact ties, -inf tails, NaN,
 lengths around k, tiny tiles with many programs per row (the atomics), and real sizes on the GPU; both
 finishes of the 8-bit select (the candidate compact + finish kernels, the rounds + select pass), the candidate
-finish also with more candidates than its tile (tiny ``cand_block``) and with its ranked write on or off
-(``rank_block``)."""
+finish also with more candidates than its tile (tiny ``cand_block``)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -155,13 +154,12 @@ def test_kernel_empty_batch(triton_backend):
        kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow", "narrow_ties"]),
        block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]),
        finish=st.sampled_from(FINISHES), cand_block=st.sampled_from([16, 64, 4096]), fused=st.booleans(),
-       warps=st.sampled_from([1, 4]), rank_block=st.sampled_from([0, 16, 128]))
+       warps=st.sampled_from([1, 4]))
 def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits, finish, cand_block, fused,
-                           warps, rank_block):
+                           warps):
     """Both finishes at both digit widths (the candidate finish after two 11-bit rounds searches 10 low bits),
-    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers), up to 0 (never), 16 or 128
-    candidates ranked at once instead of searched, the candidate finish fused into the compact pass's last
-    program or launched on its own, compact programs of 1 or 4 warps."""
+    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers), the candidate finish fused
+    into the compact pass's last program or launched on its own, compact programs of 1 or 4 warps."""
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         scores = torch.randn(rows, n, generator=g)
@@ -169,15 +167,12 @@ def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks
         scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
     scores = scores.to(triton_backend)
     selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits, finish=finish,
-                                     cand_block=cand_block, rank_block=rank_block, fused_finish=fused,
-                                     compact_warps=warps), k)
+                                     cand_block=cand_block, fused_finish=fused, compact_warps=warps), k)
 
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="k"):
         topk_indices(torch.randn(2, 4), 0)
-    with pytest.raises(ValueError, match="rank_block"):
-        _radix_topk(torch.randn(2, 40), 8, rank_block=100)
     with pytest.raises(ValueError, match="scores"):
         topk_indices(torch.randn(2, 0), 3)
     with pytest.raises(ValueError, match="scores"):
@@ -240,19 +235,6 @@ def test_gpu_fused_finish_matches_unfused(rows, warps):
         unfused = radix(scores, k, fused_finish=False)
         assert torch.equal(scores.gather(1, fused.long()).sort(1).values,
                            scores.gather(1, unfused.long()).sort(1).values)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("n", [8192, 65536, 131072])
-def test_gpu_ranked_finish_matches_the_search(rows, n):
-    """The finish's ranked write (up to RANK_BLOCK candidates at once; 256 here too) and the bit-by-bit search
-    (rank_block 0) select the 2048 largest at decode sizes, fused into the compact pass and on its own."""
-    k = 2048
-    scores = realistic_scores(rows, n, seed=7 * n + rows)
-    for rank_block in (0, 128, 256):
-        for fused in (True, False):
-            assert_selects_the_largest(scores, radix(scores, k, rank_block=rank_block, fused_finish=fused), k)
 
 
 @pytest.mark.gpu
@@ -387,14 +369,11 @@ def test_radix_topk_from_candidate_count(triton_backend, monkeypatch, kind, fini
 @pytest.mark.parametrize("n", [63, 64, 65])
 def test_candidate_tile_boundary(triton_backend, kind, n):
     """Every key is a candidate (equal: one value; narrow_ties: the top 22 bits shared, 8 values below):
-    c = N below, at and above a 64-candidate tile (registers vs tiles re-read per bit) and a 64-candidate rank
-    block (ranked at once vs searched), several k."""
+    c = N below, at and above a 64-candidate tile (registers vs tiles re-read per bit), several k."""
     g = torch.Generator().manual_seed(n)
     scores = rows_of_kind(kind, 3, n, 10, g).to(triton_backend)
     for k in (1, 10, n - 1):
-        for rank_block in (0, 64):
-            selection_is_valid(scores, radix(scores, k, block=32, chunks=2, finish="candidates", cand_block=64,
-                                             rank_block=rank_block), k)
+        selection_is_valid(scores, radix(scores, k, block=32, chunks=2, finish="candidates", cand_block=64), k)
 
 
 def test_radix_topk_from_checks_finish():

@@ -31,6 +31,9 @@ MAX_SPLITS = 256  # the combine kernel holds every split's partial of a column b
 # 31.44 µs against 31.73 for 8 warps and 8192 at 8 heads, 39.40 vs 40.92 at 64 heads.
 KERNEL_WARPS = 4
 COMBINE_PARTIALS = 4096
+# the splits' partial outputs (lse stays fp32); bf16 halves the bytes written and merged for one more rounding
+# (mla_decode.PARTIAL_DTYPE: the same trade); a sweep setting
+PARTIAL_DTYPE = torch.float32
 
 __all__ = ["sparse_mla_decode", "sparse_mla_decode_reference", "gather_kv_rows", "check_kv_pages"]
 
@@ -136,7 +139,7 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
     if splits == 1:
         o_buf, l_buf, o_split_stride = out, lse, 0
     else:
-        o_buf = torch.empty((t, h, splits, d_latent), dtype=torch.float32, device=q_nope.device)
+        o_buf = torch.empty((t, h, splits, d_latent), dtype=PARTIAL_DTYPE, device=q_nope.device)
         l_buf = torch.empty((t, h, splits), dtype=torch.float32, device=q_nope.device)
         o_split_stride = o_buf.stride(2)
     grid = (t, head_blocks, splits)

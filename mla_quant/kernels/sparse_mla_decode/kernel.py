@@ -128,7 +128,7 @@ def _combine_splits_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, H, S,
     smask = offs_s < S
     lse_s = tl.load(plse_ptr + tok * stride_pl_t + h * stride_pl_h + offs_s, mask=smask, other=float("-inf"))
     part = tl.load(po_ptr + tok * stride_po_t + h * stride_po_h + offs_s[:, None] * stride_po_s + offs_d[None, :],
-                   mask=smask[:, None], other=0.0)                                  # [BLOCK_S, BLOCK_D]
+                   mask=smask[:, None], other=0.0).to(tl.float32)                   # [BLOCK_S, BLOCK_D]
     mx = tl.max(lse_s, axis=0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(lse_s - mx_safe)                                                    # 0 for empty splits

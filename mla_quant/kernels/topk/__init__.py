@@ -66,10 +66,6 @@ FINISHES = ("candidates", "rounds")
 # candidates the finish kernel (one warp) searches in registers, more are re-read in tiles of this size; its first
 # form (4096 over 4 warps: 16 block-wide sums in a row, each a barrier) took 15.9 µs of a 36.5 µs DSA step (H200)
 CAND_BLOCK = 1024
-# up to this many candidates the finish ranks them all at once (a [RANK_BLOCK, RANK_BLOCK] comparison, one sum)
-# instead of the bit-by-bit search (16 dependent block-wide sums at 8-bit digits); 0: always search
-RANK_BLOCK = 128
-RANK_BLOCKS = (0, 16, 32, 64, 128, 256)   # more would hold a [RANK_BLOCK, RANK_BLOCK] comparison in registers
 
 
 def default_finish(radix_bits: int) -> str:
@@ -137,16 +133,14 @@ def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_don
 def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: int | None = None,
                 out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
                 rounds_done: int = 0, finish: str | None = None, cand_block: int = CAND_BLOCK,
-                rank_block: int = RANK_BLOCK, fused_finish: bool = True, compact_warps: int = 4) -> torch.Tensor:
+                fused_finish: bool = True, compact_warps: int = 4) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
     (programs per row), ``out`` (int32 [T, min(k, N)], contiguous), ``cand_block`` (the finish's candidate tile,
-    a power of two), ``rank_block`` (most candidates the finish ranks at once: 0 or a power of two), ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or
+    a power of two), ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or
     its own launch) and ``compact_warps`` are exposed for tests and the bench; ``work``/``rounds_done``/
     ``finish``: see radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
-    if rank_block not in RANK_BLOCKS:
-        raise ValueError(f"rank_block: {rank_block!r} not in {RANK_BLOCKS}")
     if out is None:
         out = torch.empty(rows, kk, dtype=torch.int32, device=scores.device)
     if n <= k:                                   # every column is selected
@@ -181,7 +175,7 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
         return out
     cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
     finish_args = dict(ROUNDS=CAND_ROUNDS, RADIX=radix_bits, WORK=width, WORK_P2=triton.next_power_of_2(width),
-                       CAND_BLOCK=cand_block, RANK_BLOCK=rank_block)
+                       CAND_BLOCK=cand_block)
     _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
                                 NR=len(digits), BLOCK=block, FUSED=fused_finish, **finish_args,
                                 num_warps=compact_warps, **pdl)

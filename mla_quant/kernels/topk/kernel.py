@@ -30,14 +30,13 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
 2. finish (one program per row: its own launch, or the compact pass's last program of the row): the
    ``need``-th largest candidate key over the ``LOW = 32 − 2·RADIX`` remaining bits, then the candidates above
    it and the first ``need − #above`` equal to it to slots ``[k − need, k)``; with fewer than ``need``
-   candidates, all of them and -1 for the rest. Up to ``RANK_BLOCK`` candidates (the common case: ~90 at one
-   row of 64k) are ranked at once (``_write_ranked``: rank = how many candidates come before it, by low bits
-   descending then list position; one [RANK_BLOCK, RANK_BLOCK] comparison and one row sum) and rank < need goes
-   to slot k − need + rank. Above that the threshold is found bit by bit (set the bit, count candidates at or
-   above, keep it if that count ≥ need: LOW dependent block-wide sums); up to ``CAND_BLOCK`` candidates are
-   loaded once and searched in registers; more (ties or a dense bin, up to all N) are re-read in tiles of
-   CAND_BLOCK per bit: slow but exact. The first chunk of the writes' keys and columns loads
-   beside the search's. (A search by two 8-bit histograms instead of 16 bit steps measured 31.14 vs 31.22 µs for
+   candidates, all of them and -1 for the rest. The threshold is found bit by bit (set the bit, count candidates
+   at or above, keep it if that count ≥ need: LOW dependent block-wide sums). Up to ``CAND_BLOCK`` candidates
+   (the common case: only the keys of one 16-bit bin) are loaded once and searched in registers; more (ties or a
+   dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit: slow but exact. The first chunk of the writes' keys and columns loads
+   beside the search's. (Tried and removed, run of 8af1b9d: ranking up to 128 candidates at once — one
+   [128, 128] comparison and one row sum, rank < need to slot k − need + rank — instead of the 16 steps: the DSA
+   step 30.71 vs 30.09 µs at 8 heads, 38.43 vs 38.02 at 64; 256 candidates 46.9. A search by two 8-bit histograms instead of 16 bit steps measured 31.14 vs 31.22 µs for
    the DSA step in a 4-warp program and far slower in a one-warp one, 38.6 vs 32.2: removed, run of 3761926.)
    The finish clears the row's work buffer when done (a caller may keep the buffer: no memset per call).
 
@@ -244,7 +243,7 @@ def _claim_candidate_slots(word_ptr, flags):
 def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
                           tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
                           BLOCK: tl.constexpr, WORK: tl.constexpr, FUSED: tl.constexpr, WORK_P2: tl.constexpr,
-                          CAND_BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          CAND_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """After the first ROUNDS (= CAND_ROUNDS) rounds (the threshold's top KNOWN bits P): keys whose top bits > P
     to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
     int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass. With
@@ -277,7 +276,7 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
         seen = tl.atomic_add(_arrival_word(work, WORK), 1, sem="acq_rel")   # (arrived, count_cand) before
         if (seen & 0xFFFFFFFF) == tl.num_programs(1) - 1:   # the row's last: every candidate is listed
             c = (seen >> 32).to(tl.int32)
-            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, RANK_BLOCK)
+            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
 
 
 @triton.jit
@@ -302,59 +301,27 @@ def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr)
 @triton.jit
 def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
                          NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr,
-                         RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False):
     """The finish as its own launch (the unfused form), grid (rows,): ``_finish_row`` of each row."""
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     work = work_ptr + row * WORK
     _, need = _descend(work, k, ROUNDS, RADIX, NR)
     _finish_row(work, out_ptr + row * stride_out, cand_ptr + row * 2 * n, n, k, need, tl.load(work + (WORK - 3)),
-                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, RANK_BLOCK)
+                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
 
 
 @triton.jit
 def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr):
+                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
     """Slots [k - need, k) of one row from its c candidates: those above the need-th largest candidate key, then
     as many equal to it as still needed; then the row's work buffer is set back to zero (this program is the
     last to read it), so a kept buffer needs no memset before the next call."""
     LOW: tl.constexpr = 32 - ROUNDS * RADIX     # key bits below the ROUNDS digits found
-    # the common case, ~90 candidates (the keys of one 16-bit bin), takes the ranked write
+    # the writes go in chunks of WRITE candidates; the first chunk's keys and columns load now, beside the search's
+    # keys, not after the search (the common case, ~90 candidates, is that one chunk)
     WRITE: tl.constexpr = 128
     offs_w = tl.arange(0, WRITE)
-    if RANK_BLOCK > 0 and c <= RANK_BLOCK:      # few candidates: each one's rank at once, no search
-        _write_ranked(cand_keys, n, c, out, k, need, LOW, RANK_BLOCK)
-    else:
-        _search_and_write(cand_keys, n, c, out, k, need, offs_w, LOW, CAND_BLOCK, WRITE)
-    for start in range(c, need, WRITE):         # fewer finite candidates than needed: the rest score -inf
-        tl.store(out + (k - need) + start + offs_w, -1, mask=start + offs_w < need)
-    clear = tl.arange(0, WORK_P2)
-    tl.store(work + clear, tl.zeros([WORK_P2], dtype=tl.int32), mask=clear < WORK)
-
-
-@triton.jit
-def _write_ranked(cand_keys, n, c, out, k, need, LOW: tl.constexpr, RANK_BLOCK: tl.constexpr):
-    """Up to RANK_BLOCK candidates: the rank of candidate i is the number of candidates before it in the order
-    (low bits descending, then list position), all of them in one [RANK_BLOCK, RANK_BLOCK] comparison and one
-    row sum; rank < need goes to slot k - need + rank. Ranks are distinct, so the slots need no prefix sum, and
-    the search's LOW dependent block-wide sums become one."""
-    i = tl.arange(0, RANK_BLOCK)[:, None]
-    j = tl.arange(0, RANK_BLOCK)[None, :]
-    low_i = _candidate_low_bits(cand_keys, i, c, LOW)          # -1 past c: after every candidate
-    low_j = _candidate_low_bits(cand_keys, j, c, LOW)
-    before = (low_j > low_i) | ((low_j == low_i) & (j < i))
-    rank = tl.sum(before.to(tl.int32), 1)
-    offs = tl.arange(0, RANK_BLOCK)
-    value = tl.load(cand_keys + n + offs, mask=offs < c, cache_modifier=".cg")
-    tl.store(out + (k - need) + rank, value, mask=(offs < c) & (rank < need))
-
-
-@triton.jit
-def _search_and_write(cand_keys, n, c, out, k, need, offs_w, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr,
-                      WRITE: tl.constexpr):
-    """The need-th largest candidate's low bits, bit by bit (set the bit, count the candidates at or above, keep
-    it if that count ≥ need), then the candidates in chunks of WRITE (``offs_w``: arange(WRITE))."""
-    # the first chunk's keys and columns load now, beside the search's keys, not after the search
     low_w = _candidate_low_bits(cand_keys, offs_w, c, LOW)
     value_w = tl.load(cand_keys + n + offs_w, mask=offs_w < c, cache_modifier=".cg")
     thr = tl.zeros([], dtype=tl.int32)          # the threshold's low bits, found from the top bit down
@@ -374,6 +341,10 @@ def _search_and_write(cand_keys, n, c, out, k, need, offs_w, LOW: tl.constexpr, 
         low_t = _candidate_low_bits(cand_keys, start + offs_w, c, LOW)
         value = tl.load(cand_keys + n + start + offs_w, mask=start + offs_w < c, cache_modifier=".cg")
         gt_slot, eq_rank = _write_chunk(low_t, value, thr, out, k, need, n_gt, gt_slot, eq_rank)
+    for start in range(c, need, WRITE):         # fewer finite candidates than needed: the rest score -inf
+        tl.store(out + (k - need) + start + offs_w, -1, mask=start + offs_w < need)
+    clear = tl.arange(0, WORK_P2)
+    tl.store(work + clear, tl.zeros([WORK_P2], dtype=tl.int32), mask=clear < WORK)
 
 
 @triton.jit
