@@ -41,8 +41,9 @@ SPARSE = [*({"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (
           {"PARTIAL_DTYPE": "bfloat16"}]   # the split partials in bf16: half the bytes written and merged
 PDL_SKIP = sorted(_pdl.SKIP)   # the ops the library launches plainly
 # without PDL; each program signalling after its wait; one op more or fewer launched plainly than the default
-PDL = [{"ENABLED": False}, {"EARLY": False}, {"SKIP": [op for op in PDL_SKIP if op != "indexer_scores"]},
-       *({"SKIP": [*PDL_SKIP, op]} for op in ("topk", "sparse_mla_decode", "sparse_mla_decode_merge"))]
+PDL = [{"ENABLED": False}, {"EARLY": False},
+       *({"SKIP": sorted(set(PDL_SKIP) ^ {op})}
+         for op in ("indexer_scores", "topk", "sparse_mla_decode", "sparse_mla_decode_merge"))]
 # settings of several parts at once: signalling after the wait with the runners-up of e9fbe0a's sweep
 COMBOS = [(("pdl", {"EARLY": False}), ("sparse", {"KERNEL_WARPS": 4, "COMBINE_PARTIALS": 8192})),
           (("pdl", {"EARLY": False}), ("finish", {"fused_finish": False, "compact_warps": 4}))]

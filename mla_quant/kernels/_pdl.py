@@ -32,11 +32,13 @@ OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_d
 #   168.7 plain (that merge of 218 splits runs ~26 µs);
 # - mla_decode: the same kind of grid, kept plain, not timed early on its own (early together with the merge:
 #   199-201 µs at 64 heads; 83.2-84.5 against 84.7-84.9 at 8);
-# - sparse_mla_decode_wide: the DSA step at 64 heads 42.6 µs with the sparse kernel launched early against 39.2
-#   (at 8 heads 30.6 against 30.9: launched early there, as sparse_mla_decode);
+# - sparse_mla_decode_wide: the DSA step at 64 heads 42.6 µs with the sparse kernel launched early against 39.2;
+# - sparse_mla_decode (≤ 16 heads): launched early in session 8 (30.6 against 30.9 µs plain at 8 heads), plain since
+#   the top-k's loads moved ahead of its scans (e94d0f7, two sweeps: 29.04 against 29.27 µs and 29.34 against 29.62
+#   at 8 heads; 37.13 against 37.20 and 37.40 against 37.50 at 64 heads);
 # - indexer_scores: launched plainly 30.1 against 30.6 µs at 8 heads, 42.2 against 42.6 at 64.
-# The top-k launches and the sparse merge gain 0.2-0.5 µs each from PDL.
-SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode_wide"})
+# The top-k launches and the sparse merge gain 0.2-1.0 µs each from PDL.
+SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode", "sparse_mla_decode_wide"})
 # Each program lets the next kernel be scheduled before (True) or after (False) its own wait; before, a chain's
 # kernels are scheduled up to two ahead (MLA_QUANT_PDL_EARLY=0: after). Run of 29275a0: the DSA step at 8 heads
 # 29.69 µs against 29.78 in the sweep, 29.56 against 30.26 in bench_dsa (on the other GPU); 64 heads 38.01 / 38.15.
