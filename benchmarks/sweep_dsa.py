@@ -8,7 +8,8 @@ tables; each setting changes one part and times the whole step:
 
 - ``finish``: the candidate finish in the compact pass's last program of the row (``fused``) or its own
   launch (``unfused``), with compact programs of 1, 2 or 4 warps; radix tiles of 128 or 512 columns instead of
-  ``topk.radix_block``'s 256 (round 1 and the compact pass: 512 or 128 programs at one row of 64k);
+  ``topk.radix_block``'s 256 (round 1 and the compact pass: 512 or 128 programs at one row of 64k); the finish's
+  bit search block-wide instead of per warp (``warp_search``);
 - ``indexer``: keys per scores program at decode (``indexer_scores.DECODE_BLOCK_N``) and warps (``DECODE_WARPS``);
 - ``sparse``: warps per attention program (``sparse_mla_decode.KERNEL_WARPS``) and fp32 partials per merge
   program (``COMBINE_PARTIALS``); bf16 split partials (``PARTIAL_DTYPE``);
@@ -35,7 +36,8 @@ from mla_quant.kernels import _pdl
 from .common import Context, interleaved_graph_us, meta, module_attrs, sweep_args
 
 FINISH = [*({"fused_finish": f, "compact_warps": w} for f, w in ((False, 4), (True, 1))),
-          *({"block": b} for b in (128, 512))]   # columns per radix tile (round 1, compact): 512 or 128 programs
+          *({"block": b} for b in (128, 512)),   # columns per radix tile (round 1, compact): 512 or 128 programs
+          {"warp_search": False}]                # the finish's search block-wide, not per warp
 INDEXER = [{"DECODE_BLOCK_N": n, "DECODE_WARPS": w} for n, w in ((128, None), (256, 4))]
 SPARSE = [*({"KERNEL_WARPS": w, "COMBINE_PARTIALS": c} for w, c in ((8, 8192), (4, 8192), (4, 2048))),
           {"PARTIAL_DTYPE": "bfloat16"}]   # the split partials in bf16: half the bytes written and merged

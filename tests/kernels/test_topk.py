@@ -154,12 +154,13 @@ def test_kernel_empty_batch(triton_backend):
        kind=st.sampled_from(["randn", "binary", "few_levels", "inf_tail", "narrow", "narrow_ties"]),
        block=st.sampled_from([16, 64, 256]), chunks=st.integers(1, 9), bits=st.sampled_from([8, 11]),
        finish=st.sampled_from(FINISHES), cand_block=st.sampled_from([16, 64, 4096]), fused=st.booleans(),
-       warps=st.sampled_from([1, 4]))
+       warps=st.sampled_from([1, 4]), warp_search=st.booleans())
 def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks, bits, finish, cand_block, fused,
-                           warps):
+                           warps, warp_search):
     """Both finishes at both digit widths (the candidate finish after two 11-bit rounds searches 10 low bits),
-    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers), the candidate finish fused
-    into the compact pass's last program or launched on its own, compact programs of 1 or 4 warps."""
+    candidate tiles from 16 (many re-read tiles) to 4096 (one tile in registers), up to 128 candidates searched
+    by each warp on its own copy or block-wide, the candidate finish fused into the compact pass's last program
+    or launched on its own, compact programs of 1 or 4 warps."""
     g = torch.Generator().manual_seed(seed)
     if kind == "randn":
         scores = torch.randn(rows, n, generator=g)
@@ -167,7 +168,8 @@ def test_kernel_hypothesis(triton_backend, k, n, rows, seed, kind, block, chunks
         scores = rows_of_kind(kind, min(rows, 4) if kind == "inf_tail" else rows, n, k, g)
     scores = scores.to(triton_backend)
     selection_is_valid(scores, radix(scores, k, block=block, chunks=chunks, radix_bits=bits, finish=finish,
-                                     cand_block=cand_block, fused_finish=fused, compact_warps=warps), k)
+                                     cand_block=cand_block, fused_finish=fused, compact_warps=warps,
+                                     warp_search=warp_search), k)
 
 
 def test_bad_inputs():
@@ -365,15 +367,18 @@ def test_radix_topk_from_candidate_count(triton_backend, monkeypatch, kind, fini
         assert not seen and not work.cpu()[:, -3].any()
 
 
-@pytest.mark.parametrize("kind", ["equal", "narrow_ties"])
-@pytest.mark.parametrize("n", [63, 64, 65])
+@pytest.mark.parametrize("kind", ["equal", "narrow_ties", "narrow"])
+@pytest.mark.parametrize("n", [63, 64, 65, 127, 128, 129])
 def test_candidate_tile_boundary(triton_backend, kind, n):
-    """Every key is a candidate (equal: one value; narrow_ties: the top 22 bits shared, 8 values below):
-    c = N below, at and above a 64-candidate tile (registers vs tiles re-read per bit), several k."""
+    """Every key is a candidate (equal: one value; narrow_ties: the top 22 bits shared, 8 values below; narrow:
+    1024 values below): c = N below, at and above a 64-candidate tile (registers vs tiles re-read per bit) and
+    the 128 candidates of the per-warp search (on or off), several k."""
     g = torch.Generator().manual_seed(n)
     scores = rows_of_kind(kind, 3, n, 10, g).to(triton_backend)
     for k in (1, 10, n - 1):
-        selection_is_valid(scores, radix(scores, k, block=32, chunks=2, finish="candidates", cand_block=64), k)
+        for warp_search in (True, False):   # ≤ 128 candidates: the per-warp search, or the block-wide one
+            selection_is_valid(scores, radix(scores, k, block=32, chunks=2, finish="candidates", cand_block=64,
+                                             warp_search=warp_search), k)
 
 
 def test_radix_topk_from_checks_finish():

@@ -133,10 +133,10 @@ def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_don
 def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: int | None = None,
                 out: torch.Tensor | None = None, radix_bits: int = RADIX_BITS, work: torch.Tensor | None = None,
                 rounds_done: int = 0, finish: str | None = None, cand_block: int = CAND_BLOCK,
-                fused_finish: bool = True, compact_warps: int = 4) -> torch.Tensor:
+                fused_finish: bool = True, compact_warps: int = 4, warp_search: bool = True) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
     (programs per row), ``out`` (int32 [T, min(k, N)], contiguous), ``cand_block`` (the finish's candidate tile,
-    a power of two), ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or
+    a power of two), ``warp_search`` (up to 128 candidates searched by every warp on its own copy), ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or
     its own launch) and ``compact_warps`` are exposed for tests and the bench; ``work``/``rounds_done``/
     ``finish``: see radix_topk_from."""
     rows, n = scores.shape
@@ -175,11 +175,11 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
         return out
     cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
     finish_args = dict(ROUNDS=CAND_ROUNDS, RADIX=radix_bits, WORK=width, WORK_P2=triton.next_power_of_2(width),
-                       CAND_BLOCK=cand_block)
+                       CAND_BLOCK=cand_block, WARP_SEARCH=warp_search)
     _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
                                 NR=len(digits), BLOCK=block, FUSED=fused_finish, **finish_args,
-                                num_warps=compact_warps, **pdl)
+                                WARPS=compact_warps, num_warps=compact_warps, **pdl)
     if not fused_finish:
         _radix_finish_kernel[(rows,)](work, out, out.stride(0), cand, n, kk, NR=len(digits), **finish_args,
-                                      num_warps=1, **pdl)
+                                      WARPS=1, num_warps=1, **pdl)
     return out

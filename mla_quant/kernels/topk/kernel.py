@@ -31,9 +31,11 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
    ``need``-th largest candidate key over the ``LOW = 32 − 2·RADIX`` remaining bits, then the candidates above
    it and the first ``need − #above`` equal to it to slots ``[k − need, k)``; with fewer than ``need``
    candidates, all of them and -1 for the rest. The threshold is found bit by bit (set the bit, count candidates
-   at or above, keep it if that count ≥ need: LOW dependent block-wide sums). Up to ``CAND_BLOCK`` candidates
-   (the common case: only the keys of one 16-bit bin) are loaded once and searched in registers; more (ties or a
-   dense bin, up to all N) are re-read in tiles of CAND_BLOCK per bit: slow but exact. The first chunk of the writes' keys and columns loads
+   at or above, keep it if that count ≥ need). Up to 128 candidates (the common case: ~90 keys of one 16-bit bin
+   at one row of 64k) are searched by every warp on its own copy (``WARP_SEARCH``, ``_warp_search``: each bit's
+   count is a sum inside one warp, no shared memory or barrier); up to ``CAND_BLOCK`` are loaded once and
+   searched in registers with block-wide sums; more (ties or a dense bin, up to all N) are re-read in tiles of
+   CAND_BLOCK per bit: slow but exact. The first chunk of the writes' keys and columns loads
    beside the search's. (Tried and removed, run of 8af1b9d: ranking up to 128 candidates at once — one
    [128, 128] comparison and one row sum, rank < need to slot k − need + rank — instead of the 16 steps: the DSA
    step 30.71 vs 30.09 µs at 8 heads, 38.43 vs 38.02 at 64; 256 candidates 46.9. A search by two 8-bit histograms instead of 16 bit steps measured 31.14 vs 31.22 µs for
@@ -243,7 +245,8 @@ def _claim_candidate_slots(word_ptr, flags):
 def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
                           tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
                           BLOCK: tl.constexpr, WORK: tl.constexpr, FUSED: tl.constexpr, WORK_P2: tl.constexpr,
-                          CAND_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          CAND_BLOCK: tl.constexpr, WARP_SEARCH: tl.constexpr, WARPS: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """After the first ROUNDS (= CAND_ROUNDS) rounds (the threshold's top KNOWN bits P): keys whose top bits > P
     to slots [0, k - need) of the output; keys whose top bits == P appended to the row's candidates (cand_ptr:
     int32 [rows, 2, n], keys then columns; -inf columns as -1). Grid (rows, chunks), as the select pass. With
@@ -276,7 +279,8 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
         seen = tl.atomic_add(_arrival_word(work, WORK), 1, sem="acq_rel")   # (arrived, count_cand) before
         if (seen & 0xFFFFFFFF) == tl.num_programs(1) - 1:   # the row's last: every candidate is listed
             c = (seen >> 32).to(tl.int32)
-            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
+            _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, WARP_SEARCH,
+                        WARPS)
 
 
 @triton.jit
@@ -301,19 +305,20 @@ def _count_at_least(keys_ptr, c, t, LOW: tl.constexpr, CAND_BLOCK: tl.constexpr)
 @triton.jit
 def _radix_finish_kernel(work_ptr, out_ptr, stride_out, cand_ptr, n, k, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
                          NR: tl.constexpr, WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         WARP_SEARCH: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr = False):
     """The finish as its own launch (the unfused form), grid (rows,): ``_finish_row`` of each row."""
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     work = work_ptr + row * WORK
     _, need = _descend(work, k, ROUNDS, RADIX, NR)
     _finish_row(work, out_ptr + row * stride_out, cand_ptr + row * 2 * n, n, k, need, tl.load(work + (WORK - 3)),
-                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK)
+                ROUNDS, RADIX, WORK, WORK_P2, CAND_BLOCK, WARP_SEARCH, WARPS)
 
 
 @triton.jit
 def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX: tl.constexpr,
-                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr):
+                WORK: tl.constexpr, WORK_P2: tl.constexpr, CAND_BLOCK: tl.constexpr, WARP_SEARCH: tl.constexpr,
+                WARPS: tl.constexpr):
     """Slots [k - need, k) of one row from its c candidates: those above the need-th largest candidate key, then
     as many equal to it as still needed; then the row's work buffer is set back to zero (this program is the
     last to read it), so a kept buffer needs no memset before the next call."""
@@ -325,7 +330,10 @@ def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX
     low_w = _candidate_low_bits(cand_keys, offs_w, c, LOW)
     value_w = tl.load(cand_keys + n + offs_w, mask=offs_w < c, cache_modifier=".cg")
     thr = tl.zeros([], dtype=tl.int32)          # the threshold's low bits, found from the top bit down
-    if c <= CAND_BLOCK:                         # one tile: load once, search in registers
+    if WARP_SEARCH and c <= WRITE:              # the common case: every warp searches its own copy (below)
+        thr = _warp_search(cand_keys, c, need, LOW, WRITE, WARPS)
+        n_gt = tl.sum((low_w > thr).to(tl.int32), 0)
+    elif c <= CAND_BLOCK:                       # one tile: load once, search in registers
         low = _candidate_low_bits(cand_keys, tl.arange(0, CAND_BLOCK), c, LOW)
         for b in tl.static_range(LOW):
             t = thr | (1 << (LOW - 1 - b))
@@ -345,6 +353,29 @@ def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX
         tl.store(out + (k - need) + start + offs_w, -1, mask=start + offs_w < need)
     clear = tl.arange(0, WORK_P2)
     tl.store(work + clear, tl.zeros([WORK_P2], dtype=tl.int32), mask=clear < WORK)
+
+
+@triton.jit
+def _warp_search(cand_keys, c, need, LOW: tl.constexpr, BLOCK: tl.constexpr, WARPS: tl.constexpr):
+    """The need-th largest of ≤ BLOCK candidates' low bits, bit by bit, where every warp searches its own copy of
+    them: [WARPS, 32] tensors (one row per warp, one candidate per lane, BLOCK / 32 of them), so each bit's count
+    is a sum inside one warp (shuffles) instead of a block-wide sum (shared memory and two barriers per bit); one
+    cross-warp max at the end (the rows agree)."""
+    lane = tl.arange(0, 32)[None, :] + tl.zeros([WARPS, 1], dtype=tl.int32)             # [WARPS, 32]
+    thr = tl.zeros([WARPS], dtype=tl.int32)
+    if BLOCK == 128:
+        low0 = _candidate_low_bits(cand_keys, lane, c, LOW)
+        low1 = _candidate_low_bits(cand_keys, lane + 32, c, LOW)
+        low2 = _candidate_low_bits(cand_keys, lane + 64, c, LOW)
+        low3 = _candidate_low_bits(cand_keys, lane + 96, c, LOW)
+        for b in tl.static_range(LOW):
+            t = (thr | (1 << (LOW - 1 - b)))[:, None]
+            at_least = ((low0 >= t).to(tl.int32) + (low1 >= t).to(tl.int32) + (low2 >= t).to(tl.int32)
+                        + (low3 >= t).to(tl.int32))
+            thr = tl.where(tl.sum(at_least, 1) >= need, thr | (1 << (LOW - 1 - b)), thr)
+    else:
+        tl.static_assert(BLOCK == 128, "the warp search holds 128 candidates")
+    return tl.max(thr, 0)
 
 
 @triton.jit
