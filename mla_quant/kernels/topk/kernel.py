@@ -330,9 +330,9 @@ def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX
     low_w = _candidate_low_bits(cand_keys, offs_w, c, LOW)
     value_w = tl.load(cand_keys + n + offs_w, mask=offs_w < c, cache_modifier=".cg")
     thr = tl.zeros([], dtype=tl.int32)          # the threshold's low bits, found from the top bit down
-    if WARP_SEARCH and c <= WRITE:              # the common case: every warp searches its own copy (below)
-        thr = _warp_search(cand_keys, c, need, LOW, WRITE, WARPS)
-        n_gt = tl.sum((low_w > thr).to(tl.int32), 0)
+    if WARP_SEARCH and c <= WRITE:              # the common case: every warp searches its own copy of ≤ 128
+        thr = _warp_search(cand_keys, c, need, LOW, WARPS)
+        n_gt = tl.sum((low_w > thr).to(tl.int32), 0)   # low_w holds them all
     elif c <= CAND_BLOCK:                       # one tile: load once, search in registers
         low = _candidate_low_bits(cand_keys, tl.arange(0, CAND_BLOCK), c, LOW)
         for b in tl.static_range(LOW):
@@ -356,25 +356,22 @@ def _finish_row(work, out, cand_keys, n, k, need, c, ROUNDS: tl.constexpr, RADIX
 
 
 @triton.jit
-def _warp_search(cand_keys, c, need, LOW: tl.constexpr, BLOCK: tl.constexpr, WARPS: tl.constexpr):
-    """The need-th largest of ≤ BLOCK candidates' low bits, bit by bit, where every warp searches its own copy of
-    them: [WARPS, 32] tensors (one row per warp, one candidate per lane, BLOCK / 32 of them), so each bit's count
-    is a sum inside one warp (shuffles) instead of a block-wide sum (shared memory and two barriers per bit); one
-    cross-warp max at the end (the rows agree)."""
+def _warp_search(cand_keys, c, need, LOW: tl.constexpr, WARPS: tl.constexpr):
+    """The need-th largest of ≤ 128 candidates' low bits, bit by bit, where every warp searches its own copy of
+    them: four [WARPS, 32] tensors (one row per warp, one candidate per lane), so each bit's count is a sum inside
+    one warp (shuffles) instead of a block-wide sum (shared memory and two barriers per bit); one cross-warp max at
+    the end (the rows agree). A [WARPS, 128] copy would not do: Triton lays it out two warps wide."""
     lane = tl.arange(0, 32)[None, :] + tl.zeros([WARPS, 1], dtype=tl.int32)             # [WARPS, 32]
+    low0 = _candidate_low_bits(cand_keys, lane, c, LOW)
+    low1 = _candidate_low_bits(cand_keys, lane + 32, c, LOW)
+    low2 = _candidate_low_bits(cand_keys, lane + 64, c, LOW)
+    low3 = _candidate_low_bits(cand_keys, lane + 96, c, LOW)
     thr = tl.zeros([WARPS], dtype=tl.int32)
-    if BLOCK == 128:
-        low0 = _candidate_low_bits(cand_keys, lane, c, LOW)
-        low1 = _candidate_low_bits(cand_keys, lane + 32, c, LOW)
-        low2 = _candidate_low_bits(cand_keys, lane + 64, c, LOW)
-        low3 = _candidate_low_bits(cand_keys, lane + 96, c, LOW)
-        for b in tl.static_range(LOW):
-            t = (thr | (1 << (LOW - 1 - b)))[:, None]
-            at_least = ((low0 >= t).to(tl.int32) + (low1 >= t).to(tl.int32) + (low2 >= t).to(tl.int32)
-                        + (low3 >= t).to(tl.int32))
-            thr = tl.where(tl.sum(at_least, 1) >= need, thr | (1 << (LOW - 1 - b)), thr)
-    else:
-        tl.static_assert(BLOCK == 128, "the warp search holds 128 candidates")
+    for b in tl.static_range(LOW):
+        t = thr | (1 << (LOW - 1 - b))
+        at_least = ((low0 >= t[:, None]).to(tl.int32) + (low1 >= t[:, None]).to(tl.int32)
+                    + (low2 >= t[:, None]).to(tl.int32) + (low3 >= t[:, None]).to(tl.int32))
+        thr = tl.where(tl.sum(at_least, 1) >= need, t, thr)
     return tl.max(thr, 0)
 
 
