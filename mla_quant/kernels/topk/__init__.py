@@ -136,9 +136,10 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
                 fused_finish: bool = True, compact_warps: int = 4, warp_search: bool = True) -> torch.Tensor:
     """The Triton path. ``block`` (columns per tile, a power of two; default ``radix_block``), ``chunks``
     (programs per row), ``out`` (int32 [T, min(k, N)], contiguous), ``cand_block`` (the finish's candidate tile,
-    a power of two), ``warp_search`` (up to 128 candidates searched by every warp on its own copy), ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or
-    its own launch) and ``compact_warps`` are exposed for tests and the bench; ``work``/``rounds_done``/
-    ``finish``: see radix_topk_from."""
+    a power of two), ``warp_search`` (up to 128 candidates searched by every warp on its own copy),
+    ``fused_finish`` (the candidate finish in the compact pass's last program of each row, or its own launch) and
+    ``compact_warps`` are exposed for tests and the bench; ``work``/``rounds_done``/``finish``: see
+    radix_topk_from."""
     rows, n = scores.shape
     kk = min(k, n)
     if out is None:

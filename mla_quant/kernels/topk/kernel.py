@@ -35,11 +35,12 @@ instead of the rounds after the first ``CAND_ROUNDS`` = 2 and the select pass, o
    at one row of 64k) are searched by every warp on its own copy (``WARP_SEARCH``, ``_warp_search``: each bit's
    count is a sum inside one warp, no shared memory or barrier); up to ``CAND_BLOCK`` are loaded once and
    searched in registers with block-wide sums; more (ties or a dense bin, up to all N) are re-read in tiles of
-   CAND_BLOCK per bit: slow but exact. The first chunk of the writes' keys and columns loads
-   beside the search's. (Tried and removed, run of 199a3ae: ranking up to 128 candidates at once — one
-   [128, 128] comparison and one row sum, rank < need to slot k − need + rank — instead of the 16 steps: the DSA
-   step 30.71 vs 30.09 µs at 8 heads, 38.43 vs 38.02 at 64; 256 candidates 46.9. A search by two 8-bit histograms instead of 16 bit steps measured 31.14 vs 31.22 µs for
-   the DSA step in a 4-warp program and far slower in a one-warp one, 38.6 vs 32.2: removed, run of 3761926.)
+   CAND_BLOCK per bit: slow but exact. The first chunk of the writes' keys and columns loads beside the search's.
+   The per-warp search took the DSA step from 29.21 to 27.82 µs (H200 sweep, 7b448b9). Tried and removed: ranking
+   up to 128 candidates at once — one [128, 128] comparison and one row sum, rank < need to slot k − need + rank
+   — instead of the 16 steps (run of 199a3ae: the DSA step 30.71 vs 30.09 µs at 8 heads, 38.43 vs 38.02 at 64;
+   256 candidates 46.9); a search by two 8-bit histograms instead of 16 bit steps (31.14 vs 31.22 µs in a 4-warp
+   program, far slower in a one-warp one, 38.6 vs 32.2: run of 3761926).
    The finish clears the row's work buffer when done (a caller may keep the buffer: no memset per call).
 
 Fused finish (``FUSED`` compact, the launcher's default): the finish runs in the compact pass's last program of a
