@@ -240,6 +240,19 @@ def test_gpu_fused_finish_matches_unfused(rows, warps):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("n", [8192, 65536, 131072])
+def test_gpu_warp_search_matches_block_search(rows, n):
+    """Decode sizes (k = 2048): the finish's per-warp search of ≤ 128 candidates (the default) and the block-wide
+    search select the 2048 largest, fused into the compact pass and in its own one-warp launch."""
+    k = 2048
+    scores = realistic_scores(rows, n, seed=5 * n + rows)
+    for warp_search in (True, False):
+        for fused in (True, False):
+            assert_selects_the_largest(scores, radix(scores, k, warp_search=warp_search, fused_finish=fused), k)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["binary", "equal", "few_levels", "specials", "narrow", "narrow_ties"])
 @pytest.mark.parametrize("bits, finish", [(8, "candidates"), (8, "rounds"), (11, "rounds")])
 def test_gpu_hard_rows_long(kind, bits, finish):
