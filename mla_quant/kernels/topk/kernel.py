@@ -190,11 +190,16 @@ def _radix_histogram_kernel(scores_ptr, stride_row, work_ptr, n, k, tiles_per_ch
 
 
 @triton.jit
-def _claim_slots(counter_ptr, flags):
+def _claim_slots(counter_ptr, flags, HIGH: tl.constexpr = False):
     """Slots for the flagged lanes of a tile in a list shared by many programs: one atomic claims the tile's
-    run at the list's end, an exclusive prefix sum places each lane in it."""
+    run at the list's end, an exclusive prefix sum places each lane in it. ``HIGH``: the counter is the high half
+    of an int64 word (count_cand in the arrival word, ``_arrival_word``)."""
     n_tile = tl.sum(flags, 0)
-    base = tl.atomic_add(counter_ptr, n_tile, mask=n_tile > 0, sem="relaxed")
+    if HIGH:
+        base = (tl.atomic_add(counter_ptr, n_tile.to(tl.int64) << 32, mask=n_tile > 0, sem="relaxed") >> 32)
+        base = base.to(tl.int32)
+    else:
+        base = tl.atomic_add(counter_ptr, n_tile, mask=n_tile > 0, sem="relaxed")
     return base + tl.cumsum(flags, 0) - flags
 
 
@@ -235,14 +240,6 @@ def _arrival_word(work, WORK: tl.constexpr):
 
 
 @triton.jit
-def _claim_candidate_slots(word_ptr, flags):
-    """_claim_slots on count_cand, the high half of the arrival word."""
-    n_tile = tl.sum(flags, 0)
-    base = tl.atomic_add(word_ptr, n_tile.to(tl.int64) << 32, mask=n_tile > 0, sem="relaxed")
-    return (base >> 32).to(tl.int32) + tl.cumsum(flags, 0) - flags
-
-
-@triton.jit
 def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out, cand_ptr, n, k,
                           tiles_per_chunk, ROUNDS: tl.constexpr, RADIX: tl.constexpr, NR: tl.constexpr,
                           BLOCK: tl.constexpr, WORK: tl.constexpr, FUSED: tl.constexpr, WORK_P2: tl.constexpr,
@@ -271,7 +268,7 @@ def _radix_compact_kernel(scores_ptr, stride_row, work_ptr, out_ptr, stride_out,
         slot = _claim_slots(work + (WORK - 2), above)
         tl.store(out + slot, value, mask=(above > 0) & (slot < n_above))   # always true: a guard, not a rule
         tied = (valid & (top == prefix) & (key != NEG_INF_KEY)).to(tl.int32)   # -inf: no candidate (below)
-        slot = _claim_candidate_slots(_arrival_word(work, WORK), tied)
+        slot = _claim_slots(_arrival_word(work, WORK), tied, HIGH=True)
         tl.store(cand_keys + slot, key, mask=tied > 0)
         tl.store(cand_keys + n + slot, value, mask=tied > 0)
         cols, valid, key = _next_tile(row_ptr, first, i, tiles_per_chunk, n, BLOCK)
