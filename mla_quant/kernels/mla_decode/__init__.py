@@ -304,16 +304,15 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     splits_p2 = triton.next_power_of_2(num_splits)
     if kernel == "auto":
         kernel = "rows" if num_splits <= ROWS_MAX_SPLITS else "tiles"
+    pdl = pdl_launch(o_part.device, "mla_decode_merge")
     if kernel == "rows":
         _mla_decode_combine_kernel[(triton.cdiv(m_rows, ROWS_BLOCK_R), bsz)](
             o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=ROWS_BLOCK_R,
-            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS,
-            **pdl_launch(o_part.device, "mla_decode_merge"))
+            SPLITS_P2=splits_p2, num_warps=ROWS_WARPS, **pdl)
         return
     if kernel != "tiles":
         raise ValueError(f"kernel: {kernel!r} not in ('auto', 'tiles', 'rows')")
     block_d = min(128, d_latent)
     _mla_decode_combine_tiles_kernel[(m_rows, bsz, d_latent // block_d)](
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
-        SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4,
-        **pdl_launch(o_part.device, "mla_decode_merge"))
+        SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4, **pdl)
