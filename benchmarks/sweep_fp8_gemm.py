@@ -1,6 +1,7 @@
 """Sweep of the block-scaled FP8 GEMM's variants and configurations at prefill shapes, in one GPU call.
 
     python -m benchmarks.sweep_fp8_gemm [--out sweep_fp8_gemm.json] [--budget-s 120] [--ms 512,2048,8192]
+                                        [--only "WS=1,PERSISTENT=1"]
 
 For every shape (M in ``--ms`` × the (N, K) of ``NK``) it times, with ``bench_gemm``'s method (one call per
 weight set, enough sets to overflow L2, all captured in one CUDA graph: ``common.graph_us``), the peers
@@ -9,6 +10,7 @@ cuBLAS bf16 (``x @ W.T``) and ``torch._scaled_mm`` (per-tensor fp8), then ``fp8_
 Hopper variant. Prints µs, TFLOP/s and the ratios to the peers (goal, issue 6: ≥ 0.7× _scaled_mm and ≥ 1.4×
 bf16), then the best setting per shape, and writes them as JSON to ``--out``. After ``--budget-s`` the
 remaining settings are listed as skipped (the shapes go large-M first so the goal shapes come early).
+``--only``: time just the settings whose label contains one of these comma-separated substrings (and "auto").
 """
 from __future__ import annotations
 
@@ -26,13 +28,20 @@ NK = ((4096, 7168), (7168, 2048), (24576, 1536))  # Kimi/GLM widths: q_b-like, o
 MS = (8192, 2048, 512)
 
 
-def settings() -> list[tuple[str, dict]]:
-    """(label, fp8_gemm keyword arguments) in the order timed."""
+def settings(only: str = "") -> list[tuple[str, dict]]:
+    """(label, fp8_gemm keyword arguments) in the order timed; ``only``: comma-separated label substrings to keep
+    (with "auto"; empty: all)."""
     rows = [("auto", {}), ("portable", {"variant": "portable"})]
     for cfg in TMA_CANDIDATES:
         label = "tma " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
         rows.append((label, {"variant": "tma", "config": dict(cfg)}))
-    return rows
+    keep = [w.strip() for w in only.split(",") if w.strip()]
+    return [r for r in rows if not keep or r[0] == "auto" or any(w in r[0] for w in keep)]
+
+
+def _extra_args(ap) -> None:
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma-separated")
+    ap.add_argument("--only", default="", help="label substrings, comma-separated (default: every setting)")
 
 
 def _weights(n: int, k: int, sets: int) -> list[dict]:
@@ -45,8 +54,7 @@ def _weights(n: int, k: int, sets: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sweep_args(__doc__, "sweep_fp8_gemm.json", 120.0, argv, lambda ap: ap.add_argument(
-        "--ms", default=",".join(map(str, MS)), help="token counts, comma-separated"))
+    args = sweep_args(__doc__, "sweep_fp8_gemm.json", 120.0, argv, _extra_args)
     if args is None:
         return 2
     start = time.time()
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                          "scaled_mm_us": round(t_smm, 3)})
             print(f"{m:5d} {n:6d} {k:6d} {'cuBLAS bf16 / _scaled_mm':58s} {t_bf16:8.1f} {flops / t_bf16 / 1e6:8.0f} "
                   f"{t_smm:6.1f}µs", flush=True)
-            for label, kwargs in settings():
+            for label, kwargs in settings(args.only):
                 if time.time() - start > args.budget_s:
                     skipped.append({**shape, "setting": label})
                     continue
