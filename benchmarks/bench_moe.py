@@ -62,8 +62,7 @@ SETS = 8  # routings cycled per timing
 # row format -> fused_moe keywords, rows where block_m == 1 beside int4_g32 (the defaults: gemv="prefetch",
 # decode_fusion="auto": fused at one token)
 GEMV_FORMATS = {"int4_g32_tile": {"gemv": "tile"}, "int4_g32_planes": {"gemv": "planes"},
-                "int4_g32_mma": {"gemv": "mma"}, "int4_g32_unfused": {"decode_fusion": False},
-                "int4_g32_fused": {"decode_fusion": True}}
+                "int4_g32_unfused": {"decode_fusion": False}, "int4_g32_fused": {"decode_fusion": True}}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 

@@ -376,8 +376,6 @@ def cases_fused_moe() -> Iterator[Case]:
         if kind == "int4_group":
             yield f"kind={kind} T=1 shared_out", partial(decode, shared_out=torch.randn(1, hidden, dtype=BF16))
             yield f"kind={kind} T=1 decode_fusion=False", partial(decode, decode_fusion=False)
-            yield f"kind={kind} T=1 gemv=mma", partial(decode, gemv="mma", shared_out=torch.randn(1, hidden, dtype=BF16))
-            yield f"kind={kind} T=1 gemv=mma decode_fusion=False", partial(decode, gemv="mma", decode_fusion=False)
         else:
             yield f"kind={kind} act_quant={act_quant} T=1 block_m=1", decode
 

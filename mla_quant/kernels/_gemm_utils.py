@@ -86,10 +86,9 @@ def plane_offsets(rw):
 
 @triton.jit
 def _plane_order_kernel(src_ptr, dst_ptr, K, stride_src, stride_dst, BLOCK: tl.constexpr,
-                        SCALED: tl.constexpr = True, sums_ptr=None, stride_sums=0, GROUP: tl.constexpr = 0):
+                        SCALED: tl.constexpr = True):
     # dst[r, 256b + 32i + w'] = src[r, 8(32b + w') + i] · 16^-j(i) (0 past K; without SCALED the value as it
-    # is, in dst's dtype); program (r, BLOCK of dst). GROUP > 0: also sums[r, g] = Σ of the stored values of K
-    # group g (GROUP / 8 consecutive words w' of every plane), fp32.
+    # is, in dst's dtype); program (r, BLOCK of dst)
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     i = d % (8 * PLANE_WORDS) // PLANE_WORDS
@@ -97,14 +96,7 @@ def _plane_order_kernel(src_ptr, dst_ptr, K, stride_src, stride_dst, BLOCK: tl.c
     a = tl.load(src_ptr + r * stride_src + src, mask=src < K, other=0.0)
     if SCALED:
         a = a.to(tl.float32) * plane_scale(i)
-    a = a.to(dst_ptr.dtype.element_ty)
-    tl.store(dst_ptr + r * stride_dst + d, a)
-    if GROUP > 0:  # BLOCK is one plane block: [8 planes, groups, words per group]
-        WPG: tl.constexpr = GROUP // 8
-        per_plane = tl.reshape(a.to(tl.float32), (8, PLANE_WORDS // WPG, WPG))
-        sums = tl.sum(tl.sum(per_plane, axis=2), axis=0)
-        g = tl.program_id(1) * (PLANE_WORDS // WPG) + tl.arange(0, PLANE_WORDS // WPG)
-        tl.store(sums_ptr + r * stride_sums + g, sums, mask=g < K // GROUP)
+    tl.store(dst_ptr + r * stride_dst + d, a.to(dst_ptr.dtype.element_ty))
 
 
 def plane_order(a: torch.Tensor, scaled: bool = True) -> torch.Tensor:
@@ -118,23 +110,6 @@ def plane_order(a: torch.Tensor, scaled: bool = True) -> torch.Tensor:
         _plane_order_kernel[(rows, width // PLANE_BLOCK_K)](a, out, k, a.stride(0), out.stride(0),
                                                             BLOCK=PLANE_BLOCK_K, SCALED=scaled, num_warps=2)
     return out
-
-
-def plane_order_with_sums(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``plane_order(a, scaled=False)`` and, from the same launch, the fp32 sums of each K group of ``group``
-    values ([R, K // group]; K % group == 0, ``group`` in 8..256): the biased-code GEMV (``fused_moe``'s
-    ``gemv="mma"``) subtracts bias × these sums per group."""
-    rows, k = a.shape
-    if k % group or not 8 <= group <= PLANE_BLOCK_K or group & (group - 1):
-        raise ValueError(f"group: {group} must be a power of two in [8, {PLANE_BLOCK_K}] dividing K = {k}")
-    width = plane_width(k)
-    out = torch.empty((rows, width), dtype=a.dtype, device=a.device)
-    sums = torch.empty((rows, k // group), dtype=torch.float32, device=a.device)
-    if rows and k:
-        _plane_order_kernel[(rows, width // PLANE_BLOCK_K)](a, out, k, a.stride(0), out.stride(0),
-                                                            BLOCK=PLANE_BLOCK_K, SCALED=False, sums_ptr=sums,
-                                                            stride_sums=sums.stride(0), GROUP=group, num_warps=2)
-    return out, sums
 
 
 def plane_order_reference(a: torch.Tensor, scaled: bool = True) -> torch.Tensor:

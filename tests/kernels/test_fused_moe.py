@@ -346,68 +346,6 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)), "the default"
 
 
-# --- the INT4 GEMV on the tensor cores (gemv="mma", bf16 activations): biased codes, one column per group ---
-
-# (hidden, intermediate, group): K blocks (256 interpreted) whole; ragged last K blocks and N tiles (64
-# interpreted); groups of 64 and 128 (N tiles of 128 interpreted: whole groups for the epilogue's group sums)
-@pytest.mark.parametrize("hidden,inter,group", [(512, 256, 32), (352, 96, 32), (384, 256, 64), (512, 384, 128)])
-def test_mma_gemv_matches_reference_and_the_plane_gemv(triton_backend, hidden, inter, group):
-    dev, shape = triton_backend, (hidden, inter)
-    gate, up, down = experts("int4_group", 3, hidden, inter, seed=13, group_size=group, device=dev)
-    x = torch.randn(2, hidden, device=dev).to(torch.bfloat16)
-    w, ids = routing(2, 3, 2, seed=13, device=dev)
-    ids[1, 1] = -1  # a dropped slot
-    out = poisoned_empty((2, hidden), torch.bfloat16, dev)
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="mma", out=out)
-    assert got is out
-    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="prefetch")
-    _assert_int4_form(got, planes, x, w, ids, gate, up, down, group, f"mma {shape} g{group}")
-
-
-def test_mma_gemv_takes_the_plane_gemv_for_other_dtypes(triton_backend):
-    """The tensor-core GEMV multiplies bf16 operands: fp32 activations run the default plane GEMV instead."""
-    dev = triton_backend
-    gate, up, down = experts("int4_group", 3, 256, 128, seed=5, device=dev)
-    x = torch.randn(2, 256, device=dev)
-    w, ids = routing(2, 3, 2, seed=5, device=dev)
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="mma")
-    assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch"))
-
-
-@pytest.mark.parametrize("group", [32, 64])
-def test_plane_order_with_sums(group):
-    """The unscaled planes and, from the same launch, the fp32 sum of each K group of the values as stored."""
-    from mla_quant.kernels._gemm_utils import plane_order, plane_order_with_sums
-
-    a = (torch.randn(3, 384) * torch.linspace(0.1, 10, 384)).to(torch.bfloat16)  # groups of different sizes
-    planes, sums = plane_order_with_sums(a, group)
-    assert torch.equal(planes, plane_order(a, scaled=False))
-    want = a.double().view(3, -1, group).sum(-1)
-    assert sums.dtype == torch.float32 and sums.shape == want.shape
-    assert torch.allclose(sums.double(), want, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
-    with pytest.raises(ValueError, match="group"):
-        plane_order_with_sums(a, 48)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 16])
-def test_gpu_mma_gemv_real_widths(t):
-    """Kimi's widths, compiled (the inline-asm codes and bf16 dots of the tensor-core GEMV run): against the
-    reference and the plane GEMV, with a dropped slot and the shared output; the fused decode path at one token."""
-    e, k = 24, 8
-    gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
-    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(torch.bfloat16)
-    w, ids = routing(t, e, k, device="cuda")
-    ids[0, 3] = -1
-    shared = torch.randn(t, 7168, device="cuda").to(torch.bfloat16)
-    out = poisoned_empty((t, 7168), torch.bfloat16, "cuda")
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="mma", shared_out=shared, out=out)
-    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared)
-    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch", shared_out=shared)
-    assert_rel_close(got.float(), ref.float(), 1e-2, f"mma T={t}")
-    assert_rel_close(got.float(), planes.float(), 1e-2, f"mma vs planes T={t}")
-
-
 # --- the decode path (block_m == 1, decode_fusion=True; "auto" at one token): no moe_align, the combine done in the down
 # GEMV by the last program of each token and column tile to arrive; against the aligned path with its combine
 # launch (decode_fusion=False), which runs the same arithmetic per row and the same sum per token ---
@@ -488,7 +426,6 @@ def test_decode_fusion_auto_fuses_one_token_only(triton_backend, monkeypatch):
 @pytest.mark.parametrize("kind,act_quant,gemv,dtype", [("int4_group", False, "planes", torch.float32),
                                                        ("int4_group", False, "tile", torch.float32),
                                                        ("int4_group", False, "prefetch", torch.bfloat16),
-                                                       ("int4_group", False, "mma", torch.bfloat16),
                                                        ("bf16", False, "prefetch", torch.float32),
                                                        ("fp8_block", False, "prefetch", torch.float32),
                                                        ("fp8_block", True, "prefetch", torch.float32)])

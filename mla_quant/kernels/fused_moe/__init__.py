@@ -28,7 +28,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # the INT4 GEMV (block_m == 1): nibble planes with a register double buffer of the next K block's words (the
 # default: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
 # plain planes, or the previous tile form
-GEMV_FORMS = ("prefetch", "planes", "tile", "mma")
+GEMV_FORMS = ("prefetch", "planes", "tile")
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -166,10 +166,7 @@ def fused_moe(
     ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (the activations re-ordered into fp32 nibble
     planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (default: the same with
     the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200) or
-    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile) or ``"mma"`` (bf16 ``x`` only,
-    others take ``"prefetch"``: the GEMV on the tensor cores, the expert's rows as the A operand, one dot per
-    nibble plane of biased codes against the activations spread into one column per group; docs/moe.md
-    "The INT4 tensor-core GEMV").
+    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile).
     ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (default: the words kept in
     their load layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md
     "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200) or ``"dequant"``
@@ -197,10 +194,10 @@ def fused_moe(
                 ue8m0=ue8m0, shared_out=shared_out, out=out)
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
-    from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_order_with_sums, plane_width
+    from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
-                         moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_mma_autotuned,
-                         moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
+                         moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_planes_autotuned,
+                         moe_gemv_prefetch_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -221,19 +218,13 @@ def fused_moe(
     else:
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
-    mma = kind == "int4_group" and bm == 1 and gemv == "mma" and x.dtype == torch.bfloat16
-    if kind == "int4_group" and bm == 1 and gemv == "mma" and not mma:
-        gemv = "prefetch"  # the tensor-core GEMV takes bf16 activations only
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
                   IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm, DIRECT=direct)
-    if mma:  # bf16 planes and group sums of x; the gate-up epilogue writes h so too
-        consts.update(MMA=True)
-        tuned = moe_gemv_mma_autotuned
-    elif planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
+    if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
     elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the gate-up
@@ -241,28 +232,26 @@ def fused_moe(
     else:
         tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
     # interpreted: one small tile (the interpreter is slow and has nothing to tune)
-    if planes or mma:
+    if planes:
         interp_bk = PLANE_BLOCK_K
     elif plane_tile:  # the plane dots' K (BLOCK_K/8 words) must be >= 16
         interp_bk = max(128, group_size)
     else:
         interp_bk = max(64, group_size) if kind == "int4_group" else min(64, block[1], act_group)
-    interp_bn = max(64, group_size) if mma else 64  # ragged N tiles at the tests' widths (multiples of the group)
+    interp_bn = 64  # ragged N tiles at the tests' widths (multiples of the group)
     programs = num_assignments if direct else expert_ids.numel()
 
-    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), sums=(), **extra):
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), **extra):
         keys = WEIGHT_KEYS[kind]
         w1_main, w3_main = w1[keys[0]], w3[keys[0]]
         w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
         w3_s = w3[keys[1]] if len(keys) > 1 else w3_main
         counters, res, shared = combine or (dst, dst, dst)  # (unread unless direct)
-        a_sums, out_sums = sums or (dst, dst)  # (unread unless mma)
         launch_args = (a, a_scale, w1_main, w1_s, w3_main, w3_s, dst, routing_weights,
-                       sorted_ids, expert_ids, num_padded, counters, res, shared, a_sums, out_sums,
+                       sorted_ids, expert_ids, num_padded, counters, res, shared,
                        num_assignments, n, k, top_k if gated else 1, num_experts, counters.numel(),
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
-                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0),
-                       a_sums.stride(0), out_sums.stride(0))
+                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0))
         if interpret:
             grid = (programs, triton.cdiv(n, interp_bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
@@ -274,12 +263,8 @@ def fused_moe(
 
     # The interpreter rounds fp32 -> e4m3 wrongly (DESIGN.md): there the activation rounding runs in torch.
     quant = act_quant_fp8_reference if interpret else act_quant_fp8
-    x_sums = h_sums = None
     if act_quant:
         xa, xa_scale = quant(x, act_group, ue8m0)
-    elif mma:
-        xa, x_sums = plane_order_with_sums(x, group_size)
-        xa_scale = xa
     elif planes:
         xa = xa_scale = plane_order(x)  # once per call, shared by every expert
     elif plane_tile:
@@ -288,10 +273,8 @@ def fused_moe(
         xa, xa_scale = x, x
     if planes:  # h as nibble planes (fp32, whole plane blocks) for the down projection's plane GEMV
         h = torch.empty((num_assignments, plane_width(inter)), dtype=torch.float32, device=x.device)
-    elif plane_tile or mma:  # h as unscaled planes in x's dtype for the down projection's plane tile / mma GEMV
+    elif plane_tile:  # h as unscaled planes in x's dtype for the down projection's plane tile
         h = torch.empty((num_assignments, plane_width(inter)), dtype=x.dtype, device=x.device)
-        if mma:  # and its group sums (written by the gate-up epilogue)
-            h_sums = torch.empty((num_assignments, inter // group_size), dtype=torch.float32, device=x.device)
     else:
         h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
     weights_flat = topk_weights.contiguous()
@@ -305,16 +288,15 @@ def fused_moe(
         counters = torch.empty(tokens * triton.cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
         combine = (counters, result, shared)
         zero_block = triton.next_power_of_2(triton.cdiv(counters.numel(), num_assignments))
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block,
-             sums=(x_sums, h_sums) if mma else ())
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block)
     else:
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, sums=(x_sums, h_sums) if mma else ())
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
     ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)
     if direct:  # the combine happens in the down launch, as each token's rows arrive
         gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, combine, TOP_K=top_k,
-             HAS_SHARED=shared_out is not None, sums=(h_sums, h_sums) if mma else ())
+             HAS_SHARED=shared_out is not None)
         return result
-    gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, sums=(h_sums, h_sums) if mma else ())
+    gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
         y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),

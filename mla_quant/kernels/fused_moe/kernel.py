@@ -16,6 +16,10 @@ loops over K, and multiplies in one of three weight formats (``KIND``):
 A group-scaled INT4 tile (``FAST_DEQUANT``: codes from 16-bit lanes, the group scale on each group's fp32
 partial) was measured on the H200 at 0.40-0.61x the plane tile above 16 tokens and equal to the default GEMV
 below; it was removed (session 4). ``w4a16_gemm`` keeps its own (faster there at 2-16 tokens).
+A GEMV on the tensor cores (the expert's rows as the A operand in biased bf16 codes, the activation spread into
+one B column per group; 1.6-2.5 SASS instructions per weight against 3.7-3.9 here) took 132.6 µs against 73.5 at
+one Kimi token on the H200 (session 10: Triton routes each plane's B operand through shared memory, two barriers
+per plane); it was removed. docs/moe.md "Where the INT4 GEMV time goes (measured)".
 
 ``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default) or ``"planes"``) runs the
 plane GEMV (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive
@@ -156,80 +160,18 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 
 
 @triton.jit
-def _bf16_plane_codes(words, I: tl.constexpr, BIASED: tl.constexpr = False):
+def _bf16_plane_codes(words, I: tl.constexpr):
     """bf16 codes n - 8 of nibble I of each word, two words per instruction (inline PTX, pack=2: the pair of
     words (w0, w1) -> one 32-bit register of two bf16 lanes): PRMT takes the 16-bit halves holding nibble I of
     both words, SHR brings it to bits 0-3 / 16-19, one LOP3 ``(t & 0x000F000F) | 0x43004300`` makes the lanes
-    128 + n, one bf16x2 subtraction of 136 gives n - 8 exactly. ``BIASED``: the lanes 128 + n = q + 136 as they
-    are (``MMA_BIAS``; the caller subtracts 136 × the activation's group sum)."""
+    128 + n, one bf16x2 subtraction of 136 gives n - 8 exactly."""
     SEL: tl.constexpr = 0x5410 if I < 4 else 0x7632  # low halves of w0, w1 (nibbles 0-3) or high halves (4-7)
     SH: tl.constexpr = 4 * (I % 4)
     lanes = tl.inline_asm_elementwise(
         f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {SEL}; shr.b32 t, t, {SH}; "
         "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }", "=r,r,r", [words], dtype=tl.bfloat16, is_pure=True,
         pack=2)
-    if BIASED:
-        return lanes
     return (lanes - 136.0).to(tl.bfloat16)
-
-
-MMA_BIAS = tl.constexpr(136.0)  # bf16 lanes 0x4300 | n = 128 + n = q + 136
-
-
-@triton.jit
-def _int4_mma_gemv(a_ptr, a_row, gs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, stride_at, stride_gs,
-                   stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """The INT4 GEMV of one assignment on the tensor cores (``MMA``): rows ``rn`` [BLOCK_N] of one expert's
-    words as the A operand, the activation row as B. ``a_row`` [1]: its row of ``a`` (bf16 unscaled nibble
-    planes, ``plane_order_with_sums``) and of ``gs`` (fp32 sums of each K group of the activation).
-
-    Per K block (BKW = BLOCK_K/8 words, G = BLOCK_K/GROUP groups) and nibble plane i, one ``tl.dot`` of the
-    biased codes [BLOCK_N, BKW] (bf16 128 + n = q + 136, exact; one PRMT/SHR/LOP3 per two weights, no
-    subtraction) by B_i [BKW, G], the plane-i activations of each word in its group's column and zero elsewhere:
-    column g of the product is group g's partial sum of the row, so each group is scaled once in fp32:
-    out[n] += Σ_g s[n, g] · (Σ_i (B_i-product)[n, g] - 136 · Σ_{k in g} a_k). Returns fp32 [1, BLOCK_N] sums
-    (gate, and up when GATED; the two share B). Rows past N re-read row N - 1 (never stored)."""
-    BKW: tl.constexpr = BLOCK_K // 8
-    G: tl.constexpr = BLOCK_K // GROUP
-    DT: tl.constexpr = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is wrong
-    rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None]
-    rw = tl.arange(0, BKW)
-    g = tl.arange(0, G)
-    in_group = (rw[:, None] // (GROUP // 8)) == g[None, :]  # [BKW, G]: word w lies in group g
-    w_off = rows * stride_wn + rw[None, :]
-    s_off = rows * stride_sn + g[None, :]
-    a_row_ptr = a_ptr + a_row * stride_at
-    gs_ptrs = gs_ptr + a_row * stride_gs + g
-    tot1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    tot3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w_ok = (k0 // 8 + rw < K // 8)[None, :]
-        g_ok = k0 // GROUP + g < K // GROUP
-        words1 = load_k(w1_ptr + w_off + k0 // 8, w_ok, EVEN_K)  # masked words: code 128, times activation 0
-        if GATED:
-            words3 = load_k(w3_ptr + w_off + k0 // 8, w_ok, EVEN_K)
-        a_ptrs = a_row_ptr + plane_offsets(k0 // 8 + rw)  # plane 0 of this block's words
-        kw_ok = k0 // 8 + rw < K // 8
-        acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-        for i in tl.static_range(8):
-            plane = load_k(a_ptrs + i * PLANE_WORDS, kw_ok, EVEN_K)
-            b = tl.where(in_group, plane[:, None], 0.0).to(DT)
-            if INTERPRET:
-                acc1 = tl.dot(int4_codes((words1 >> (4 * i)) & 0xF, tl.bfloat16, True, True), b, acc1)
-                if GATED:
-                    acc3 = tl.dot(int4_codes((words3 >> (4 * i)) & 0xF, tl.bfloat16, True, True), b, acc3)
-            else:
-                acc1 = tl.dot(_bf16_plane_codes(words1, i, True), b, acc1)
-                if GATED:
-                    acc3 = tl.dot(_bf16_plane_codes(words3, i, True), b, acc3)
-        bias = MMA_BIAS * load_k(gs_ptrs, g_ok, EVEN_K)[None, :]
-        tot1 += (acc1 - bias) * load_k(s1_ptr + s_off + k0 // GROUP, g_ok[None, :], EVEN_K).to(tl.float32)
-        if GATED:
-            tot3 += (acc3 - bias) * load_k(s3_ptr + s_off + k0 // GROUP, g_ok[None, :], EVEN_K).to(tl.float32)
-        gs_ptrs += G
-    return tl.reshape(tl.sum(tot1, axis=1), (1, BLOCK_N)), tl.reshape(tl.sum(tot3, axis=1), (1, BLOCK_N))
 
 
 @triton.jit
@@ -286,10 +228,9 @@ def _combine_on_arrival(res, pid_m, pid_n, rn, N, y_ptr, stride_yt, count_ptr, r
 @triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
-        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr, gs_ptr, gs_out_ptr,
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr,
         A, N, K, a_div, E, num_counters,
         stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot, stride_rt, stride_st,
-        stride_gs, stride_gso,
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -297,7 +238,7 @@ def _moe_gemm_kernel(
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
-        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, MMA: tl.constexpr = False):
+        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
     # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
@@ -331,11 +272,7 @@ def _moe_gemm_kernel(
     s1_ptr += e * stride_se
     w3_ptr += e * stride_we
     s3_ptr += e * stride_se
-    if MMA:  # INT4 GEMV on the tensor cores (BLOCK_M == 1): a separate loop, see _int4_mma_gemv
-        acc1, acc3 = _int4_mma_gemv(a_ptr, tl.where(row_ok, a_rows, 0), gs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn,
-                                    N, K, stride_at, stride_gs, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K,
-                                    EVEN_K, INTERPRET)
-    elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
+    if PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
                                       INTERPRET, PREFETCH)
@@ -360,7 +297,7 @@ def _moe_gemm_kernel(
             if GATED:
                 acc3 = _int4_plane_tile_step(a_ptrs, a_ok, w3_ptr + w_off + k0 // 8, s3_ptr + s_off + k0 // GROUP,
                                              w_ok, acc3, a_ptr.dtype.element_ty, IEEE, INTERPRET, EVEN_K)
-    elif not (PLANES or MMA):
+    elif not PLANES:
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = (rk < K)[None, :]
@@ -397,22 +334,17 @@ def _moe_gemm_kernel(
                     acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
                     if GATED:
                         acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
-    if BLOCK_M == 1 and not (PLANES or MMA):
+    if BLOCK_M == 1 and not PLANES:
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
-    if GATED and (PLANES or PLANE_TILE or MMA):  # h in plane order for the down projection's plane GEMV / tile
+    if GATED and (PLANES or PLANE_TILE):  # h in plane order for the down projection's plane GEMV / tile
         res = acc1 * tl.sigmoid(acc1) * acc3
         i = rn % 8
         if PLANES:  # rounded to H_DT, stored as fp32 planes (scaled by 16^-j)
             res = res.to(H_DT).to(tl.float32) * plane_scale(i)[None, :]
         pos = plane_offsets(rn // 8) + PLANE_WORDS * i  # column n = 8w + i of h
-        h = res.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + pos[None, :], h,
-                 mask=row_ok[:, None] & (rn[None, :] < N))
-        if MMA:  # the group sums of h as stored, for the down GEMV's bias (BLOCK_N % GROUP == 0: whole groups)
-            sums = tl.sum(tl.reshape(h.to(tl.float32), (BLOCK_N // GROUP, GROUP)), axis=1)
-            rg = pid_n * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
-            tl.store(gs_out_ptr + rows.to(tl.int64) * stride_gso + rg, sums, mask=row_ok & (rg < N // GROUP))
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + pos[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
     else:
         if GATED:
             res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
@@ -478,11 +410,8 @@ def _smem_bytes(meta: dict, bn: int, bk: int, stages: int) -> int:
 
 def _legal(bn: int, bk: int, meta: dict) -> bool:
     """Format rules of a tile: INT4 K tiles hold whole groups; W8A8 dots keep each K tile inside one
-    activation group and one weight scale block (one scale pair per partial product); the tensor-core GEMV
-    (MMA) dots at least 16 words and its gate-up epilogue sums h by whole groups."""
+    activation group and one weight scale block (one scale pair per partial product)."""
     if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
-        return False
-    if meta.get("MMA") and (bn % meta["GROUP"] or bk // 8 < 16):
         return False
     return not (meta["W8A8"] and meta["BLOCK_M"] > 1 and (meta["ACT_G"] % bk or meta["SBK"] % bk))
 
@@ -545,13 +474,7 @@ PLANE_TILE_CONFIGS = [triton.Config({**c.kwargs, "PLANE_TILE": True}, num_warps=
                       for c in _configs([(32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3),
                                          (128, 256, 8, 3)])]
 
-# INT4 GEMV on the tensor cores (MMA, gemv="mma"): BLOCK_K/8 words per dot; num_stages > 1 pipelines the words
-# through shared memory (cp.async); _legal keeps BLOCK_N a multiple of the group
-GEMV_MMA_CONFIGS = _configs([(64, 256, 4, 1), (128, 256, 4, 1), (128, 256, 8, 1), (64, 256, 4, 3),
-                             (128, 256, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3), (32, 256, 2, 3)])
-
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
-moe_gemv_mma_autotuned = _autotuned(GEMV_MMA_CONFIGS)
 moe_gemm_plane_tile_autotuned = _autotuned(PLANE_TILE_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 # gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
