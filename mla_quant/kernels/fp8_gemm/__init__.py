@@ -16,19 +16,15 @@ from .reference import fp8_gemm_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable kernel's; SPLIT_K optional
-# the "tma" variant: PERSISTENT 0 / 1 (a grid of one program per SM); WS 0 / 1 (optional: warp-specialized K loop,
-# kernel_tma.py)
-TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT", "WS")
+TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
 VARIANTS = ("auto", "portable", "tma")
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
-# group (two programs per SM: 4 stages of 24 KB each); 128 × 128 warp-specialized (WS: a TMA warp group and two
-# consumer warp groups of 64 rows; 168 registers, 4 / 5 stages of 32 KB)
+# group (two programs per SM: 4 stages of 24 KB each)
 TMA_CANDIDATES = tuple(
-    {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st, "PERSISTENT": p, **({"WS": 1} if ws else {})}
-    for bm, bn, w, st, p, ws in ((64, 128, 4, 4, 0, 0), (64, 128, 4, 5, 0, 0), (64, 128, 4, 3, 0, 0),
-                                 (128, 128, 8, 4, 1, 0), (128, 128, 8, 5, 1, 0), (128, 64, 4, 4, 0, 0),
-                                 (128, 128, 4, 4, 0, 1), (128, 128, 4, 5, 0, 1)))
+    {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st, "PERSISTENT": p}
+    for bm, bn, w, st, p in ((64, 128, 4, 4, 0), (64, 128, 4, 5, 0), (64, 128, 4, 3, 0), (128, 128, 8, 4, 1),
+                             (128, 128, 8, 5, 1), (128, 64, 4, 4, 0)))
 
 __all__ = ["fp8_gemm", "fp8_gemm_reference", "default_config", "CONFIG_KEYS", "TMA_CONFIG_KEYS", "TMA_CANDIDATES",
            "VARIANTS"]
@@ -158,6 +154,6 @@ def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.
     _fp8_gemm_tma_kernel[(programs,)](
         a_desc, a_scale, b_desc, b_scale, c, m, n, k, c.stride(0), programs, BN_S=bn_s, BK=bk, BM=cfg["BM"],
         BN=cfg["BN"], GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg["PERSISTENT"]), STAGES=cfg["num_stages"],
-        WS=bool(cfg.get("WS", 0)), INTERPRET=interpreted,
+        INTERPRET=interpreted,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return c

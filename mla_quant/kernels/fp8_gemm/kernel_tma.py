@@ -13,20 +13,16 @@ What differs from the portable kernel, and why (sm_90):
   the next tile start during the current tile's last blocks and epilogue.
 * ``STAGES`` (= num_stages) is also given to the K loop itself, so the scale loads are pipelined too.
 
-``WS`` (opt-in, ``PERSISTENT=0`` and ``num_warps=4`` only): ``tl.range(warp_specialize=True)`` makes Triton 3.6's
-Hopper pass split the program into a TMA producer (the 4 launch warps) and two consumer warp groups (8 more
-warps, 232 registers requested), each owning 64 rows of a BM = 128 tile with its own mbarriers and named
-barrier — DeepGEMM's layout: one group's scale-adds can run during the other's wgmma, where the plain 2-warp-group
-tile syncs both groups at every K block (``bar.sync 0``). Per row the sums are the same, in the same order.
-With BM = 64 both consumers compute the same rows (twice the tensor work); ``num_warps=8`` and the flattened
-persistent loop are left unchanged by the pass.
-
-Tried and left out (Triton 3.6, sm_90, ptxas): two K blocks per step with the second dot left in flight while
-the first is scale-added is made async by Triton, but ptxas then serializes every wgmma (C7514: non-wgmma
-instructions read accumulator registers inside the wgmma pipeline stage); issuing block k + 1's dot before
-block k's product is scale-added (in ``tl``: Triton waits for every dot whose result is used in its own
-iteration, ``pendings = 0``; as a Gluon kernel with explicit ``warpgroup_mma_wait(1)``: ptxas C7514 again);
-a BM × 2·BN tile as two BN halves (accumulator 2·BN + one product per thread) spills at 255 registers.
+Tried and left out (Triton 3.6, sm_90, ptxas): ``tl.range(warp_specialize=True)`` leaves the persistent loop and
+``num_warps=8`` unchanged; on a non-persistent 128 × 128 tile with ``num_warps=4`` it compiles to DeepGEMM's layout
+(a TMA producer and two consumer warp groups of 64 rows, each with its own mbarriers), but on the H200 those
+launches never finished (session 10: the GPU tests and the sweep hung there), so it was removed. Two K blocks
+per step with the second dot left in flight while the first is scale-added is made async by Triton, but ptxas
+then serializes every wgmma (C7514: non-wgmma instructions read accumulator registers inside the wgmma
+pipeline stage); issuing block k + 1's dot before block k's product is scale-added (in ``tl``: Triton waits
+for every dot whose result is used in its own iteration, ``pendings = 0``; as a Gluon kernel with explicit
+``warpgroup_mma_wait(1)``: ptxas C7514 again); a BM × 2·BN tile as two BN halves (accumulator 2·BN + one product
+per thread) spills at 255 registers.
 
 The launcher builds the descriptors with the configuration's block shapes, so configurations are chosen
 by ``default_config`` (per M bucket) or pinned with ``config=`` — there is no autotuner here.
@@ -80,9 +76,8 @@ def _b_scale_ptrs(bs_ptr, off_n, N, n_kb, BN_S: tl.constexpr, BN: tl.constexpr, 
 @triton.jit
 def _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tile, grid_m, grid_n,
           BN_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-          STAGES: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr):
-    """One BM × BN output tile, K blocks in order: the two-level accumulation of kernel.py. ``WS``: Triton's
-    Hopper warp specialization of the K loop (see the module docstring)."""
+          STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    """One BM × BN output tile, K blocks in order: the two-level accumulation of kernel.py."""
     pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
     off_m = pid_m * BM
     off_n = pid_n * BN
@@ -91,7 +86,7 @@ def _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tile, gr
     B_SCALAR: tl.constexpr = BN <= BN_S
     bs = _b_scale_ptrs(bs_ptr, off_n, N, n_kb, BN_S, BN, B_SCALAR)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in tl.range(0, n_kb, num_stages=STAGES, warp_specialize=WS):
+    for kb in tl.range(0, n_kb, num_stages=STAGES):
         a = _a_tile(a_desc, off_m, kb, BK, INTERPRET)
         acc += _product(a, b_desc, off_n, kb, BK, INTERPRET) * _scale(tl.load(as_ptrs + kb), bs, kb, B_SCALAR)
     rn = off_n + tl.arange(0, BN)
@@ -104,7 +99,7 @@ def _fp8_gemm_tma_kernel(
     a_desc, as_ptr, b_desc, bs_ptr, c_ptr,
     M, N, K, stride_cm, NUM_PROGRAMS,
     BN_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, STAGES: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr,
+    PERSISTENT: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # a_desc: e4m3 [M, K] in [BM, BK] tiles; as [M, K/BK] fp32; b_desc: e4m3 [N, K] in [BN, BK] tiles;
     # bs [⌈N/BN_S⌉, K/BK] fp32; c [M, N]; K % BK == 0. PERSISTENT: NUM_PROGRAMS programs walk the tiles in
@@ -115,7 +110,7 @@ def _fp8_gemm_tma_kernel(
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_PROGRAMS, flatten=True):
             _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tile, grid_m, grid_n,
-                  BN_S, BM, BN, BK, GROUP_M, STAGES, WS, INTERPRET)
+                  BN_S, BM, BN, BK, GROUP_M, STAGES, INTERPRET)
     else:
         _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tl.program_id(0), grid_m, grid_n,
-              BN_S, BM, BN, BK, GROUP_M, STAGES, WS, INTERPRET)
+              BN_S, BM, BN, BK, GROUP_M, STAGES, INTERPRET)
