@@ -1,7 +1,7 @@
 """Sweep of the block-scaled FP8 GEMM's variants and configurations at prefill shapes, in one GPU call.
 
     python -m benchmarks.sweep_fp8_gemm [--out sweep_fp8_gemm.json] [--budget-s 120] [--ms 512,2048,8192]
-                                        [--only "WS=1,PERSISTENT=1"]
+                                        [--only "PERSISTENT=1,BM=64"]
 
 For every shape (M in ``--ms`` × the (N, K) of ``NK``) it times, with ``bench_gemm``'s method (one call per
 weight set, enough sets to overflow L2, all captured in one CUDA graph: ``common.graph_us``), the peers
