@@ -64,11 +64,11 @@ def _plane_gemv(w_desc, w_ptr, s_ptr, a_ptr, out_ptr, N, K, stride_sn,
             words = tl.trans(w_desc.load([n0, k0 // 8]))
         else:
             words = tl.load(w_ptrs + k0 // 8)
-        if LOADS_ONLY:
-            acc += _loads_only_step(words, s_ptrs, s_ptrs, rw < BK, rr < BK, True, False)
+        a_ptrs = a_ptr + plane_offsets(k0 // 8 + rw)  # K % BK == 0: whole blocks, no masks (EVEN)
+        if LOADS_ONLY:  # the same arguments: the step alone differs
+            acc += _loads_only_step(words, s_ptrs, a_ptrs, rw < BK, rr < BK, True, False)
         else:
-            acc += int4_plane_gemv_step(words, s_ptrs, a_ptr + plane_offsets(k0 // 8 + rw), rw < BK, rr < BK,
-                                        True, False)
+            acc += int4_plane_gemv_step(words, s_ptrs, a_ptrs, rw < BK, rr < BK, True, False)
         s_ptrs += BK // 32
     tl.store(out_ptr + rn, tl.sum(acc, axis=0), mask=rn < N)
 

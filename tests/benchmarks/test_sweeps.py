@@ -44,3 +44,15 @@ def test_mla_decode_sweep_merge_settings_name_module_constants():
     _patched(lambda: seen.append({name: getattr(mla_decode, name) for name in MERGES[0]}), MERGES[0])()
     assert seen == [MERGES[0]]
     assert {name: getattr(mla_decode, name) for name in before} == before
+
+
+def test_fp8_gemm_sweep_only_keeps_the_named_settings_and_auto():
+    from benchmarks.sweep_fp8_gemm import settings
+
+    every = settings()
+    assert [label for label, _ in every][:2] == ["auto", "portable"] and len(every) > 3
+    kept = settings("PERSISTENT=1, portable")
+    assert [label for label, _ in kept][:2] == ["auto", "portable"]
+    assert all(label in ("auto", "portable") or "PERSISTENT=1" in label for label, _ in kept)
+    assert any("PERSISTENT=1" in label for label, _ in kept) and len(kept) < len(every)
+    assert settings("no such setting") == every[:1]
