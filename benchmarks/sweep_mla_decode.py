@@ -1,6 +1,7 @@
 """Sweep of ``mla_decode``'s split count × kernel configuration at one BF16 shape, in one GPU call.
 
     python -m benchmarks.sweep_mla_decode [--out sweep_mla_decode.json] [--batch 64] [--ctx 4096] [--rounds 5]
+        [--kind bf16 | fp8_e4m3 [--fp8-dequant fp8mma]]
 
 The launcher picks the split count first (``plan_num_splits``) and the autotuner then picks the kernel
 configuration for it; a configuration with fewer registers or less shared memory fits more programs per SM,
@@ -12,6 +13,7 @@ config), and the launcher's choice with plain launches instead of programmatic d
 ``_pdl.ENABLED`` False) or with the split kernel and the merge launched so too (``pdl_all``: ``_pdl.SKIP``
 empty), and with bf16 split partials (``PARTIAL_DTYPE``) at the launcher's split count and at 5 and 6. Reports
 µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the same run.
+``--kind fp8_e4m3`` sweeps FP8 pages (per-token scales) with ``--fp8-dequant``'s own candidates instead.
 """
 from __future__ import annotations
 
@@ -23,11 +25,23 @@ import torch
 from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
 
 HEADS = 16
-SPLITS = (3, 4, 5, 6, 8)
-# (BLOCK_M, BLOCK_N, QK_SPLIT_LOAD, num_warps, num_stages): the BF16 16-row candidates of DECODE_CONFIGS;
-# sm_90 (Triton 3.6, compile_check): m16n64w8s2 94 KB smem, 80 registers (2 programs per SM);
-# m16n32w8s2/s3 56 KB, 98-100; m16n16w4s3 37 KB, 124 (4 per SM)
-CONFIGS = ((16, 64, False, 8, 2), (16, 32, False, 8, 2), (16, 32, False, 8, 3), (16, 16, False, 4, 3))
+SPLITS = (2, 3, 4, 5, 8)
+# (BLOCK_M, BLOCK_N, QK_SPLIT_LOAD, num_warps, num_stages, TMA) per KV kind. sm_90 (Triton 3.6, compile_check),
+# with the block table read per chunk of tiles (so num_stages - 1 tile buffers): bf16 m16n64w8s2 92 KB smem,
+# 102 registers (2 programs per SM, one buffer); m16n32w8s3 91 KB, 97 (2 per SM, two buffers); m16n32w8s4 127 KB
+# (1 per SM); m16n16w4s3 54 KB (4 per SM). TMA (descriptor loads of whole tiles): m16n64w8s3 164 KB, 221
+# registers; m16n32w8s4 127 KB, 185; m16n16w4s3 54 KB, 219 (2 per SM) — the V operand is read from shared
+# memory right after the tile lands, so it lives in registers through the softmax.
+CONFIGS = {
+    "bf16": ((16, 64, False, 8, 2, False), (16, 32, False, 8, 3, False), (16, 32, False, 8, 4, False),
+             (16, 16, False, 4, 3, False), (16, 64, False, 8, 3, True), (16, 32, False, 8, 4, True),
+             (16, 32, False, 8, 3, True), (16, 16, False, 4, 3, True)),
+    # fp8mma below 64 rows puts BLOCK_N tokens on wgmma's M (≥ 64); fp16: 16/32-token tiles
+    "fp8mma": ((16, 128, False, 8, 2, False), (16, 64, False, 4, 2, False), (16, 64, False, 4, 3, False),
+               (16, 64, False, 8, 3, False)),
+    "fp16": ((16, 32, False, 8, 2, False), (16, 32, False, 8, 3, False), (16, 32, False, 8, 3, True),
+             (16, 16, False, 4, 3, False)),
+}
 
 
 # the row merge (mla_decode.ROWS_BLOCK_R query rows per program, ROWS_WARPS) besides the launcher's 4 rows, 4 warps:
@@ -48,7 +62,8 @@ def _patched(fn, constants: dict, module=None):
 
 
 def _config(c) -> dict:
-    return {"BLOCK_M": c[0], "BLOCK_N": c[1], "QK_SPLIT_LOAD": c[2], "num_warps": c[3], "num_stages": c[4]}
+    return {"BLOCK_M": c[0], "BLOCK_N": c[1], "QK_SPLIT_LOAD": c[2], "num_warps": c[3], "num_stages": c[4],
+            "TMA": c[5]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--batch", type=int, default=64)
         ap.add_argument("--ctx", type=int, default=4096)
         ap.add_argument("--rounds", type=int, default=5, help="round-robin timing passes over the settings")
+        ap.add_argument("--kind", choices=("bf16", "fp8_e4m3"), default="bf16")
+        ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16"), default="fp8mma")
     args = sweep_args(__doc__, "sweep_mla_decode.json", None, argv, extra)
     if args is None:
         return 2
@@ -67,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = Context()
     measure_ceilings(ctx)
-    batch, n, kind = args.batch, args.ctx, "bf16"
+    batch, n, kind = args.batch, args.ctx, args.kind
+    dequant = args.fp8_dequant if kind != "bf16" else "auto"
     num_pages = 16 * batch * n // PAGE   # 16 distinct input sets at most (bench_mla_decode._input_sets)
     pool, scales = _fill_pool(kind, num_pages, "cuda")
     sets = _input_sets(batch, n, HEADS, kind, num_pages, "cuda")
@@ -76,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode(splits=None, config=None):
         return lambda: [mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, num_splits=splits,
-                                   max_seq_len=n, validate=False, config=config) for q, tb in sets]
+                                   max_seq_len=n, validate=False, config=config, fp8_dequant=dequant)
+                        for q, tb in sets]
 
     planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
     fns = {"default": decode()}
     for s in SPLITS:
-        for c in CONFIGS:
+        for c in CONFIGS[kind if kind == "bf16" else dequant]:
             fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
         fns[json.dumps(merge)] = _patched(decode(), merge)
@@ -93,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     tuned = tuned_config()
     times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
     rows = []
-    print(f"copy {ctx.copy_tbps:.3f} TB/s; bf16 {HEADS} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "
+    print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {HEADS} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "
           f"{tuned}", flush=True)
     for name, got in times.items():
         if isinstance(got, str):
@@ -106,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                      "frac_of_copy": round(frac, 4)})
         print(f"  {name:100s} {t:8.2f} µs (min {min(got):.2f}, max {max(got):.2f}) {frac:.3f} of copy", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta(ctx), "heads": HEADS, "batch": batch, "ctx": n, "launcher_splits": planned,
+        json.dump({"meta": meta(ctx), "kind": kind, "fp8_dequant": dequant, "heads": HEADS, "batch": batch, "ctx": n, "launcher_splits": planned,
                    "launcher_config": tuned, "rows": rows}, f, indent=1)
     return 0
 

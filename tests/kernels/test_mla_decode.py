@@ -22,7 +22,8 @@ from tests.conftest import HAS_CUDA
 
 KINDS = [("bf16", None), ("fp8_e4m3", None), ("fp8_e4m3", 0.05), ("fp8_ds_mla", None)]
 # None: the launcher's choice; the others force the kernel's variants (head block, tile, transposed QK load)
-CONFIGS = [None, dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=True), dict(BLOCK_M=32, BLOCK_N=32, QK_SPLIT_LOAD=False)]
+CONFIGS = [None, dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=True), dict(BLOCK_M=32, BLOCK_N=32, QK_SPLIT_LOAD=False),
+           dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False, TMA=True)]
 
 
 def build_pages(lengths, table, num_pages, page_size, kind, tensor_scale, d_latent, d_rope, seed, device="cpu"):
@@ -561,6 +562,40 @@ def test_kernel_rejects_bad_split_count_and_dims(triton_backend):
                    "bf16", 128)
 
 
+def test_tma_tiles_equal_pointer_loads_and_need_plain_pages(triton_backend, monkeypatch):
+    """TMA=True reads the split's whole, visible tiles through descriptors (same bytes, same dots as the pointer
+    loads: equal outputs) and only those: descriptors over zeroed pages change exactly the requests with such
+    tiles. No descriptors (pointer loads) for pages that are not plain rows, tiles spanning pages, fp8_ds_mla."""
+    import mla_quant.kernels.mla_decode as md
+
+    lengths, page_size = [70, 33, 5, 16], 16
+    table = torch.tensor([[3, 0, 9, 1, 6], [2, 5, 7, -1, -1], [4, -1, -1, -1, -1], [8, -1, -1, -1, -1]],
+                         dtype=torch.int32)
+    q = torch.randn(4, 2, 3, 160)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
+    for kind, ts in (("bf16", None), ("fp8_e4m3", None), ("fp8_e4m3", 0.05)):
+        data, scales, _ = build_pages(lengths, table, 10, page_size, kind, ts, 128, 32, seed=3,
+                                      device=triton_backend)
+        args = (q.to(triton_backend), data, scales, table.to(triton_backend),
+                torch.tensor(lengths, dtype=torch.int32, device=triton_backend), 0.1, kind, 128)
+        for splits in (1, 2):
+            o0, lse0 = mla_decode(*args, num_splits=splits, config=cfg)
+            o1, lse1 = mla_decode(*args, num_splits=splits, config={**cfg, "TMA": True})
+            assert torch.equal(o0, o1) and torch.allclose(lse0, lse1, atol=1e-5), (kind, ts, splits)
+        real = md._page_descriptors
+        monkeypatch.setattr(md, "_page_descriptors", lambda kv, *a: real(torch.zeros_like(kv), *a))
+        o2, _ = mla_decode(*args, num_splits=1, config={**cfg, "TMA": True})
+        monkeypatch.setattr(md, "_page_descriptors", real)
+        # s_q = 2: a request's whole visible tiles end before seq_len - 1; request 2 (5 tokens) has none
+        changed = [not torch.equal(o2[b], o0[b]) for b in range(4)]
+        assert changed == [True, True, False, False], (kind, ts, changed)
+    padded = torch.zeros(10, page_size + 1, data.shape[-1], dtype=data.dtype, device=data.device)
+    padded[:, :page_size] = data
+    assert md._page_descriptors(padded[:, :page_size], kind, 128, 16) == (None, None)
+    assert md._page_descriptors(data, kind, 128, 32) == (None, None)  # a tile would span two pages
+    assert md._page_descriptors(data, "fp8_ds_mla", 128, 16) == (None, None)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed):
     """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64, scale 0.1): bf16 queries
@@ -575,6 +610,32 @@ def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed):
                                 seed=seed, device="cuda")
     q = torch.randn(len(lengths), s_q, heads, d_latent + d_rope, device="cuda").to(torch.bfloat16)
     return q, kv, scales, table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), 0.1, kind, d_latent
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, tensor_scale", KINDS[:3])
+@pytest.mark.parametrize("heads, s_q", [(16, 1), (16, 3), (128, 1)])
+def test_tma_and_multi_buffered_tiles_match_reference_gpu(kind, tensor_scale, heads, s_q):
+    """Real dims, NaN in every unused slot: the sweep's candidates with descriptor (TMA) loads and with 2-3 tile
+    buffers (the block table read per chunk of tiles) against the reference and against one-buffer pointer loads."""
+    args = _real_dim_args(kind, tensor_scale, heads, s_q, [64, 200, 4097, 130 * 64 + 5], seed=2)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    bm = 16 if heads * s_q <= 16 else 64
+    dequants = ["convert"] if kind == "bf16" else ["convert", "fp16"]
+    base = mla_decode(*args, num_splits=3, config=dict(BLOCK_M=bm, BLOCK_N=16, QK_SPLIT_LOAD=False),
+                      fp8_dequant="convert")[0].float()
+    for dequant in dequants:
+        for bn, warps, stages, tma in ((64, 8, 2, True), (64, 8, 3, True), (32, 8, 4, True), (16, 4, 3, True),
+                                       (32, 8, 3, False), (32, 8, 4, False)):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=False, TMA=tma, num_warps=warps, num_stages=stages)
+            if bm == 64 and bn > 16 and dequant != "convert":
+                continue
+            for splits in (1, 3):
+                out, lse = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant=dequant)
+                assert_all_written(out, "out")
+                assert rel_err(out.float(), o_ref.float()) < 1e-2, (dequant, cfg, splits)
+                assert rel_err(out.float(), base) < 1e-2, (dequant, cfg, splits)
+                assert torch.allclose(lse, lse_ref, atol=2e-2)
 
 
 @pytest.mark.gpu

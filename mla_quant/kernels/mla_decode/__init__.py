@@ -96,10 +96,10 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
 
 
 def _check_config(config: dict) -> None:
-    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "PREFETCH", "num_warps", "num_stages"}
+    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "PREFETCH", "TMA", "num_warps", "num_stages"}
     if unknown or not {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD"} <= set(config):
-        raise ValueError("config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ PREFETCH, num_warps, num_stages), got "
-                         f"{sorted(config)}")
+        raise ValueError("config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ PREFETCH, TMA, num_warps, num_stages), "
+                         f"got {sorted(config)}")
     if config["BLOCK_M"] not in (16, 32, 64) or config["BLOCK_N"] < 16 or not _is_pow2(config["BLOCK_N"]):
         raise ValueError(f"config: BLOCK_M {config['BLOCK_M']} must be 16/32/64 and BLOCK_N "
                          f"{config['BLOCK_N']} a power of two ≥ 16")
@@ -256,7 +256,11 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
     else:
         o_dst, lse_dst = out, lse
-    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst,
+    descs = (None, None)
+    if config is not None and config.get("TMA"):
+        descs = _page_descriptors(kv_data, kind, d_latent, config["BLOCK_N"])
+        config = {**config, "TMA": descs[0] is not None}
+    args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst, *descs,
             softmax_scale * math.log2(math.e), s_q, heads, num_splits,
             q.stride(0), q.stride(1), q.stride(2),
             lat.stride(0), lat.stride(1), rope.stride(0), rope.stride(1), sc_page, sc_row,
@@ -279,6 +283,24 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse
+
+
+def _page_descriptors(kv_data: torch.Tensor, kind: str, d_latent: int, block_n: int):
+    """TMA descriptors (latent, rope) over bf16 / fp8_e4m3 pages as [pages·page_size, row width] rows, blocks
+    [block_n, d_latent] and [block_n, d_rope]; (None, None) where TMA cannot read them: other kinds, a page stride
+    that is not page_size rows, unaligned rows (16 bytes), a tile spanning pages."""
+    if kind not in ("bf16", "fp8_e4m3"):
+        return None, None
+    pages, page_size, width = kv_data.shape
+    row_bytes = kv_data.stride(1) * kv_data.element_size()
+    if (kv_data.stride(2) != 1 or kv_data.stride(0) != page_size * kv_data.stride(1) or row_bytes % 16
+            or kv_data.data_ptr() % 16 or page_size % block_n):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
+    return (TensorDescriptor(kv_data, shape, strides, [block_n, d_latent]),
+            TensorDescriptor(kv_data, shape, strides, [block_n, width - d_latent]))
 
 
 # the splits' partial outputs (their lse stay fp32): bf16 halves the bytes they move (8 MB written and read at

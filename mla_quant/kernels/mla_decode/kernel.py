@@ -145,12 +145,15 @@ def _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, TRANSPOSED: tl.constexpr
 @triton.jit
 def _tile_rows(n0, end, bt_row, lat_ptr, rope_ptr, scale_ptr, stride_lat_page, stride_lat_row, stride_rope_page,
                stride_rope_row, stride_sc_page, stride_sc_row, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK_PAGE: tl.constexpr):
+               MASK_PAGE: tl.constexpr, page_given=0, GIVEN: tl.constexpr = False):
     """Row pointers of the tile of BLOCK_N tokens at n0 (tokens ≥ end masked). MASK_PAGE: the tile may lie past
-    the block table's used entries (a prefetch one tile ahead), so the one-page lookup is masked too."""
+    the block table's used entries (a prefetch one tile ahead), so the one-page lookup is masked too. GIVEN: the
+    tile lies in page ``page_given`` (looked up by the caller)."""
     toks = n0 + tl.arange(0, BLOCK_N)
     tok_ok = toks < end
-    if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block-table lookup
+    if GIVEN:
+        page = page_given.to(tl.int64)
+    elif PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page: one block-table lookup
         if MASK_PAGE:
             page = tl.load(bt_row + n0 // PAGE_SIZE, mask=n0 < end, other=0).to(tl.int64)
         else:
@@ -183,7 +186,7 @@ def _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope, SCALE_MO
 
 @triton.jit
 def _mla_decode_kernel(
-    q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, lat_desc, rope_desc,
     sm_scale_log2, S_Q, H, NUM_SPLITS,
     stride_qb, stride_qs, stride_qh,
     stride_lat_page, stride_lat_row, stride_rope_page, stride_rope_row, stride_sc_page, stride_sc_row,
@@ -192,7 +195,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -205,7 +208,11 @@ def _mla_decode_kernel(
     FP8_MMA (fp8_e4m3 pages; 0 off): the score dots take the e4m3 bytes as they are, with q rounded to e4m3 by a
     per-row scale (fp8 tensor-core dots, no conversion of K); the PV dot takes the bytes converted to fp16 with p
     as for F16_DOTS (1), or the bytes as they are with p·scale/(tile max)·2^8 rounded to e4m3 (2). QK_SPLIT_LOAD
-    is ignored; fp8_ds_mla and bf16 pages run the usual kernel."""
+    is ignored; fp8_ds_mla and bf16 pages run the usual kernel.
+    TMA (bf16 / fp8_e4m3 pages, one-load path without PREFETCH, BLOCK_N dividing the page size): ``lat_desc`` /
+    ``rope_desc`` are TMA descriptors over the pages as [pages·page_size, row width] rows with [BLOCK_N, D_LAT] /
+    [BLOCK_N, D_ROPE] blocks. The split's full tiles below every row's causal limit are read through them (the
+    pipeliner stages descriptor loads in shared memory; no masks), the rest with the masked pointer loads."""
     grid_dependency_sync(PDL)
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
@@ -318,173 +325,225 @@ def _mla_decode_kernel(
                                                    stride_sc_page, stride_sc_row, PAGE_SIZE, BLOCK_N, True)
         k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT, TILE,
                                               BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        # masked loads never touch slots past seq_len (they may hold anything, NaN included)
-        if PREFETCHED:
-            tok_ok = toks < end
-            k_raw, k_pe_raw, sc_raw = k_nx, k_pe_nx, sc_nx
-            nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(n0 + BLOCK_N, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
-                                                       stride_lat_page, stride_lat_row, stride_rope_page,
-                                                       stride_rope_row, stride_sc_page, stride_sc_row, PAGE_SIZE,
-                                                       BLOCK_N, True)
-            k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT,
-                                                  TILE, BLOCK_N)
+    # one-load tiles of bf16 / fp8_e4m3 pages, each tile in one page (fp8_ds_mla: its 64-row blocks spill more)
+    ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0 and RAW and not PREFETCHED and SCALE_MODE != SCALE_TILE
+    CHUNK_PAGES: tl.constexpr = 32  # block-table entries loaded per chunk of tiles
+    CHUNK_TOKENS: tl.constexpr = CHUNK_PAGES * PAGE_SIZE
+    DESC_ON: tl.constexpr = TMA and ONE_PAGE
+    NPHASE: tl.constexpr = 2 if DESC_ON else 1
+    if DESC_ON:  # tiles [start, full_end) are whole and visible to every query row (causal limit ≥ seq_len - S_Q + 1)
+        full_end = start + tl.maximum(tl.minimum(end, seq_len - S_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
+    for phase in tl.static_range(NPHASE):
+        if DESC_ON and phase == 0:  # (static: phase is a constexpr)
+            lo = start
+            hi = full_end
+        elif DESC_ON:
+            lo = full_end
+            hi = end
         else:
-            tok_ok, lat_rows, rope_rows, sc_rows = _tile_rows(n0, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
-                                                              stride_lat_page, stride_lat_row, stride_rope_page,
-                                                              stride_rope_row, stride_sc_page, stride_sc_row,
-                                                              PAGE_SIZE, BLOCK_N, False)
-            if RAW:
-                k_raw, k_pe_raw, sc_raw = _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope,
-                                                         SCALE_MODE, D_LAT, TILE, BLOCK_N)
-        if RAW and F16:  # fp16 operands; c_t = the tile's largest scale (1 without per-token / per-tile scales)
-            if SCALE_MODE == SCALE_TILE:
-                c_t = tl.max(tl.max(sc_raw, 1), 0)
-                rel = sc_raw / c_t  # powers of two ≤ 1: exact (masked rows 0)
-                k = tl.reshape(tl.reshape(k_raw.to(f16_ty), (BLOCK_N, D_LAT // TILE, TILE))
-                               * rel.to(f16_ty)[:, :, None], (BLOCK_N, D_LAT))
-                s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION) * (qk_row * c_t)[:, None]
-                s_pe = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), input_precision=DOT_PRECISION)
-                s = s + s_pe * qk_scale
+            lo = start
+            hi = end
+        # one page per tile: the chunk's page ids are loaded before its tile loop, so no load feeds the tiles'
+        # addresses inside the loop and the pipeliner can issue the tile loads num_stages - 1 iterations ahead
+        # (with a block-table load in the loop it issues each tile's load one iteration ahead, into one buffer)
+        if ONE_PAGE:
+            c_first = lo // CHUNK_TOKENS
+            c_last = tl.cdiv(hi, CHUNK_TOKENS)
+        else:
+            c_first = 0
+            c_last = 1
+        for c in range(c_first, c_last):
+            if ONE_PAGE:
+                c_lo = tl.maximum(lo, c * CHUNK_TOKENS)
+                c_hi = tl.minimum(hi, c * CHUNK_TOKENS + CHUNK_TOKENS)
+                chunk_idx = c * CHUNK_PAGES + tl.arange(0, CHUNK_PAGES)
+                chunk_pages = tl.load(bt_row + chunk_idx, mask=chunk_idx * PAGE_SIZE < hi, other=0)
             else:
-                k = k_raw.to(f16_ty)
-                s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
-                s = tl.dot(q_pe, tl.trans(k_pe_raw.to(f16_ty)), s, input_precision=DOT_PRECISION)
-                if SCALE_MODE == SCALE_TOKEN:
-                    c_t = tl.max(sc_raw, 0)
-                    s = s * qk_row[:, None] * sc_raw[None, :]
+                c_lo = lo
+                c_hi = hi
+            for n0 in range(c_lo, c_hi, BLOCK_N):
+                toks = n0 + tl.arange(0, BLOCK_N)
+                # masked loads never touch slots past seq_len (they may hold anything, NaN included)
+                if ONE_PAGE:  # the chunk's entry for this tile (a sum over one nonzero term)
+                    page = tl.sum(tl.where(tl.arange(0, CHUNK_PAGES) == n0 // PAGE_SIZE - c * CHUNK_PAGES,
+                                           chunk_pages, 0))
                 else:
-                    s = s * qk_row[:, None]
-        elif RAW and MMA8:  # e4m3 score dots on the stored bytes; per-row q scale and per-token scale on s
-            k8 = k_raw.to(f8_ty)
-            k8_pe = k_pe_raw.to(f8_ty)
-            if SWAP:  # S^T [N, M], transposed back for the softmax (a [N, M] fp32 relayout, small)
-                s = tl.dot(k8_pe, q_pe, tl.dot(k8, q_lat, input_precision=DOT_PRECISION),
-                           input_precision=DOT_PRECISION)
-                if Q_LO:
-                    s_lo = tl.dot(k8_pe, q_pe_lo, tl.dot(k8, q_lat_lo, input_precision=DOT_PRECISION),
-                                  input_precision=DOT_PRECISION)
-                    s = s + s_lo * Q_LO_UNSCALE
-                s = tl.trans(s)
-            else:
-                s = tl.dot(q_pe, tl.trans(k8_pe), tl.dot(q_lat, tl.trans(k8), input_precision=DOT_PRECISION),
-                           input_precision=DOT_PRECISION)
-                if Q_LO:
-                    s_lo = tl.dot(q_pe_lo, tl.trans(k8_pe), tl.dot(q_lat_lo, tl.trans(k8),
-                                                                   input_precision=DOT_PRECISION),
-                                  input_precision=DOT_PRECISION)
-                    s = s + s_lo * Q_LO_UNSCALE
-            if SCALE_MODE == SCALE_TOKEN:
-                c_t = tl.max(sc_raw, 0)
-                s = s * qk_row[:, None] * sc_raw[None, :]
-            else:
-                s = s * qk_row[:, None]
-            if PV8:
-                k = k_raw.to(f8_ty)
-            else:
-                k = k_raw.to(f16_ty)
-        elif RAW:  # the conversion to q's dtype (fp8_ds_mla: tile scales multiplied in, in fp32)
-            k = k_raw
-            if SCALE_MODE == SCALE_TILE:
-                NT_S: tl.constexpr = D_LAT // TILE
-                k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, NT_S, TILE)) * sc_raw[:, :, None],
-                               (BLOCK_N, D_LAT))
-            k = k.to(dot_ty)
-            s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
-            s = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
-        elif BATCHED:
-            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
-                                  dot_ty, True, TO_FP16)
-            k = tl.permute(tl.reshape(k.to(dot_ty), (BLOCK_N, NT, TILE)), (1, 0, 2))             # [NT, N, TILE]
-            s_t = tl.dot(q_lat, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)         # [NT, M, N]
-            if TILED:
-                k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
-                tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :], other=0.0)  # [NT, N]
-                s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
-            else:
-                k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
-                s = tl.sum(s_t, 0)
-            s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
-        elif QK_SPLIT_LOAD:
-            k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
-                                    BITCAST, TO_FP16)
-            if BITCAST:
-                k_pe_t = tl.trans(_load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32))
-            else:
-                k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
-            s = tl.dot(q_lat, k_t.to(dot_ty), input_precision=DOT_PRECISION)
-            s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
-            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
-                                  BITCAST, TO_FP16)
-        else:  # BITCAST, one load
-            k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
-                                  BITCAST, TO_FP16)
-            k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
-            s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
-            s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
-        if SCALE_MODE == SCALE_TOKEN and not (F16 or MMA8):
-            if RAW:
-                tok_sc = sc_raw
-            else:
-                tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
-            s = s * (tok_sc * qk_scale)[None, :]
-        elif not (F16 or MMA8):
-            s = s * qk_scale
-        visible = tok_ok[None, :] & (toks[None, :] < limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
+                    page = 0
+                if DESC_ON and phase == 0:  # two TMA block loads (rows page·PAGE_SIZE + slot)
+                    tok_ok = toks < end
+                    row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
+                    k_raw = lat_desc.load([row0, 0])
+                    k_pe_raw = rope_desc.load([row0, D_LAT])
+                    if SCALE_MODE == SCALE_TOKEN:
+                        slot = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+                        sc_raw = tl.load(scale_ptr + page.to(tl.int64) * stride_sc_page + slot * stride_sc_row)
+                    else:
+                        sc_raw = tl.zeros([BLOCK_N], tl.float32)
+                elif PREFETCHED:
+                    tok_ok = toks < end
+                    k_raw, k_pe_raw, sc_raw = k_nx, k_pe_nx, sc_nx
+                    nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(n0 + BLOCK_N, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
+                                                               stride_lat_page, stride_lat_row, stride_rope_page,
+                                                               stride_rope_row, stride_sc_page, stride_sc_row, PAGE_SIZE,
+                                                               BLOCK_N, True)
+                    k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT,
+                                                          TILE, BLOCK_N)
+                else:
+                    tok_ok, lat_rows, rope_rows, sc_rows = _tile_rows(n0, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
+                                                                      stride_lat_page, stride_lat_row, stride_rope_page,
+                                                                      stride_rope_row, stride_sc_page, stride_sc_row,
+                                                                      PAGE_SIZE, BLOCK_N, False, page, ONE_PAGE)
+                    if RAW:
+                        k_raw, k_pe_raw, sc_raw = _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope,
+                                                                 SCALE_MODE, D_LAT, TILE, BLOCK_N)
+                if RAW and F16:  # fp16 operands; c_t = the tile's largest scale (1 without per-token / per-tile scales)
+                    if SCALE_MODE == SCALE_TILE:
+                        c_t = tl.max(tl.max(sc_raw, 1), 0)
+                        rel = sc_raw / c_t  # powers of two ≤ 1: exact (masked rows 0)
+                        k = tl.reshape(tl.reshape(k_raw.to(f16_ty), (BLOCK_N, D_LAT // TILE, TILE))
+                                       * rel.to(f16_ty)[:, :, None], (BLOCK_N, D_LAT))
+                        s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION) * (qk_row * c_t)[:, None]
+                        s_pe = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), input_precision=DOT_PRECISION)
+                        s = s + s_pe * qk_scale
+                    else:
+                        k = k_raw.to(f16_ty)
+                        s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+                        s = tl.dot(q_pe, tl.trans(k_pe_raw.to(f16_ty)), s, input_precision=DOT_PRECISION)
+                        if SCALE_MODE == SCALE_TOKEN:
+                            c_t = tl.max(sc_raw, 0)
+                            s = s * qk_row[:, None] * sc_raw[None, :]
+                        else:
+                            s = s * qk_row[:, None]
+                elif RAW and MMA8:  # e4m3 score dots on the stored bytes; per-row q scale and per-token scale on s
+                    k8 = k_raw.to(f8_ty)
+                    k8_pe = k_pe_raw.to(f8_ty)
+                    if SWAP:  # S^T [N, M], transposed back for the softmax (a [N, M] fp32 relayout, small)
+                        s = tl.dot(k8_pe, q_pe, tl.dot(k8, q_lat, input_precision=DOT_PRECISION),
+                                   input_precision=DOT_PRECISION)
+                        if Q_LO:
+                            s_lo = tl.dot(k8_pe, q_pe_lo, tl.dot(k8, q_lat_lo, input_precision=DOT_PRECISION),
+                                          input_precision=DOT_PRECISION)
+                            s = s + s_lo * Q_LO_UNSCALE
+                        s = tl.trans(s)
+                    else:
+                        s = tl.dot(q_pe, tl.trans(k8_pe), tl.dot(q_lat, tl.trans(k8), input_precision=DOT_PRECISION),
+                                   input_precision=DOT_PRECISION)
+                        if Q_LO:
+                            s_lo = tl.dot(q_pe_lo, tl.trans(k8_pe), tl.dot(q_lat_lo, tl.trans(k8),
+                                                                           input_precision=DOT_PRECISION),
+                                          input_precision=DOT_PRECISION)
+                            s = s + s_lo * Q_LO_UNSCALE
+                    if SCALE_MODE == SCALE_TOKEN:
+                        c_t = tl.max(sc_raw, 0)
+                        s = s * qk_row[:, None] * sc_raw[None, :]
+                    else:
+                        s = s * qk_row[:, None]
+                    if PV8:
+                        k = k_raw.to(f8_ty)
+                    else:
+                        k = k_raw.to(f16_ty)
+                elif RAW:  # the conversion to q's dtype (fp8_ds_mla: tile scales multiplied in, in fp32)
+                    k = k_raw
+                    if SCALE_MODE == SCALE_TILE:
+                        NT_S: tl.constexpr = D_LAT // TILE
+                        k = tl.reshape(tl.reshape(k.to(tl.float32), (BLOCK_N, NT_S, TILE)) * sc_raw[:, :, None],
+                                       (BLOCK_N, D_LAT))
+                    k = k.to(dot_ty)
+                    s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+                    s = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
+                elif BATCHED:
+                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
+                                          dot_ty, True, TO_FP16)
+                    k = tl.permute(tl.reshape(k.to(dot_ty), (BLOCK_N, NT, TILE)), (1, 0, 2))             # [NT, N, TILE]
+                    s_t = tl.dot(q_lat, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)         # [NT, M, N]
+                    if TILED:
+                        k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
+                        tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :], other=0.0)  # [NT, N]
+                        s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
+                    else:
+                        k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+                        s = tl.sum(s_t, 0)
+                    s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
+                elif QK_SPLIT_LOAD:
+                    k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
+                                            BITCAST, TO_FP16)
+                    if BITCAST:
+                        k_pe_t = tl.trans(_load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32))
+                    else:
+                        k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
+                    s = tl.dot(q_lat, k_t.to(dot_ty), input_precision=DOT_PRECISION)
+                    s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
+                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
+                                          BITCAST, TO_FP16)
+                else:  # BITCAST, one load
+                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
+                                          BITCAST, TO_FP16)
+                    k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+                    s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
+                    s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
+                if SCALE_MODE == SCALE_TOKEN and not (F16 or MMA8):
+                    if RAW:
+                        tok_sc = sc_raw
+                    else:
+                        tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
+                    s = s * (tok_sc * qk_scale)[None, :]
+                elif not (F16 or MMA8):
+                    s = s * qk_scale
+                if not (DESC_ON and phase == 0):
+                    visible = tok_ok[None, :] & (toks[None, :] < limit[:, None])
+                    s = tl.where(visible, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if F16 or MMA8:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·TOP rounded to fp16 (≤ 2^15) or e4m3
-            # (PV8: ≤ 2^8), the accumulator in units of c_t / TOP
-            if PV8:
-                TOP: tl.constexpr = P8_TOP
-                UNTOP: tl.constexpr = P8_UNTOP
-                p_ty: tl.constexpr = tl.float8e4nv
-                pv_ty: tl.constexpr = f8_ty
-            else:
-                TOP: tl.constexpr = F16_TOP
-                UNTOP: tl.constexpr = F16_UNTOP
-                p_ty: tl.constexpr = tl.float16
-                pv_ty: tl.constexpr = f16_ty
-            if SCALE_MODE == SCALE_TENSOR:  # units 1/TOP throughout
-                p = p * TOP
-                rescale = alpha
-            else:
-                if SCALE_MODE == SCALE_TOKEN:
-                    p = p * (sc_raw * (TOP / c_t))[None, :]
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if F16 or MMA8:  # V = k·c_t·(scale/c_t): p·(scale/c_t)·TOP rounded to fp16 (≤ 2^15) or e4m3
+                    # (PV8: ≤ 2^8), the accumulator in units of c_t / TOP
+                    if PV8:
+                        TOP: tl.constexpr = P8_TOP
+                        UNTOP: tl.constexpr = P8_UNTOP
+                        p_ty: tl.constexpr = tl.float8e4nv
+                        pv_ty: tl.constexpr = f8_ty
+                    else:
+                        TOP: tl.constexpr = F16_TOP
+                        UNTOP: tl.constexpr = F16_UNTOP
+                        p_ty: tl.constexpr = tl.float16
+                        pv_ty: tl.constexpr = f16_ty
+                    if SCALE_MODE == SCALE_TENSOR:  # units 1/TOP throughout
+                        p = p * TOP
+                        rescale = alpha
+                    else:
+                        if SCALE_MODE == SCALE_TOKEN:
+                            p = p * (sc_raw * (TOP / c_t))[None, :]
+                        else:
+                            p = p * TOP
+                        u_t = c_t * UNTOP
+                        rescale = alpha * (u_prev / u_t)
+                        u_prev = u_t
+                    if PV8:
+                        p_op = _round_e4m3(p, f8_ty, INTERPRET)
+                    else:
+                        p_op = p.to(p_ty).to(pv_ty)
+                    if SWAP:  # O^T [D_LAT, M] += V^T·P^T
+                        acc = tl.dot(tl.trans(k), tl.trans(p_op), acc * rescale[None, :], input_precision=DOT_PRECISION)
+                    else:
+                        acc = tl.dot(p_op, k, acc * rescale[:, None], input_precision=DOT_PRECISION)
+                elif BATCHED:  # p (·scale_t for each tile t), times 2^PRE
+                    if SCALE_MODE == SCALE_TOKEN:
+                        p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
+                    if TILED:
+                        p_t = (p[None, :, :] * (tile_sc * pre)[:, None, :]).to(dot_ty)                 # [NT, M, N]
+                    else:
+                        p_t = tl.broadcast_to((p * pre).to(dot_ty)[None, :, :], (NT, BLOCK_M, BLOCK_N))
+                    acc = tl.dot(p_t, k, acc * alpha[None, :, None], input_precision=DOT_PRECISION)
                 else:
-                    p = p * TOP
-                u_t = c_t * UNTOP
-                rescale = alpha * (u_prev / u_t)
-                u_prev = u_t
-            if PV8:
-                p_op = _round_e4m3(p, f8_ty, INTERPRET)
-            else:
-                p_op = p.to(p_ty).to(pv_ty)
-            if SWAP:  # O^T [D_LAT, M] += V^T·P^T
-                acc = tl.dot(tl.trans(k), tl.trans(p_op), acc * rescale[None, :], input_precision=DOT_PRECISION)
-            else:
-                acc = tl.dot(p_op, k, acc * rescale[:, None], input_precision=DOT_PRECISION)
-        elif BATCHED:  # p (·scale_t for each tile t), times 2^PRE
-            if SCALE_MODE == SCALE_TOKEN:
-                p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
-            if TILED:
-                p_t = (p[None, :, :] * (tile_sc * pre)[:, None, :]).to(dot_ty)                 # [NT, M, N]
-            else:
-                p_t = tl.broadcast_to((p * pre).to(dot_ty)[None, :, :], (NT, BLOCK_M, BLOCK_N))
-            acc = tl.dot(p_t, k, acc * alpha[None, :, None], input_precision=DOT_PRECISION)
-        else:
-            if SCALE_MODE == SCALE_TOKEN:
-                p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
-            if BITCAST:
-                p = p * pre
-            acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+                    if SCALE_MODE == SCALE_TOKEN:
+                        p = p * tok_sc[None, :]  # V = latent·scale: fold the scale into p
+                    if BITCAST:
+                        p = p * pre
+                    acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
+                m_i = m_new
 
     if SWAP:
         acc = tl.trans(acc)
