@@ -1,7 +1,7 @@
 """Sweep of ``mla_decode``'s split count × kernel configuration at one BF16 shape, in one GPU call.
 
     python -m benchmarks.sweep_mla_decode [--out sweep_mla_decode.json] [--batch 64] [--ctx 4096] [--rounds 5]
-        [--kind bf16 | fp8_e4m3 [--fp8-dequant fp8mma]]
+        [--kind bf16 | fp8_e4m3 [--fp8-dequant fp8mma]] [--only SUBSTRING ...]
 
 The launcher picks the split count first (``plan_num_splits``) and the autotuner then picks the kernel
 configuration for it; a configuration with fewer registers or less shared memory fits more programs per SM,
@@ -14,15 +14,18 @@ config), and the launcher's choice with plain launches instead of programmatic d
 empty), and with bf16 split partials (``PARTIAL_DTYPE``) at the launcher's split count and at 5 and 6. Reports
 µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the same run.
 ``--kind fp8_e4m3`` sweeps FP8 pages (per-token scales) with ``--fp8-dequant``'s own candidates instead.
+``no_tma_launch``: the launcher with ``TMA_LAUNCH`` off (the autotuner and its own split count, as before session
+11). ``--only`` keeps the settings whose name contains one of the substrings.
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import torch
 
-from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
+from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
 
 HEADS = 16
 SPLITS = (2, 3, 4, 5, 8)
@@ -69,10 +72,12 @@ def _config(c) -> dict:
 def main(argv: list[str] | None = None) -> int:
     def extra(ap):
         ap.add_argument("--batch", type=int, default=64)
+        ap.add_argument("--heads", type=int, default=HEADS, help="query heads (≤ 16: the 16-row candidates)")
         ap.add_argument("--ctx", type=int, default=4096)
         ap.add_argument("--rounds", type=int, default=5, help="round-robin timing passes over the settings")
         ap.add_argument("--kind", choices=("bf16", "fp8_e4m3"), default="bf16")
         ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16"), default="fp8mma")
+        ap.add_argument("--only", nargs="*", help="time only the settings whose name contains one of these")
     args = sweep_args(__doc__, "sweep_mla_decode.json", None, argv, extra)
     if args is None:
         return 2
@@ -84,35 +89,43 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = Context()
     measure_ceilings(ctx)
-    batch, n, kind = args.batch, args.ctx, args.kind
+    batch, n, kind, heads = args.batch, args.ctx, args.kind, args.heads
     dequant = args.fp8_dequant if kind != "bf16" else "auto"
-    num_pages = 16 * batch * n // PAGE   # 16 distinct input sets at most (bench_mla_decode._input_sets)
+    # enough distinct input sets that one pass exceeds 3x L2 (at most 16: bench_mla_decode._input_sets)
+    num_pages = max(1, min(16, math.ceil(3 * L2_BYTES / (batch * n * _row_bytes(kind))))) * batch * n // PAGE
     pool, scales = _fill_pool(kind, num_pages, "cuda")
-    sets = _input_sets(batch, n, HEADS, kind, num_pages, "cuda")
+    sets = _input_sets(batch, n, heads, kind, num_pages, "cuda")
     seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-    moved = batch * (n * _row_bytes(kind) + HEADS * 2 * (D_LATENT + D_ROPE + D_LATENT))
+    moved = batch * (n * _row_bytes(kind) + heads * 2 * (D_LATENT + D_ROPE + D_LATENT))
 
     def decode(splits=None, config=None):
         return lambda: [mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, num_splits=splits,
                                    max_seq_len=n, validate=False, config=config, fp8_dequant=dequant)
                         for q, tb in sets]
 
-    planned = plan_num_splits(batch, 1, HEADS, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")))
+    import mla_quant.kernels.mla_decode as md
+
+    tma = md.TMA_LAUNCH and kind == "bf16"  # the launcher's TMA_CONFIG (the sweep's pool is TMA-readable)
+    planned = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")),
+                              per_sm=1 if tma else None)
     fns = {"default": decode()}
     for s in SPLITS:
         for c in CONFIGS[kind if kind == "bf16" else dequant]:
             fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
         fns[json.dumps(merge)] = _patched(decode(), merge)
+    fns["no_tma_launch"] = _patched(decode(), {"TMA_LAUNCH": False})
     fns["no_pdl"] = _patched(decode(), {"ENABLED": False}, _pdl)
     fns["pdl_all"] = _patched(decode(), {"SKIP": frozenset()}, _pdl)
     for s in (None, 5, 6):   # bf16 partials: half the split traffic, so more splits may pay
         fns[f"partials_bf16_splits{s or planned}"] = _patched(decode(s), {"PARTIAL_DTYPE": torch.bfloat16})
+    if args.only:
+        fns = {k: f for k, f in fns.items() if k == "default" or any(o in k for o in args.only)}
     decode()()
-    tuned = tuned_config()
+    tuned = "TMA_CONFIG" if tma else tuned_config()
     times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
     rows = []
-    print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {HEADS} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "
+    print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {heads} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "
           f"{tuned}", flush=True)
     for name, got in times.items():
         if isinstance(got, str):
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                      "frac_of_copy": round(frac, 4)})
         print(f"  {name:100s} {t:8.2f} µs (min {min(got):.2f}, max {max(got):.2f}) {frac:.3f} of copy", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta(ctx), "kind": kind, "fp8_dequant": dequant, "heads": HEADS, "batch": batch, "ctx": n, "launcher_splits": planned,
+        json.dump({"meta": meta(ctx), "kind": kind, "fp8_dequant": dequant, "heads": heads, "batch": batch, "ctx": n, "launcher_splits": planned,
                    "launcher_config": tuned, "rows": rows}, f, indent=1)
     return 0
 

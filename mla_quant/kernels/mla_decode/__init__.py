@@ -39,6 +39,13 @@ BITCAST_MIN_ROWS = 64
 # bitcast at 128 heads x batch 64; slower at batch 1 x 4k (0.88x the conversion at 16 heads, 0.64x the bitcast at 128)
 FP8_MMA_MIN_TOKENS = 32768
 COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that merges the KV splits
+# bf16 pages, ≤ 16 query rows per request, 64-token tiles within a page and rows TMA can address: the launcher
+# runs TMA_CONFIG (whole tiles by TMA, two in flight, 164 KB of shared memory: one program per SM) with the KV
+# split planned for one program per SM. H200, 16 heads x batch 64 x 4k (results/sweep_mla_decode_h200.json,
+# session 11): 2 splits 90.5 µs = 0.797 of copy, against 98.6 (0.731) for the autotuned pointer-load kernel at its
+# 4 splits; the TMA config at 4 splits (two waves) 101.0. TMA_LAUNCH False: the autotuner as before (sweeps).
+TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, TMA=True, num_warps=8, num_stages=3)
+TMA_LAUNCH = True
 
 
 def _is_pow2(n: int) -> bool:
@@ -84,14 +91,15 @@ def _block_m(m_rows: int) -> int:
 
 
 def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d_latent: int, d_rope: int,
-                    num_sms: int) -> int:
-    """The launcher's KV-split count for a shape: fill ~2 programs per SM (1 for 64-row head blocks, which
-    use most of the registers); a split reads at least 128 tokens and at least the bytes its fp32 partial
-    output costs (written, then read by the combine — mostly from L2)."""
+                    num_sms: int, per_sm: int | None = None) -> int:
+    """The launcher's KV-split count for a shape: fill ``per_sm`` programs per SM (default ~2; 1 for 64-row head
+    blocks, which use most of the registers, and for TMA_CONFIG's shared memory); a split reads at least 128
+    tokens and at least the bytes its fp32 partial output costs (written, then read by the combine — mostly
+    from L2)."""
     block_m = _block_m(s_q * heads)
     row_bytes = kv_row_width(kind, d_latent, d_rope) * kv_data_dtype(kind).itemsize + (4 if kind == "fp8_e4m3" else 0)
     min_tokens = max(128, block_m * d_latent * 8 // row_bytes)
-    slots = num_sms * (2 if block_m <= 32 else 1)
+    slots = num_sms * (per_sm or (2 if block_m <= 32 else 1))
     return choose_num_splits(batch * triton.cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
 
 
@@ -145,8 +153,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``out`` / ``lse``: optional preallocated outputs (contiguous, the shapes and dtypes above).
     ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
     ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``PREFETCH`` (load the next tile's bytes one
-    iteration ahead), ``num_warps`` / ``num_stages`` (tests, tuning). :func:`tuned_config` names the autotuner's
-    choice of the last launch.
+    iteration ahead), ``TMA`` (bf16 / fp8_e4m3 pages: read whole tiles through TMA descriptors where the pages
+    allow it, see ``_tma_rows``), ``num_warps`` / ``num_stages`` (tests, tuning). Without it, bf16 pages with
+    ≤ 16 query rows run ``TMA_CONFIG`` where TMA can read them, everything else the autotuner;
+    :func:`tuned_config` names the autotuner's choice of the last tuned launch.
     ``fp8_dequant``: ``"convert"`` (Triton's e4m3 conversion, ds_mla tile scales multiplied into the tile),
     ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within rounding;
     docs/mla.md), ``"fp16"`` (the conversion to fp16 dot operands, q and p pre-scaled by powers of two; bf16 /
@@ -239,10 +249,15 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if bsz == 0 or m_rows == 0:
         return out, lse
     interpreted = triton_interpreted()
+    tma_launch = (config is None and TMA_LAUNCH and not interpreted and kind == "bf16" and m_rows <= 16
+                  and d <= 576 and _tma_rows(kv_data, kind, TMA_CONFIG["BLOCK_N"]))
+    if tma_launch:
+        config = TMA_CONFIG
     if num_splits is None:
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms)
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
+                                     per_sm=1 if tma_launch else None)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
 
@@ -285,19 +300,24 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     return out, lse
 
 
+def _tma_rows(kv_data: torch.Tensor, kind: str, block_n: int) -> bool:
+    """Whether TMA can read the pages as tiles of ``block_n`` rows: bf16 / fp8_e4m3 pages whose page stride is
+    page_size rows, 16-byte aligned rows, tiles within a page."""
+    page_size = kv_data.shape[1]
+    row_bytes = kv_data.stride(1) * kv_data.element_size()
+    return (kind in ("bf16", "fp8_e4m3") and kv_data.stride(2) == 1 and page_size % block_n == 0
+            and kv_data.stride(0) == page_size * kv_data.stride(1) and row_bytes % 16 == 0
+            and kv_data.data_ptr() % 16 == 0)
+
+
 def _page_descriptors(kv_data: torch.Tensor, kind: str, d_latent: int, block_n: int):
     """TMA descriptors (latent, rope) over bf16 / fp8_e4m3 pages as [pages·page_size, row width] rows, blocks
-    [block_n, d_latent] and [block_n, d_rope]; (None, None) where TMA cannot read them: other kinds, a page stride
-    that is not page_size rows, unaligned rows (16 bytes), a tile spanning pages."""
-    if kind not in ("bf16", "fp8_e4m3"):
-        return None, None
-    pages, page_size, width = kv_data.shape
-    row_bytes = kv_data.stride(1) * kv_data.element_size()
-    if (kv_data.stride(2) != 1 or kv_data.stride(0) != page_size * kv_data.stride(1) or row_bytes % 16
-            or kv_data.data_ptr() % 16 or page_size % block_n):
+    [block_n, d_latent] and [block_n, d_rope]; (None, None) where TMA cannot read them (:func:`_tma_rows`)."""
+    if not _tma_rows(kv_data, kind, block_n):
         return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    pages, page_size, width = kv_data.shape
     shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
     return (TensorDescriptor(kv_data, shape, strides, [block_n, d_latent]),
             TensorDescriptor(kv_data, shape, strides, [block_n, width - d_latent]))
