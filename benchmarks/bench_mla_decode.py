@@ -15,7 +15,8 @@ in two terms or one; PV in fp16 or e4m3 — lossier, docs/mla.md "fp8 tensor-cor
 under ``--quick``); peer =
 the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs). Rows without a ``variant`` key
 time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
-Every row logs ``config``: the autotuner's choice for it (``mla_decode.tuned_config()``, e.g. ``m16n32w8s2p``).
+Every row logs the launch's ``config`` and ``num_splits`` (``mla_decode.last_launch()``, e.g. ``m16n32w8s2p``, or
+``m16n64w8s3-tma`` for the bf16 TMA launch).
 BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``variant: "splits=N"``, N ≠ the
 launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth; there and at
 batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time the split merge kernels alone
@@ -40,7 +41,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import combine_splits, mla_decode, plan_num_splits, tuned_config
+from mla_quant.kernels.mla_decode import combine_splits, last_launch, mla_decode
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -143,7 +144,6 @@ def run(ctx: Context) -> list[dict]:
     dev = ctx.device
     heads_list, batches, contexts = ((16, 128), (1, 64), (4096, 65536)) if ctx.quick else (HEADS, BATCHES, CONTEXTS)
     num_pages = max(batches) * max(contexts) // PAGE
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     cases, bf16_us = [], {}
     for kind in _kinds():
         pool, scales = _fill_pool(kind, num_pages, dev)
@@ -157,7 +157,6 @@ def run(ctx: Context) -> list[dict]:
             seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
             moved = batch * n * _row_bytes(kind) + batch * heads * (2 * (D_LATENT + D_ROPE) + 2 * D_LATENT)
             flops = 2 * batch * heads * n * (D_LATENT + D_ROPE + D_LATENT)
-            splits = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, sms)
             keys = {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE}
 
             def call(q, table, dequant="convert", num_splits=None):
@@ -173,7 +172,7 @@ def run(ctx: Context) -> list[dict]:
                             input_sets=len(sets), **fields)
 
             t = _graph_us(lambda: [call(q, tb) for q, tb in sets], len(sets))
-            config = tuned_config()
+            splits, config = last_launch()  # the launcher's split count and kernel configuration
             if kind == "bf16":
                 bf16_us[(heads, batch, n)] = t
                 peer, peer_t = "torch_composition", None
@@ -187,8 +186,8 @@ def run(ctx: Context) -> list[dict]:
                     live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
                         lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))
                 if live[variant]:
-                    cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=splits,
-                                     config=tuned_config(), vs_convert=round(t / t_v, 3)))
+                    cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=last_launch()[0],
+                                     config=last_launch()[1], vs_convert=round(t / t_v, 3)))
             short = batch >= 32 and n == 4096  # the short-context bandwidth goal's rows
             if kind == "bf16" and heads <= 16 and (short or batch == 1):
                 if splits > 1:  # the merge kernel alone, on partials of this shape (fp32, as the kernel writes)
@@ -205,7 +204,7 @@ def run(ctx: Context) -> list[dict]:
                 for forced in (f for f in SPLIT_VARIANTS if f != splits and short):
                     t_s = _graph_us(lambda: [call(q, tb, num_splits=forced) for q, tb in sets], len(sets))
                     cases.append(row({"variant": f"splits={forced}"}, t_s, peer, peer_t, num_splits=forced,
-                                     config=tuned_config(), vs_planned=round(t / t_s, 3)))
+                                     config=last_launch()[1], vs_planned=round(t / t_s, 3)))
             del sets
         del pool, scales
         torch.cuda.empty_cache()

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mla_quant.kernels import _pdl
     from mla_quant.kernels._gemm_utils import num_sms
-    from mla_quant.kernels.mla_decode import mla_decode, plan_num_splits, tuned_config
+    from mla_quant.kernels.mla_decode import last_launch, mla_decode, plan_num_splits
 
     from .bench_mla_decode import D_LATENT, D_ROPE, PAGE, SCALE, _fill_pool, _input_sets, _row_bytes
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         fns = {k: f for k, f in fns.items() if k == "default" or any(o in k for o in args.only)}
     decode()()
-    tuned = "TMA_CONFIG" if tma else tuned_config()
+    tuned = last_launch()[1]
     times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
     rows = []
     print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {heads} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "

@@ -19,7 +19,7 @@ from .._pdl import pdl_launch
 from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
-__all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
+__all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits", "last_launch",
            "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -232,11 +232,23 @@ def tuned_config() -> str | None:
     from .kernel import _mla_decode_kernel_tuned
 
     c = getattr(_mla_decode_kernel_tuned, "best_config", None)
-    if c is None:
-        return None
-    kw = c.kwargs
-    return (f"m{kw['BLOCK_M']}n{kw['BLOCK_N']}w{c.num_warps}s{c.num_stages}"
-            + ("t" if kw["QK_SPLIT_LOAD"] else "") + ("p" if kw.get("PREFETCH") else ""))
+    return None if c is None else _config_name({**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
+
+
+def _config_name(kw: dict) -> str:
+    return (f"m{kw['BLOCK_M']}n{kw['BLOCK_N']}w{kw.get('num_warps', 4)}s{kw.get('num_stages', 3)}"
+            + ("t" if kw["QK_SPLIT_LOAD"] else "") + ("p" if kw.get("PREFETCH") else "")
+            + ("-tma" if kw.get("TMA") else ""))
+
+
+_LAST_LAUNCH: tuple[int, str | None] | None = None
+
+
+def last_launch() -> tuple[int, str | None] | None:
+    """(KV splits, kernel configuration) of the last Triton launch of :func:`mla_decode`, e.g. ``(2,
+    "m16n64w8s3-tma")`` for ``TMA_CONFIG`` (``-tma``: whole tiles through TMA descriptors); None before any
+    (benchmarks log it per row)."""
+    return _LAST_LAUNCH
 
 
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
@@ -290,11 +302,14 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
 
     if config is None and interpreted:
         config = dict(BLOCK_M=_block_m(m_rows), BLOCK_N=16, QK_SPLIT_LOAD=False)
+    global _LAST_LAUNCH
     if config is not None:
         _check_config(config)
         _mla_decode_kernel[grid](*args, **meta, **config)
+        _LAST_LAUNCH = (num_splits, _config_name(config))
     else:
         _mla_decode_kernel_tuned[grid](*args, **meta)
+        _LAST_LAUNCH = (num_splits, tuned_config())
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse
