@@ -6,7 +6,8 @@ goes beside what the bench rows say about the whole call.
 Cases: the fused MoE at one Kimi token (INT4 group 32 and FP8 block experts, 384 experts, top-8), the dense
 W4A16 at M = 1 (2048 × 7168), the DSA decode step at one GLM 5.2 request of 64k (8 heads, fp8_ds_mla pages:
 indexer + top-k + sparse attention, the ``bench_dsa`` step) and the BF16 MLA decode at 16 heads, batch 64, 4k
-(the short-context bandwidth goal's shape). Each call runs ``--reps`` times after a warm-up (eager launches:
+(the short-context bandwidth goal's shape; also batch 32, and fp8_e4m3 pages at batch 64). ``--only`` keeps the
+cases whose label contains one of the given substrings. Each call runs ``--reps`` times after a warm-up (eager launches:
 the gaps between kernels are the host's and not reported; the kernel durations are the device's). Prints, per
 case, each kernel's mean µs per call and its share of the summed kernel time, and writes them as JSON.
 """
@@ -59,6 +60,8 @@ def cases(dev) -> dict:
     out["w4a16 M=1 2048x7168"] = lambda: w4a16_gemm(x1, packed, scale, 32)
     out["dsa_decode fp8_ds_mla 8h batch 1 64k"] = _dsa_step(dev)
     out["mla_decode bf16 16h batch 64 4k"] = _mla_decode(dev)
+    out["mla_decode bf16 16h batch 32 4k"] = _mla_decode(dev, batch=32)
+    out["mla_decode fp8_e4m3 16h batch 64 4k"] = _mla_decode(dev, kind="fp8_e4m3")
     return out
 
 
@@ -80,16 +83,16 @@ def _dsa_step(dev):
     return step
 
 
-def _mla_decode(dev):
+def _mla_decode(dev, batch=64, kind="bf16"):
     from mla_quant.kernels.mla_decode import mla_decode
 
     from .bench_mla_decode import D_LATENT, PAGE, SCALE, _fill_pool
-    batch, n, heads = 64, 4096, 16
-    pool, scales = _fill_pool("bf16", batch * n // PAGE, dev)
+    n, heads = 4096, 16
+    pool, scales = _fill_pool(kind, batch * n // PAGE, dev)
     table = torch.randperm(batch * n // PAGE, device=dev).to(torch.int32).reshape(batch, -1)
     seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
     q = torch.randn(batch, 1, heads, D_LATENT + 64, device=dev, dtype=torch.bfloat16)
-    return lambda: mla_decode(q, pool, scales, table, seq_lens, SCALE, "bf16", D_LATENT, max_seq_len=n,
+    return lambda: mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
                               validate=False)
 
 
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", nargs="*", help="profile only the cases whose label contains one of these")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profiling needs CUDA (run it on the H200)", file=sys.stderr)
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {}
     with torch.inference_mode():
         for label, fn in cases("cuda").items():
+            if args.only and not any(o in label for o in args.only):
+                continue
             rows = kernel_times(fn, args.reps)
             total = sum(r[1] for r in rows)
             print(f"\n{label}: {total:.1f} µs of kernels per call", flush=True)
