@@ -653,12 +653,12 @@ F16_CONFIGS = (
 # (Triton 3.6, 16 heads): fp8mma_pv m16n128w8 240 registers, no spills, 99 warp-instructions per token (pv_q1: 210,
 # 90); m16n64w4 255 registers with 180-1200 bytes of spills; PREFETCH spills 9-11 KB (not a candidate). 128 heads:
 # m64n32w8 (q·K^T as is, wgmma e4m3 m64n16k32) 48-140 bytes of spills; m64n32w4 / m32n64w4 3-12 KB (not candidates).
-# Session 11 (the block table read per chunk, so num_stages 3 keeps two tile buffers): 128 heads, token scales,
-# m64n64w8s2 1264 bytes of spills, m64n32w8s3 660 (both 255 registers, one program per SM); 16-token tiles are
-# too narrow for the e4m3 PV dot (K ≥ 32).
+# Session 11 (the block table read per chunk, so num_stages 3 keeps two tile buffers): m64n32w8s3 (660 bytes of
+# spills against m64n64w8s2's 1264, 128 heads, token scales) was a candidate for one H200 run (3d692da) and the
+# autotuner kept m64n64w8s2 at every 128-head shape of the bench (538.9 µs at batch 64 × 4k), so it is not one.
 FP8_MMA_CONFIGS = (
     (16, 64, False, 4, 2, False), (16, 64, False, 4, 3, False), (16, 128, False, 8, 2, False),
-    (64, 32, False, 8, 2, False), (64, 64, False, 8, 2, False), (64, 32, False, 8, 3, False),
+    (64, 32, False, 8, 2, False), (64, 64, False, 8, 2, False),
 )
 _mla_decode_kernel_tuned = triton.autotune(
     [triton.Config({"BLOCK_M": k[0], "BLOCK_N": k[1], "QK_SPLIT_LOAD": k[2], "PREFETCH": k[5]}, num_warps=k[3],
