@@ -44,6 +44,10 @@ CONFIGS = {
                (16, 64, False, 8, 3, False)),
     "fp16": ((16, 32, False, 8, 2, False), (16, 32, False, 8, 3, False), (16, 32, False, 8, 3, True),
              (16, 16, False, 4, 3, False)),
+    # bitcast: the words by pointer loads (the autotuner's m16n32w4s2) or staged by TMA (no spills: m16n32w4 208 /
+    # 229 registers at 2 / 3 stages, 2 programs per SM; m16n64w8s3 172 registers, 156 KB, 1 per SM)
+    "bitcast": ((16, 32, False, 4, 2, False), (16, 32, False, 4, 2, True), (16, 32, False, 4, 3, True),
+                (16, 64, False, 8, 3, True), (16, 32, False, 8, 3, True), (16, 64, False, 8, 4, True)),
 }
 
 
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--ctx", type=int, default=4096)
         ap.add_argument("--rounds", type=int, default=5, help="round-robin timing passes over the settings")
         ap.add_argument("--kind", choices=("bf16", "fp8_e4m3"), default="bf16")
-        ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16"), default="fp8mma")
+        ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16", "bitcast"), default="fp8mma")
         ap.add_argument("--only", nargs="*", help="time only the settings whose name contains one of these")
     args = sweep_args(__doc__, "sweep_mla_decode.json", None, argv, extra)
     if args is None:
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
         fns[json.dumps(merge)] = _patched(decode(), merge)
     fns["no_tma_launch"] = _patched(decode(), {"TMA_LAUNCH": False})
+    if kind != "bf16":  # the launcher's own fp8_dequant choice ("auto"), beside the swept one
+        fns["fp8_dequant_auto"] = lambda: [
+            mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n, validate=False)
+            for q, tb in sets]
     fns["no_pdl"] = _patched(decode(), {"ENABLED": False}, _pdl)
     fns["pdl_all"] = _patched(decode(), {"SKIP": frozenset()}, _pdl)
     for s in (None, 5, 6):   # bf16 partials: half the split traffic, so more splits may pay

@@ -564,8 +564,9 @@ def test_kernel_rejects_bad_split_count_and_dims(triton_backend):
 
 def test_tma_tiles_equal_pointer_loads_and_need_plain_pages(triton_backend, monkeypatch):
     """TMA=True reads the split's whole, visible tiles through descriptors (same bytes, same dots as the pointer
-    loads: equal outputs) and only those: descriptors over zeroed pages change exactly the requests with such
-    tiles. No descriptors (pointer loads) for pages that are not plain rows, tiles spanning pages, fp8_ds_mla."""
+    loads: equal outputs; the bitcast path's int32 words too) and only those: descriptors over zeroed pages change
+    exactly the requests with such tiles. No descriptors (pointer loads) for pages that are not plain rows, tiles
+    spanning pages, fp8_ds_mla."""
     import mla_quant.kernels.mla_decode as md
 
     lengths, page_size = [70, 33, 5, 16], 16
@@ -573,27 +574,30 @@ def test_tma_tiles_equal_pointer_loads_and_need_plain_pages(triton_backend, monk
                          dtype=torch.int32)
     q = torch.randn(4, 2, 3, 160)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, QK_SPLIT_LOAD=False)
-    for kind, ts in (("bf16", None), ("fp8_e4m3", None), ("fp8_e4m3", 0.05)):
+    for kind, ts, dequant in (("bf16", None, "convert"), ("fp8_e4m3", None, "convert"), ("fp8_e4m3", 0.05, "convert"),
+                              ("fp8_e4m3", None, "bitcast"), ("fp8_e4m3", 0.05, "bitcast")):
         data, scales, _ = build_pages(lengths, table, 10, page_size, kind, ts, 128, 32, seed=3,
                                       device=triton_backend)
         args = (q.to(triton_backend), data, scales, table.to(triton_backend),
                 torch.tensor(lengths, dtype=torch.int32, device=triton_backend), 0.1, kind, 128)
         for splits in (1, 2):
-            o0, lse0 = mla_decode(*args, num_splits=splits, config=cfg)
-            o1, lse1 = mla_decode(*args, num_splits=splits, config={**cfg, "TMA": True})
-            assert torch.equal(o0, o1) and torch.allclose(lse0, lse1, atol=1e-5), (kind, ts, splits)
+            o0, lse0 = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant=dequant)
+            o1, lse1 = mla_decode(*args, num_splits=splits, config={**cfg, "TMA": True}, fp8_dequant=dequant)
+            assert torch.equal(o0, o1) and torch.allclose(lse0, lse1, atol=1e-5), (kind, ts, dequant, splits)
+        o0 = mla_decode(*args, num_splits=1, config=cfg, fp8_dequant=dequant)[0]
         real = md._page_descriptors
-        monkeypatch.setattr(md, "_page_descriptors", lambda kv, *a: real(torch.zeros_like(kv), *a))
-        o2, _ = mla_decode(*args, num_splits=1, config={**cfg, "TMA": True})
+        monkeypatch.setattr(md, "_page_descriptors", lambda kv, *a, **kw: real(torch.zeros_like(kv), *a, **kw))
+        o2, _ = mla_decode(*args, num_splits=1, config={**cfg, "TMA": True}, fp8_dequant=dequant)
         monkeypatch.setattr(md, "_page_descriptors", real)
         # s_q = 2: a request's whole visible tiles end before seq_len - 1; request 2 (5 tokens) has none
         changed = [not torch.equal(o2[b], o0[b]) for b in range(4)]
-        assert changed == [True, True, False, False], (kind, ts, changed)
+        assert changed == [True, True, False, False], (kind, ts, dequant, changed)
     padded = torch.zeros(10, page_size + 1, data.shape[-1], dtype=data.dtype, device=data.device)
     padded[:, :page_size] = data
     assert md._page_descriptors(padded[:, :page_size], kind, 128, 16) == (None, None)
     assert md._page_descriptors(data, kind, 128, 32) == (None, None)  # a tile would span two pages
     assert md._page_descriptors(data, "fp8_ds_mla", 128, 16) == (None, None)
+    assert md._page_descriptors(data, "bf16", 128, 16, words=True) == (None, None)  # words: fp8_e4m3 only
 
 
 def test_tma_launch_plans_one_program_per_sm():
@@ -632,7 +636,7 @@ def test_tma_and_multi_buffered_tiles_match_reference_gpu(kind, tensor_scale, he
     args = _real_dim_args(kind, tensor_scale, heads, s_q, [64, 200, 4097, 130 * 64 + 5], seed=2)
     o_ref, lse_ref = mla_decode_reference(*args)
     bm = 16 if heads * s_q <= 16 else 64
-    dequants = ["convert"] if kind == "bf16" else ["convert", "fp16"]
+    dequants = ["convert"] if kind == "bf16" else ["convert", "fp16", "bitcast"]
     base = mla_decode(*args, num_splits=3, config=dict(BLOCK_M=bm, BLOCK_N=16, QK_SPLIT_LOAD=False),
                       fp8_dequant="convert")[0].float()
     for dequant in dequants:

@@ -285,7 +285,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
         o_dst, lse_dst = out, lse
     descs = (None, None)
     if config is not None and config.get("TMA"):
-        descs = _page_descriptors(kv_data, kind, d_latent, config["BLOCK_N"])
+        descs = _page_descriptors(kv_data, kind, d_latent, config["BLOCK_N"], words=fp8_bitcast)
         config = {**config, "TMA": descs[0] is not None}
     args = (q, lat, rope, sc, block_table, seq_lens, o_dst, lse_dst, *descs,
             softmax_scale * math.log2(math.e), s_q, heads, num_splits,
@@ -325,17 +325,20 @@ def _tma_rows(kv_data: torch.Tensor, kind: str, block_n: int) -> bool:
             and kv_data.data_ptr() % 16 == 0)
 
 
-def _page_descriptors(kv_data: torch.Tensor, kind: str, d_latent: int, block_n: int):
+def _page_descriptors(kv_data: torch.Tensor, kind: str, d_latent: int, block_n: int, words: bool = False):
     """TMA descriptors (latent, rope) over bf16 / fp8_e4m3 pages as [pages·page_size, row width] rows, blocks
-    [block_n, d_latent] and [block_n, d_rope]; (None, None) where TMA cannot read them (:func:`_tma_rows`)."""
-    if not _tma_rows(kv_data, kind, block_n):
+    [block_n, d_latent] and [block_n, d_rope]; ``words`` (fp8_e4m3, the bitcast path): over the pages as int32
+    words, blocks [block_n, d_latent / 4] and [block_n, d_rope / 4]. (None, None) where TMA cannot read them
+    (:func:`_tma_rows`)."""
+    if not _tma_rows(kv_data, kind, block_n) or words and (kind != "fp8_e4m3" or kv_data.shape[-1] % 4):
         return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     pages, page_size, width = kv_data.shape
-    shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
-    return (TensorDescriptor(kv_data, shape, strides, [block_n, d_latent]),
-            TensorDescriptor(kv_data, shape, strides, [block_n, width - d_latent]))
+    data, unit = (kv_data.view(torch.int32), 4) if words else (kv_data, 1)
+    shape, strides = [pages * page_size, width // unit], [data.stride(1), 1]
+    return (TensorDescriptor(data, shape, strides, [block_n, d_latent // unit]),
+            TensorDescriptor(data, shape, strides, [block_n, (width - d_latent) // unit]))
 
 
 # the splits' partial outputs (their lse stay fp32): bf16 halves the bytes they move (8 MB written and read at

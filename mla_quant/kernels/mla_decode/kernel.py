@@ -101,6 +101,12 @@ def _load_e4m3_16(rows, tok_ok, D: tl.constexpr, BLOCK_N: tl.constexpr, TO_FP16:
     hold NaN, masked slots are never read.)"""
     j = tl.arange(0, D // 4)
     w = tl.load(rows.to(tl.pointer_type(tl.int32))[:, None] + j[None, :], mask=tok_ok[:, None], other=0)
+    return _e4m3_words_16(w, D, BLOCK_N, TO_FP16, TO_F32)
+
+
+@triton.jit
+def _e4m3_words_16(w, D: tl.constexpr, BLOCK_N: tl.constexpr, TO_FP16: tl.constexpr, TO_F32: tl.constexpr):
+    """int32 words [BLOCK_N, D/4] holding D e4m3 bytes per row -> their 16-bit images (_load_e4m3_16)."""
     # w = bytes b0..b3 (columns 4j..4j+3); `ev` = images of (b0, b2) in its 16-bit halves, `od` = of (b1, b3)
     if TO_FP16:  # sign -> bit 15 of the half, magnitude bits 0..6 -> 7..13
         ev = ((w << 7) & 0x3F803F80) | ((w << 8) & -0x7FFF8000)  # -0x7FFF8000 = 0x80008000 (the sign bits)
@@ -211,7 +217,8 @@ def _mla_decode_kernel(
     is ignored; fp8_ds_mla and bf16 pages run the usual kernel.
     TMA (bf16 / fp8_e4m3 pages, one-load path without PREFETCH, BLOCK_N dividing the page size): ``lat_desc`` /
     ``rope_desc`` are TMA descriptors over the pages as [pages·page_size, row width] rows with [BLOCK_N, D_LAT] /
-    [BLOCK_N, D_ROPE] blocks. The split's full tiles below every row's causal limit are read through them (the
+    [BLOCK_N, D_ROPE] blocks (FP8_BITCAST with fewer than 64 rows: over the pages as int32 words, [BLOCK_N,
+    D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's causal limit are read through them (the
     pipeliner stages descriptor loads in shared memory; no masks), the rest with the masked pointer loads."""
     grid_dependency_sync(PDL)
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -325,8 +332,11 @@ def _mla_decode_kernel(
                                                    stride_sc_page, stride_sc_row, PAGE_SIZE, BLOCK_N, True)
         k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT, TILE,
                                               BLOCK_N)
+    # WORDS: the bitcast path's one load of fp8_e4m3 words per tile (its 16-row blocks), which TMA can stage
+    WORDS: tl.constexpr = BITCAST and not BATCHED and not QK_SPLIT_LOAD and SCALE_MODE != SCALE_TILE
     # one-load tiles of bf16 / fp8_e4m3 pages, each tile in one page (fp8_ds_mla: its 64-row blocks spill more)
-    ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0 and RAW and not PREFETCHED and SCALE_MODE != SCALE_TILE
+    ONE_PAGE: tl.constexpr = (PAGE_SIZE % BLOCK_N == 0 and not PREFETCHED and SCALE_MODE != SCALE_TILE
+                              and (RAW or WORDS and TMA))
     CHUNK_PAGES: tl.constexpr = 32  # block-table entries loaded per chunk of tiles
     CHUNK_TOKENS: tl.constexpr = CHUNK_PAGES * PAGE_SIZE
     DESC_ON: tl.constexpr = TMA and ONE_PAGE
@@ -372,11 +382,16 @@ def _mla_decode_kernel(
                 if DESC_ON and phase == 0:  # two TMA block loads (rows page·PAGE_SIZE + slot)
                     tok_ok = toks < end
                     row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
-                    k_raw = lat_desc.load([row0, 0])
-                    k_pe_raw = rope_desc.load([row0, D_LAT])
+                    slot = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
+                    sc_rows = scale_ptr + page.to(tl.int64) * stride_sc_page + slot * stride_sc_row
+                    if WORDS:  # int32 words of the e4m3 bytes (descriptors over the pages as int32)
+                        k_raw = lat_desc.load([row0, 0])
+                        k_pe_raw = rope_desc.load([row0, D_LAT // 4])
+                    else:
+                        k_raw = lat_desc.load([row0, 0])
+                        k_pe_raw = rope_desc.load([row0, D_LAT])
                     if SCALE_MODE == SCALE_TOKEN:
-                        slot = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
-                        sc_raw = tl.load(scale_ptr + page.to(tl.int64) * stride_sc_page + slot * stride_sc_row)
+                        sc_raw = tl.load(sc_rows)
                     else:
                         sc_raw = tl.zeros([BLOCK_N], tl.float32)
                 elif PREFETCHED:
@@ -475,6 +490,11 @@ def _mla_decode_kernel(
                     s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
                     k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                           BITCAST, TO_FP16)
+                elif DESC_ON and phase == 0:  # BITCAST, the words staged by TMA
+                    k = _e4m3_words_16(k_raw, D_LAT, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+                    k_pe = _e4m3_words_16(k_pe_raw, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+                    s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
+                    s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
                 else:  # BITCAST, one load
                     k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
                                           BITCAST, TO_FP16)
@@ -482,7 +502,7 @@ def _mla_decode_kernel(
                     s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
                     s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
                 if SCALE_MODE == SCALE_TOKEN and not (F16 or MMA8):
-                    if RAW:
+                    if RAW or (DESC_ON and phase == 0):
                         tok_sc = sc_raw
                     else:
                         tok_sc = tl.load(sc_rows, mask=tok_ok, other=0.0)
