@@ -611,6 +611,25 @@ def test_tma_launch_plans_one_program_per_sm():
     assert TMA_CONFIG["TMA"] and TMA_CONFIG["BLOCK_M"] == 16
 
 
+def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
+    """TMA_CONFIG serves bf16 pages with bf16 queries and ≤ 16 query rows whose rows TMA can address; anything
+    else (fp32 / fp16 queries, more rows, FP8 pages, a tile spanning pages, TMA_LAUNCH off) keeps the autotuner."""
+    import mla_quant.kernels.mla_decode as md
+
+    pages = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    assert md.takes_tma_launch(q, pages, "bf16")
+    assert md.takes_tma_launch(q[:, :, :8], pages, "bf16")                      # 8 heads
+    assert md.takes_tma_launch(torch.zeros(2, 2, 8, 576, dtype=torch.bfloat16), pages, "bf16")  # 2 tokens x 8
+    assert not md.takes_tma_launch(torch.zeros(2, 2, 16, 576, dtype=torch.bfloat16), pages, "bf16")
+    assert not md.takes_tma_launch(q.float(), pages, "bf16")
+    assert not md.takes_tma_launch(q.half(), pages, "bf16")
+    assert not md.takes_tma_launch(q, pages.to(torch.float8_e4m3fn), "fp8_e4m3")
+    assert not md.takes_tma_launch(q, torch.zeros(16, 16, 576, dtype=torch.bfloat16), "bf16")  # 16-token pages
+    monkeypatch.setattr(md, "TMA_LAUNCH", False)
+    assert not md.takes_tma_launch(q, pages, "bf16")
+
+
 # ------------------------------------------------------------------------------------------ GPU
 def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed):
     """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64, scale 0.1): bf16 queries

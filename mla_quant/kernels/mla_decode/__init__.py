@@ -20,7 +20,7 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits", "last_launch",
-           "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
+           "takes_tma_launch", "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -39,7 +39,8 @@ BITCAST_MIN_ROWS = 64
 # bitcast at 128 heads x batch 64; slower at batch 1 x 4k (0.88x the conversion at 16 heads, 0.64x the bitcast at 128)
 FP8_MMA_MIN_TOKENS = 32768
 COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that merges the KV splits
-# bf16 pages, ≤ 16 query rows per request, 64-token tiles within a page and rows TMA can address: the launcher
+# bf16 pages and queries, ≤ 16 query rows per request, 64-token tiles within a page and rows TMA can address
+# (takes_tma_launch): the launcher
 # runs TMA_CONFIG (whole tiles by TMA, two in flight, 164 KB of shared memory: one program per SM) with the KV
 # split planned for one program per SM. H200, 16 heads x batch 64 x 4k (results/sweep_mla_decode_h200.json,
 # session 11): 2 splits 90.5 µs = 0.797 of copy, against 98.6 (0.731) for the autotuned pointer-load kernel at its
@@ -154,8 +155,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
     ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``PREFETCH`` (load the next tile's bytes one
     iteration ahead), ``TMA`` (bf16 / fp8_e4m3 pages: read whole tiles through TMA descriptors where the pages
-    allow it, see ``_tma_rows``), ``num_warps`` / ``num_stages`` (tests, tuning). Without it, bf16 pages with
-    ≤ 16 query rows run ``TMA_CONFIG`` where TMA can read them, everything else the autotuner;
+    allow it, see ``_tma_rows``), ``num_warps`` / ``num_stages`` (tests, tuning). Without it, bf16 pages and
+    queries with ≤ 16 query rows run ``TMA_CONFIG`` where TMA can read them (:func:`takes_tma_launch`),
+    everything else the autotuner;
     :func:`tuned_config` names the autotuner's choice of the last tuned launch.
     ``fp8_dequant``: ``"convert"`` (Triton's e4m3 conversion, ds_mla tile scales multiplied into the tile),
     ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within rounding;
@@ -261,8 +263,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if bsz == 0 or m_rows == 0:
         return out, lse
     interpreted = triton_interpreted()
-    tma_launch = (config is None and TMA_LAUNCH and not interpreted and kind == "bf16" and m_rows <= 16
-                  and d <= 576 and _tma_rows(kv_data, kind, TMA_CONFIG["BLOCK_N"]))
+    tma_launch = config is None and not interpreted and takes_tma_launch(q, kv_data, kind)
     if tma_launch:
         config = TMA_CONFIG
     if num_splits is None:
@@ -313,6 +314,15 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse
+
+
+def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str) -> bool:
+    """Whether a tuned launch (no ``config``) on the GPU runs ``TMA_CONFIG``: bf16 pages TMA can read in
+    64-token tiles (:func:`_tma_rows`), bf16 queries (fp32 queries would need 324 KB of shared memory; fp16 ones
+    were not timed), at most 16 query rows per request and rows of at most 576 values (its 164 KB of shared
+    memory at 512 + 64)."""
+    return (TMA_LAUNCH and kind == "bf16" and q.dtype == torch.bfloat16 and q.shape[1] * q.shape[2] <= 16
+            and q.shape[3] <= 576 and _tma_rows(kv_data, kind, TMA_CONFIG["BLOCK_N"]))
 
 
 def _tma_rows(kv_data: torch.Tensor, kind: str, block_n: int) -> bool:
