@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     tuned = last_launch()[1]
     times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
     rows = []
-    print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {heads} heads, batch {batch}, ctx {n}; launcher: {planned} splits, "
-          f"{tuned}", flush=True)
+    print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {heads} heads, batch {batch}, ctx {n}; "
+          f"launcher: {planned} splits, {tuned}", flush=True)
     for name, got in times.items():
         if isinstance(got, str):
             print(f"  {name:100s} failed: {got}", flush=True)
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                      "frac_of_copy": round(frac, 4)})
         print(f"  {name:100s} {t:8.2f} µs (min {min(got):.2f}, max {max(got):.2f}) {frac:.3f} of copy", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta(ctx), "kind": kind, "fp8_dequant": dequant, "heads": heads, "batch": batch, "ctx": n, "launcher_splits": planned,
-                   "launcher_config": tuned, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta(ctx), "kind": kind, "fp8_dequant": dequant, "heads": heads, "batch": batch, "ctx": n,
+                   "launcher_splits": planned, "launcher_config": tuned, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -19,8 +19,8 @@ from .._pdl import pdl_launch
 from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
-__all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits", "last_launch",
-           "takes_tma_launch", "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
+__all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
+           "last_launch", "takes_tma_launch", "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -41,9 +41,10 @@ FP8_MMA_MIN_TOKENS = 32768
 COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that merges the KV splits
 # bf16 pages and queries, ≤ 16 query rows per request, 64-token tiles within a page and rows TMA can address
 # (takes_tma_launch): the launcher runs TMA_CONFIG (whole tiles by TMA, two in flight, 164 KB of shared memory:
-# one program per SM) with the KV split planned for one program per SM. H200, 16 heads x batch 64 x 4k (results/sweep_mla_decode_h200.json,
-# session 11): 2 splits 90.5 µs = 0.797 of copy, against 98.6 (0.731) for the autotuned pointer-load kernel at its
-# 4 splits; the TMA config at 4 splits (two waves) 101.0. TMA_LAUNCH False: the autotuner as before (sweeps).
+# one program per SM) with the KV split planned for one program per SM. H200, 16 heads x batch 64 x 4k
+# (results/sweep_mla_decode_h200.json, session 11): 2 splits 90.5 µs = 0.797 of copy, against 98.6 (0.731) for the
+# autotuned pointer-load kernel at its 4 splits; the TMA config at 4 splits (two waves) 101.0. TMA_LAUNCH False:
+# the autotuner as before (sweeps).
 TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, TMA=True, num_warps=8, num_stages=3)
 TMA_LAUNCH = True
 

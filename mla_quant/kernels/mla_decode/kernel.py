@@ -218,8 +218,9 @@ def _mla_decode_kernel(
     TMA (bf16 / fp8_e4m3 pages, one-load path without PREFETCH, BLOCK_N dividing the page size): ``lat_desc`` /
     ``rope_desc`` are TMA descriptors over the pages as [pages·page_size, row width] rows with [BLOCK_N, D_LAT] /
     [BLOCK_N, D_ROPE] blocks (FP8_BITCAST with fewer than 64 rows: over the pages as int32 words, [BLOCK_N,
-    D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's causal limit are read through them (the
-    pipeliner stages descriptor loads in shared memory; no masks), the rest with the masked pointer loads."""
+    D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's
+    causal limit are read through them (the pipeliner stages descriptor loads in shared memory; no masks), the
+    rest with the masked pointer loads."""
     grid_dependency_sync(PDL)
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
@@ -399,10 +400,10 @@ def _mla_decode_kernel(
                     k_raw, k_pe_raw, sc_raw = k_nx, k_pe_nx, sc_nx
                     nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(n0 + BLOCK_N, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
                                                                stride_lat_page, stride_lat_row, stride_rope_page,
-                                                               stride_rope_row, stride_sc_page, stride_sc_row, PAGE_SIZE,
-                                                               BLOCK_N, True)
-                    k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT,
-                                                          TILE, BLOCK_N)
+                                                               stride_rope_row, stride_sc_page, stride_sc_row,
+                                                               PAGE_SIZE, BLOCK_N, True)
+                    k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE,
+                                                          D_LAT, TILE, BLOCK_N)
                 else:
                     tok_ok, lat_rows, rope_rows, sc_rows = _tile_rows(n0, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
                                                                       stride_lat_page, stride_lat_row, stride_rope_page,
@@ -473,31 +474,33 @@ def _mla_decode_kernel(
                     s_t = tl.dot(q_lat, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)         # [NT, M, N]
                     if TILED:
                         k_pe = tl.load(rope_rows[:, None] + d_rope[None, :], mask=tok_ok[:, None], other=0.0)
-                        tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :], other=0.0)  # [NT, N]
+                        tile_sc = tl.load(sc_rows[None, :] + tl.arange(0, NT)[:, None], mask=tok_ok[None, :],
+                                          other=0.0)                                                    # [NT, N]
                         s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
                     else:
                         k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
                         s = tl.sum(s_t, 0)
                     s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
                 elif QK_SPLIT_LOAD:
-                    k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
-                                            BITCAST, TO_FP16)
+                    k_t = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, True, SCALE_MODE, D_LAT, TILE, BLOCK_N,
+                                            dot_ty, BITCAST, TO_FP16)
                     if BITCAST:
-                        k_pe_t = tl.trans(_load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32))
+                        k_pe_t = tl.trans(_load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16,
+                                                        dot_ty == tl.float32))
                     else:
                         k_pe_t = tl.load(rope_rows[None, :] + d_rope[:, None], mask=tok_ok[None, :], other=0.0)
                     s = tl.dot(q_lat, k_t.to(dot_ty), input_precision=DOT_PRECISION)
                     s = tl.dot(q_pe, k_pe_t.to(dot_ty), s, input_precision=DOT_PRECISION)              # [M, N]
-                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
-                                          BITCAST, TO_FP16)
+                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
+                                          dot_ty, BITCAST, TO_FP16)
                 elif DESC_ON and phase == 0:  # BITCAST, the words staged by TMA
                     k = _e4m3_words_16(k_raw, D_LAT, BLOCK_N, TO_FP16, dot_ty == tl.float32)
                     k_pe = _e4m3_words_16(k_pe_raw, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
                     s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
                     s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
                 else:  # BITCAST, one load
-                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N, dot_ty,
-                                          BITCAST, TO_FP16)
+                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
+                                          dot_ty, BITCAST, TO_FP16)
                     k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
                     s = tl.dot(q_lat, tl.trans(k.to(dot_ty)), input_precision=DOT_PRECISION)
                     s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
