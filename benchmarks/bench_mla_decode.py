@@ -186,8 +186,9 @@ def run(ctx: Context) -> list[dict]:
                     live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
                         lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))
                 if live[variant]:
-                    cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=last_launch()[0],
-                                     config=last_launch()[1], vs_convert=round(t / t_v, 3)))
+                    v_splits, v_config = last_launch()
+                    cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=v_splits, config=v_config,
+                                     vs_convert=round(t / t_v, 3)))
             short = batch >= 32 and n == 4096  # the short-context bandwidth goal's rows
             if kind == "bf16" and heads <= 16 and (short or batch == 1):
                 if splits > 1:  # the merge kernel alone, on partials of this shape (fp32, as the kernel writes)

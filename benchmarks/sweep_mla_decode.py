@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mla_quant.kernels import _pdl
     from mla_quant.kernels._gemm_utils import num_sms
-    from mla_quant.kernels.mla_decode import last_launch, mla_decode, plan_num_splits
+    from mla_quant.kernels.mla_decode import last_launch, mla_decode, plan_num_splits, takes_tma_launch
 
     from .bench_mla_decode import D_LATENT, D_ROPE, PAGE, SCALE, _fill_pool, _input_sets, _row_bytes
 
@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                    max_seq_len=n, validate=False, config=config, fp8_dequant=dequant)
                         for q, tb in sets]
 
-    import mla_quant.kernels.mla_decode as md
-
-    tma = md.TMA_LAUNCH and kind == "bf16"  # the launcher's TMA_CONFIG (the sweep's pool is TMA-readable)
+    tma = takes_tma_launch(sets[0][0], pool, kind)  # the launcher runs TMA_CONFIG
     planned = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")),
                               per_sm=1 if tma else None)
     fns = {"default": decode()}

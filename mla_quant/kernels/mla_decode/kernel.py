@@ -334,7 +334,7 @@ def _mla_decode_kernel(
         k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT, TILE,
                                               BLOCK_N)
     # WORDS: the bitcast path's one load of fp8_e4m3 words per tile (its 16-row blocks), which TMA can stage
-    WORDS: tl.constexpr = BITCAST and not BATCHED and not QK_SPLIT_LOAD and SCALE_MODE != SCALE_TILE
+    WORDS: tl.constexpr = BITCAST and not BATCHED and not QK_SPLIT_LOAD  # (fp8_ds_mla's bitcast is BATCHED)
     # one-load tiles of bf16 / fp8_e4m3 pages, each tile in one page (fp8_ds_mla: its 64-row blocks spill more)
     ONE_PAGE: tl.constexpr = (PAGE_SIZE % BLOCK_N == 0 and not PREFETCHED and SCALE_MODE != SCALE_TILE
                               and (RAW or WORDS and TMA))
@@ -385,12 +385,9 @@ def _mla_decode_kernel(
                     row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
                     slot = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
                     sc_rows = scale_ptr + page.to(tl.int64) * stride_sc_page + slot * stride_sc_row
-                    if WORDS:  # int32 words of the e4m3 bytes (descriptors over the pages as int32)
-                        k_raw = lat_desc.load([row0, 0])
-                        k_pe_raw = rope_desc.load([row0, D_LAT // 4])
-                    else:
-                        k_raw = lat_desc.load([row0, 0])
-                        k_pe_raw = rope_desc.load([row0, D_LAT])
+                    k_raw = lat_desc.load([row0, 0])
+                    # (WORDS: the descriptors count int32 words of the e4m3 bytes, so the rope starts at D_LAT / 4)
+                    k_pe_raw = rope_desc.load([row0, D_LAT // 4 if WORDS else D_LAT])
                     if SCALE_MODE == SCALE_TOKEN:
                         sc_raw = tl.load(sc_rows)
                     else:
