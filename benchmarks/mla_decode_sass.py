@@ -9,10 +9,17 @@ counts the instructions of the longest loop (the loop over KV tiles), per warp a
 (LDGSTS) vs plain global loads (LDG), shared stores / loads / ldmatrix, barriers, tensor-core ops, the FP8
 conversion ops; plus registers, spills, programs per SM and warp-instructions per KV token. ``--dump`` keeps
 each kernel's TTGIR, PTX and SASS; ``--only fp8_e4m3_fp16 ...`` restricts the cases.
+
+``--buffers`` prints instead (JSON) how many shared-memory buffers Triton's pipeliner gives the latent tile of
+a few bf16 configurations (``BUFFER_CASES``, TTGIR ``memdesc<N x BLOCK_N x 512>``): ``num_stages - 1`` since the
+block table is read per chunk of tiles, one whatever ``num_stages`` while the page lookup sat in the tile loop
+(docs/mla.md, "Tile pipelining and TMA tiles"). A test runs it.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import re
 
 import torch
 
@@ -26,13 +33,48 @@ CASES = (("bf16", "convert"), ("fp8_e4m3", "convert"), ("fp8_e4m3", "bitcast"), 
          ("fp8_e4m3", "fp8mma_pv"), ("fp8_e4m3", "fp8mma_q1"), ("fp8_e4m3", "fp8mma_pv_q1"))
 
 
+# name -> mla_decode config (16 heads, bf16 pages of 64 tokens)
+BUFFER_CASES = {
+    "tma_config": None,  # the launcher's TMA_CONFIG (3 stages)
+    "m16n32w8s3": dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, num_warps=8, num_stages=3),
+    "m16n32w8s4": dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, num_warps=8, num_stages=4),
+    "m16n64w8s2": dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, num_warps=8, num_stages=2),
+}
+
+
+def tile_buffers() -> dict[str, list[int]]:
+    """{case: the buffer counts of the latent tile's shared-memory allocations in its sm_90 TTGIR} (one entry per
+    tile loop: the TMA config has a TMA loop and a pointer-load loop for the masked tail)."""
+    out = {}
+    with collect_compiled(("_mla_decode_kernel",)) as (log, compiled):
+        from mla_quant.kernels.mla_decode import TMA_CONFIG, mla_decode
+
+        table, lens = cc._table([100, 200])
+        data, scales = cc._kv_pages("bf16", "token", table.numel())
+        q = torch.randn(2, 1, 16, cc.D_LATENT + cc.D_ROPE, dtype=torch.bfloat16)
+        for name, config in BUFFER_CASES.items():
+            start = len(compiled)
+            mla_decode(q, data, scales, table, lens, 0.1, "bf16", cc.D_LATENT, num_splits=2,
+                       config=config or TMA_CONFIG)
+            ttgir = "".join(kernel.asm["ttgir"] for _, _, kernel in compiled[start:])
+            out[name] = sorted(int(n) for n in re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x{cc.D_LATENT}x",
+                                                           ttgir))
+        if log.errors:
+            raise RuntimeError(log.errors[0])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale", choices=("token", "tensor"), default="token", help="fp8_e4m3 scale kind")
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     parser.add_argument("--only", nargs="*", help="kind_dequant cases to compile (default: all), e.g. fp8_e4m3_fp16")
+    parser.add_argument("--buffers", action="store_true", help="print the latent tile's buffer counts (JSON)")
     args = parser.parse_args(argv)
+    if args.buffers:
+        print(json.dumps(tile_buffers()))
+        return 0
     with collect_compiled(("_mla_decode_kernel",)) as (log, compiled):
         from mla_quant.kernels.mla_decode import mla_decode
 

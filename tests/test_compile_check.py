@@ -50,3 +50,17 @@ def test_compiles_topk_and_kv_append_for_sm90():
         line = next((ln for ln in lines if ln.startswith(f"OK   {op}:")), None)
         assert line is not None, done.stdout
         assert " 0 kernels" not in line, line  # the launchers really took the Triton path
+
+
+def test_mla_decode_tiles_get_num_stages_minus_one_buffers_on_sm90():
+    """Compiled for sm_90 (fake Hopper, a subprocess): the bf16 decode's latent tile gets num_stages - 1 shared-memory
+    buffers — the guard on the block table read per chunk of tiles (a page lookup back in the tile loop makes the
+    pipeliner keep one, whatever num_stages says) — and TMA_CONFIG's TMA and tail loops two each."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode_sass", "--buffers"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"tma_config": [2, 2], "m16n32w8s3": [2], "m16n32w8s4": [3], "m16n64w8s2": [1]}, got
