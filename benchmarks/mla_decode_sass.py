@@ -57,8 +57,8 @@ def tile_buffers() -> dict[str, list[int]]:
             mla_decode(q, data, scales, table, lens, 0.1, "bf16", cc.D_LATENT, num_splits=2,
                        config=config or TMA_CONFIG)
             ttgir = "".join(kernel.asm["ttgir"] for _, _, kernel in compiled[start:])
-            out[name] = sorted(int(n) for n in re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x{cc.D_LATENT}x",
-                                                           ttgir))
+            tile_alloc = rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x{cc.D_LATENT}x"
+            out[name] = sorted(int(n) for n in re.findall(tile_alloc, ttgir))
         if log.errors:
             raise RuntimeError(log.errors[0])
     return out
