@@ -380,19 +380,7 @@ def _mla_decode_kernel(
                                            chunk_pages, 0))
                 else:
                     page = 0
-                if DESC_ON and phase == 0:  # two TMA block loads (rows page·PAGE_SIZE + slot)
-                    tok_ok = toks < end
-                    row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
-                    slot = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)
-                    sc_rows = scale_ptr + page.to(tl.int64) * stride_sc_page + slot * stride_sc_row
-                    k_raw = lat_desc.load([row0, 0])
-                    # (WORDS: the descriptors count int32 words of the e4m3 bytes, so the rope starts at D_LAT / 4)
-                    k_pe_raw = rope_desc.load([row0, D_LAT // 4 if WORDS else D_LAT])
-                    if SCALE_MODE == SCALE_TOKEN:
-                        sc_raw = tl.load(sc_rows)
-                    else:
-                        sc_raw = tl.zeros([BLOCK_N], tl.float32)
-                elif PREFETCHED:
+                if PREFETCHED:
                     tok_ok = toks < end
                     k_raw, k_pe_raw, sc_raw = k_nx, k_pe_nx, sc_nx
                     nx_ok, nx_lat, nx_rope, nx_sc = _tile_rows(n0 + BLOCK_N, end, bt_row, lat_ptr, rope_ptr, scale_ptr,
@@ -406,7 +394,16 @@ def _mla_decode_kernel(
                                                                       stride_lat_page, stride_lat_row, stride_rope_page,
                                                                       stride_rope_row, stride_sc_page, stride_sc_row,
                                                                       PAGE_SIZE, BLOCK_N, False, page, ONE_PAGE)
-                    if RAW:
+                    if DESC_ON and phase == 0:  # two TMA block loads at row page·PAGE_SIZE + slot (no masks)
+                        row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
+                        k_raw = lat_desc.load([row0, 0])
+                        # (WORDS: the descriptors count int32 words of the e4m3 bytes: the rope starts at D_LAT / 4)
+                        k_pe_raw = rope_desc.load([row0, D_LAT // 4 if WORDS else D_LAT])
+                        if SCALE_MODE == SCALE_TOKEN:
+                            sc_raw = tl.load(sc_rows)
+                        else:
+                            sc_raw = tl.zeros([BLOCK_N], tl.float32)
+                    elif RAW:
                         k_raw, k_pe_raw, sc_raw = _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope,
                                                                  SCALE_MODE, D_LAT, TILE, BLOCK_N)
                 if RAW and F16:  # fp16 operands; c_t = the tile's largest scale (1 without per-token / per-tile scales)
