@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     from mla_quant.kernels import _pdl
-    from mla_quant.kernels._gemm_utils import num_sms
-    from mla_quant.kernels.mla_decode import last_launch, mla_decode, plan_num_splits, takes_tma_launch
+    from mla_quant.kernels.mla_decode import last_launch, mla_decode
 
     from .bench_mla_decode import D_LATENT, D_ROPE, PAGE, SCALE, _fill_pool, _input_sets, _row_bytes
 
@@ -102,14 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     moved = batch * (n * _row_bytes(kind) + heads * 2 * (D_LATENT + D_ROPE + D_LATENT))
 
-    def decode(splits=None, config=None):
+    def decode(splits=None, config=None, fp8_dequant=dequant):
         return lambda: [mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, num_splits=splits,
-                                   max_seq_len=n, validate=False, config=config, fp8_dequant=dequant)
+                                   max_seq_len=n, validate=False, config=config, fp8_dequant=fp8_dequant)
                         for q, tb in sets]
 
-    tma = takes_tma_launch(sets[0][0], pool, kind)  # the launcher runs TMA_CONFIG
-    planned = plan_num_splits(batch, 1, heads, n, kind, D_LATENT, D_ROPE, num_sms(torch.device("cuda")),
-                              per_sm=1 if tma else None)
+    decode()()  # the launcher's own split count and configuration (autotuned once here)
+    planned, tuned = last_launch()
     fns = {"default": decode()}
     for s in SPLITS:
         for c in CONFIGS[kind if kind == "bf16" else dequant]:
@@ -118,17 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         fns[json.dumps(merge)] = _patched(decode(), merge)
     fns["no_tma_launch"] = _patched(decode(), {"TMA_LAUNCH": False})
     if kind != "bf16":  # the launcher's own fp8_dequant choice ("auto"), beside the swept one
-        fns["fp8_dequant_auto"] = lambda: [
-            mla_decode(q, pool, scales, tb, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n, validate=False)
-            for q, tb in sets]
+        fns["fp8_dequant_auto"] = decode(fp8_dequant="auto")
     fns["no_pdl"] = _patched(decode(), {"ENABLED": False}, _pdl)
     fns["pdl_all"] = _patched(decode(), {"SKIP": frozenset()}, _pdl)
     for s in (None, 5, 6):   # bf16 partials: half the split traffic, so more splits may pay
         fns[f"partials_bf16_splits{s or planned}"] = _patched(decode(s), {"PARTIAL_DTYPE": torch.bfloat16})
     if args.only:
         fns = {k: f for k, f in fns.items() if k == "default" or any(o in k for o in args.only)}
-    decode()()
-    tuned = last_launch()[1]
     times = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
     rows = []
     print(f"copy {ctx.copy_tbps:.3f} TB/s; {kind} ({dequant}) {heads} heads, batch {batch}, ctx {n}; "
