@@ -1,7 +1,7 @@
 """Sweep of ``mla_decode``'s split count × kernel configuration at one BF16 shape, in one GPU call.
 
     python -m benchmarks.sweep_mla_decode [--out sweep_mla_decode.json] [--batch 64] [--ctx 4096] [--rounds 5]
-        [--kind bf16 | fp8_e4m3 [--fp8-dequant fp8mma]] [--only SUBSTRING ...]
+        [--kind bf16 | fp8_e4m3 [--fp8-dequant fp8mma]] [--only SUBSTRING ...] [--splits 2,3,4,5,8]
 
 The launcher picks the split count first (``plan_num_splits``) and the autotuner then picks the kernel
 configuration for it; a configuration with fewer registers or less shared memory fits more programs per SM,
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--kind", choices=("bf16", "fp8_e4m3"), default="bf16")
         ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16", "bitcast"), default="fp8mma")
         ap.add_argument("--only", nargs="*", help="time only the settings whose name contains one of these")
+        ap.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                        help="split counts of the (splits, config) pairs, comma-separated")
     args = sweep_args(__doc__, "sweep_mla_decode.json", None, argv, extra)
     if args is None:
         return 2
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     decode()()  # the launcher's own split count and configuration (autotuned once here)
     planned, tuned = last_launch()
     fns = {"default": decode()}
-    for s in SPLITS:
+    for s in (int(v) for v in args.splits.split(",") if v):
         for c in CONFIGS[kind if kind == "bf16" else dequant]:
             fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
