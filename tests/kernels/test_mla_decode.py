@@ -612,8 +612,9 @@ def test_tma_launch_plans_one_program_per_sm():
 
 
 def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
-    """TMA_CONFIG serves bf16 pages with bf16 queries and ≤ 16 query rows whose rows TMA can address; anything
-    else (fp32 / fp16 queries, more rows, FP8 pages, a tile spanning pages, TMA_LAUNCH off) keeps the autotuner."""
+    """TMA_CONFIG serves bf16 pages with bf16 queries and ≤ 16 query rows whose rows TMA can address, FP8_TMA_CONFIG
+    the bitcast of fp8_e4m3 pages likewise; anything else (fp32 / fp16 queries, more rows, other FP8 reads, a tile
+    spanning pages, TMA_LAUNCH off) keeps the autotuner."""
     import mla_quant.kernels.mla_decode as md
 
     pages = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
@@ -626,8 +627,16 @@ def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
     assert not md.takes_tma_launch(q.half(), pages, "bf16")
     assert not md.takes_tma_launch(q, pages.to(torch.float8_e4m3fn), "fp8_e4m3")
     assert not md.takes_tma_launch(q, torch.zeros(16, 16, 576, dtype=torch.bfloat16), "bf16")  # 16-token pages
+    fp8 = pages.to(torch.float8_e4m3fn)  # FP8_TMA_CONFIG: the bitcast's words, two programs per SM
+    assert md.takes_tma_launch(q, fp8, "fp8_e4m3", fp8_bitcast=True)
+    assert md._tma_launch(q, fp8, "fp8_e4m3", True) == (md.FP8_TMA_CONFIG, 2)
+    assert md._tma_launch(q, pages, "bf16", False) == (md.TMA_CONFIG, 1)
+    assert not md.takes_tma_launch(q.half(), fp8, "fp8_e4m3", fp8_bitcast=True)
+    assert not md.takes_tma_launch(q, fp8.view(torch.uint8), "fp8_ds_mla", fp8_bitcast=True)
+    assert not md.takes_tma_launch(q, torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn), "fp8_e4m3", fp8_bitcast=True)
     monkeypatch.setattr(md, "TMA_LAUNCH", False)
     assert not md.takes_tma_launch(q, pages, "bf16")
+    assert not md.takes_tma_launch(q, fp8, "fp8_e4m3", fp8_bitcast=True)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -755,21 +764,41 @@ def test_bitcast_dequant_fp16_queries_gpu(kind, tensor_scale):
     assert rel_err(out.float(), o_ref.float()) < 1e-2 and torch.allclose(lse, lse_ref, atol=2e-2)
 
 
-def test_auto_fp8_dequant_rule():
-    """"auto": fp8mma for fp8_e4m3 pages and bf16/fp16 q at ≥ FP8_MMA_MIN_TOKENS cached tokens; else the bitcast for
-    fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS query rows and 4-byte aligned pages; else the conversion."""
-    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, FP8_MMA_MIN_TOKENS, _auto_fp8_dequant
+def test_auto_fp8_dequant_rule(monkeypatch):
+    """"auto": the TMA bitcast (FP8_TMA_CONFIG) for fp8_e4m3 pages TMA can read, bf16 q, ≤ 16 query rows and
+    ≤ BITCAST_TMA_MAX_LEN cached tokens per request; else fp8mma for fp8_e4m3 pages and bf16/fp16 q at
+    ≥ FP8_MMA_MIN_TOKENS cached tokens (batch × max_len); else the bitcast for fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS
+    query rows and 4-byte aligned pages; else the conversion."""
+    import mla_quant.kernels.mla_decode as md
+    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, BITCAST_TMA_MAX_LEN, FP8_MMA_MIN_TOKENS, _auto_fp8_dequant
 
-    pages = torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn)
-    few, many, bf16 = FP8_MMA_MIN_TOKENS - 1, FP8_MMA_MIN_TOKENS, torch.bfloat16
-    assert _auto_fp8_dequant("fp8_e4m3", bf16, pages, BITCAST_MIN_ROWS, few) == "bitcast"
-    assert _auto_fp8_dequant("fp8_e4m3", bf16, pages, BITCAST_MIN_ROWS - 1, few) == "convert"
-    assert _auto_fp8_dequant("fp8_e4m3", bf16, pages, 1, many) == "fp8mma"
-    assert _auto_fp8_dequant("fp8_e4m3", torch.float32, pages, BITCAST_MIN_ROWS, many) == "bitcast"
+    pages = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)
+    bf16 = torch.bfloat16
+
+    def q(rows, dtype=bf16, s_q=1):
+        return torch.zeros(2, s_q, rows // s_q, 576, dtype=dtype)
+
+    short, long_ = BITCAST_TMA_MAX_LEN, BITCAST_TMA_MAX_LEN + 1
+    many_batch = -(-FP8_MMA_MIN_TOKENS // long_)
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, short) == "bitcast"              # TMA bitcast
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 256, short) == "bitcast"            # whatever the batch
+    assert _auto_fp8_dequant("fp8_e4m3", q(8, s_q=2), pages, 1, short) == "bitcast"        # 2 tokens x 4 heads
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, many_batch, long_) == "fp8mma"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, long_) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16, torch.float16), pages, 1, short) == "convert"  # not TMA: fp16 q
+    assert _auto_fp8_dequant("fp8_e4m3", q(32), pages, 1, short) == "convert"              # 32 rows: no TMA
+    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS), pages, 1, short) == "bitcast"
+    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS), pages, many_batch, long_) == "fp8mma"
+    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS, torch.float32), pages, many_batch, long_) == "bitcast"
     for kind in ("fp8_ds_mla", "bf16"):
-        assert _auto_fp8_dequant(kind, bf16, pages, 128, many) == "convert"
-    unaligned = torch.zeros(4, 16, 577, dtype=torch.float8_e4m3fn)[..., :576]
-    assert _auto_fp8_dequant("fp8_e4m3", bf16, unaligned, 128, few) == "convert"
+        assert _auto_fp8_dequant(kind, q(16), pages, 1, short) == "convert"
+    unaligned = torch.zeros(4, 64, 577, dtype=torch.float8_e4m3fn)[..., :576]
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), unaligned, 1, short) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(128), unaligned, 1, short) == "convert"
+    small_pages = torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn)  # a 32-token tile would span two pages
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, short) == "convert"
+    monkeypatch.setattr(md, "TMA_LAUNCH", False)
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, short) == "convert"
 
 
 # ------------------------------------------------------------------- fp8 tensor-core dots (fp8mma)

@@ -47,6 +47,15 @@ COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that
 # the autotuner as before (sweeps).
 TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, TMA=True, num_warps=8, num_stages=3)
 TMA_LAUNCH = True
+# fp8_e4m3 pages read by the bitcast (fp8_dequant="bitcast", or "auto" up to BITCAST_TMA_MAX_LEN cached tokens per
+# request), bf16 queries, ≤ 16 query rows: the launcher runs FP8_TMA_CONFIG (the int32 words of whole 32-token tiles
+# staged by TMA, two in flight; 231 registers, 89 KB: two programs per SM). H200, 16 heads, session 12
+# (results/sweep_mla_decode_h200.json): batch 64 x 4k 118.4 µs at 4 splits against 126.8 for the fp8 tensor-core dots
+# ("auto" before) and 155.8 for the autotuned bitcast; batch 1 x 4k 22.0 against 23.2 (the conversion, "auto"
+# before). At 16k and 64k the fp8 tensor-core dots are as fast or faster (batch 32 x 16k 232.6 against 234.6 for the
+# best TMA bitcast pair, batch 64 x 64k 1689 against 1777, batch 1 x 64k 61.9 against 71.2), so "auto" keeps them.
+FP8_TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, TMA=True, num_warps=4, num_stages=3)
+BITCAST_TMA_MAX_LEN = 4096
 
 
 def _is_pow2(n: int) -> bool:
@@ -156,8 +165,8 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``PREFETCH`` (load the next tile's bytes one
     iteration ahead), ``TMA`` (bf16 / fp8_e4m3 pages: read whole tiles through TMA descriptors where the pages
     allow it, see ``_tma_rows``), ``num_warps`` / ``num_stages`` (tests, tuning). Without it, bf16 pages and
-    queries with ≤ 16 query rows run ``TMA_CONFIG`` where TMA can read them (:func:`takes_tma_launch`),
-    everything else the autotuner;
+    queries with ≤ 16 query rows run ``TMA_CONFIG`` where TMA can read them (:func:`takes_tma_launch`), the
+    bitcast of fp8_e4m3 pages likewise ``FP8_TMA_CONFIG``, everything else the autotuner;
     :func:`tuned_config` names the autotuner's choice of the last tuned launch.
     ``fp8_dequant``: ``"convert"`` (Triton's e4m3 conversion, ds_mla tile scales multiplied into the tile),
     ``"bitcast"`` (integer bit manipulation, all scales applied to scores and p; same results within rounding;
@@ -165,10 +174,11 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     fp16 queries only, fp32 queries keep the conversion), ``"fp8mma"`` (fp8_e4m3 pages: the score dots take the
     e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
     the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
-    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages "fp8mma" when q is
-    bf16 / fp16 and batch × max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``, else
-    the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages, else the conversion).
-    Only the Triton path of FP8 pages is affected.
+    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages the bitcast when it
+    takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`) and max_seq_len (the block table's capacity when not given)
+    ≤ ``BITCAST_TMA_MAX_LEN``; else "fp8mma" when q is bf16 / fp16 and batch × max_seq_len ≥ ``FP8_MMA_MIN_TOKENS``;
+    else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
+    conversion). Only the Triton path of FP8 pages is affected.
     ``combine`` (Triton path, with more than one KV split): the kernel that merges the splits' partials,
     ``"rows"`` or ``"tiles"`` (:func:`combine_splits`), or ``"auto"`` (default: rows up to ``ROWS_MAX_SPLITS``
     splits, tiles above). A merge in the decode kernel's epilogue (the last split program of each row block merges,
@@ -209,7 +219,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
     if fp8_dequant == "auto":
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        fp8_dequant = _auto_fp8_dequant(kind, q.dtype, kv_data, s_q * heads, bsz * max_len)
+        fp8_dequant = _auto_fp8_dequant(kind, q, kv_data, bsz, max_len)
     fp8 = kind != "bf16"
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
@@ -217,15 +227,17 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                               FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine)
 
 
-def _auto_fp8_dequant(kind: str, q_dtype: torch.dtype, kv_data: torch.Tensor, rows: int, tokens: int) -> str:
-    """What ``fp8_dequant="auto"`` runs for one call (see :func:`mla_decode`): ``rows`` query rows per request
-    (s_q · heads), ``tokens`` = batch × max_seq_len."""
+def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: int, max_len: int) -> str:
+    """What ``fp8_dequant="auto"`` runs for one call (see :func:`mla_decode`): q [B, S, H, D], ``batch`` requests of
+    at most ``max_len`` cached tokens."""
     if kind != "fp8_e4m3":
         return "convert"
-    if q_dtype != torch.float32 and tokens >= FP8_MMA_MIN_TOKENS:
+    if max_len <= BITCAST_TMA_MAX_LEN and _tma_launch(q, kv_data, kind, fp8_bitcast=True) is not None:
+        return "bitcast"
+    if q.dtype != torch.float32 and batch * max_len >= FP8_MMA_MIN_TOKENS:
         return "fp8mma"
     aligned = not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
-    return "bitcast" if rows >= BITCAST_MIN_ROWS and aligned else "convert"
+    return "bitcast" if q.shape[1] * q.shape[2] >= BITCAST_MIN_ROWS and aligned else "convert"
 
 
 def tuned_config() -> str | None:
@@ -263,14 +275,14 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if bsz == 0 or m_rows == 0:
         return out, lse
     interpreted = triton_interpreted()
-    tma_launch = config is None and not interpreted and takes_tma_launch(q, kv_data, kind)
-    if tma_launch:
-        config = TMA_CONFIG
+    tma_launch = None if config is not None or interpreted else _tma_launch(q, kv_data, kind, fp8_bitcast)
+    if tma_launch is not None:
+        config = tma_launch[0]
     if num_splits is None:
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
-                                     per_sm=1 if tma_launch else None)
+                                     per_sm=tma_launch[1] if tma_launch is not None else None)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
 
@@ -316,13 +328,25 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     return out, lse
 
 
-def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str) -> bool:
-    """Whether a tuned launch (no ``config``) on the GPU runs ``TMA_CONFIG``: bf16 pages TMA can read in
-    64-token tiles (:func:`_tma_rows`), bf16 queries (fp32 queries would need 324 KB of shared memory; fp16 ones
-    were not timed), at most 16 query rows per request and rows of at most 576 values (its 164 KB of shared
-    memory at 512 + 64)."""
-    return (TMA_LAUNCH and kind == "bf16" and q.dtype == torch.bfloat16 and q.shape[1] * q.shape[2] <= 16
-            and q.shape[3] <= 576 and _tma_rows(kv_data, kind, TMA_CONFIG["BLOCK_N"]))
+def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:
+    """Whether a launch without ``config`` on the GPU runs a TMA configuration instead of the autotuner:
+    ``TMA_CONFIG`` for bf16 pages TMA can read in 64-token tiles (:func:`_tma_rows`), ``FP8_TMA_CONFIG`` for
+    fp8_e4m3 pages read by the bitcast (``fp8_bitcast``) whose int32 words TMA can read in 32-token tiles; both with
+    bf16 queries (fp32 queries would need 324 KB of shared memory; fp16 ones were not timed), at most 16 query rows
+    per request and rows of at most 576 values (TMA_CONFIG's 164 KB of shared memory at 512 + 64)."""
+    return _tma_launch(q, kv_data, kind, fp8_bitcast) is not None
+
+
+def _tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool) -> tuple[dict, int] | None:
+    """(configuration, programs per SM for the split plan) of :func:`takes_tma_launch`'s TMA launch, or None."""
+    if not TMA_LAUNCH or q.dtype != torch.bfloat16 or q.shape[1] * q.shape[2] > 16 or q.shape[3] > 576:
+        return None
+    if kind == "bf16" and _tma_rows(kv_data, kind, TMA_CONFIG["BLOCK_N"]):
+        return TMA_CONFIG, 1
+    if kind == "fp8_e4m3" and fp8_bitcast and kv_data.shape[-1] % 4 == 0 and _tma_rows(
+            kv_data, kind, FP8_TMA_CONFIG["BLOCK_N"]):
+        return FP8_TMA_CONFIG, 2
+    return None
 
 
 def _tma_rows(kv_data: torch.Tensor, kind: str, block_n: int) -> bool:
