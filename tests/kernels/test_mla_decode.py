@@ -765,12 +765,11 @@ def test_bitcast_dequant_fp16_queries_gpu(kind, tensor_scale):
 
 
 def test_auto_fp8_dequant_rule(monkeypatch):
-    """"auto": the TMA bitcast (FP8_TMA_CONFIG) for fp8_e4m3 pages TMA can read, bf16 q, ≤ 16 query rows and
-    ≤ BITCAST_TMA_MAX_LEN cached tokens per request; else fp8mma for fp8_e4m3 pages and bf16/fp16 q at
-    ≥ FP8_MMA_MIN_TOKENS cached tokens (batch × max_len); else the bitcast for fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS
-    query rows and 4-byte aligned pages; else the conversion."""
+    """"auto": the TMA bitcast (FP8_TMA_CONFIG) for fp8_e4m3 pages TMA can read, bf16 q and ≤ 16 query rows; else
+    fp8mma for fp8_e4m3 pages and bf16/fp16 q at ≥ FP8_MMA_MIN_TOKENS cached tokens (batch × max_len); else the
+    bitcast for fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS query rows and 4-byte aligned pages; else the conversion."""
     import mla_quant.kernels.mla_decode as md
-    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, BITCAST_TMA_MAX_LEN, FP8_MMA_MIN_TOKENS, _auto_fp8_dequant
+    from mla_quant.kernels.mla_decode import BITCAST_MIN_ROWS, FP8_MMA_MIN_TOKENS, _auto_fp8_dequant
 
     pages = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)
     bf16 = torch.bfloat16
@@ -778,27 +777,26 @@ def test_auto_fp8_dequant_rule(monkeypatch):
     def q(rows, dtype=bf16, s_q=1):
         return torch.zeros(2, s_q, rows // s_q, 576, dtype=dtype)
 
-    short, long_ = BITCAST_TMA_MAX_LEN, BITCAST_TMA_MAX_LEN + 1
-    many_batch = -(-FP8_MMA_MIN_TOKENS // long_)
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, short) == "bitcast"              # TMA bitcast
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 256, short) == "bitcast"            # whatever the batch
-    assert _auto_fp8_dequant("fp8_e4m3", q(8, s_q=2), pages, 1, short) == "bitcast"        # 2 tokens x 4 heads
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, many_batch, long_) == "fp8mma"
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, long_) == "convert"
-    assert _auto_fp8_dequant("fp8_e4m3", q(16, torch.float16), pages, 1, short) == "convert"  # not TMA: fp16 q
-    assert _auto_fp8_dequant("fp8_e4m3", q(32), pages, 1, short) == "convert"              # 32 rows: no TMA
-    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS), pages, 1, short) == "bitcast"
-    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS), pages, many_batch, long_) == "fp8mma"
-    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS, torch.float32), pages, many_batch, long_) == "bitcast"
+    few, many = FP8_MMA_MIN_TOKENS - 1, FP8_MMA_MIN_TOKENS
+    for batch, max_len in ((1, few), (1, many), (64, 65536)):                               # TMA bitcast
+        assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, batch, max_len) == "bitcast"
+    assert _auto_fp8_dequant("fp8_e4m3", q(8, s_q=2), pages, 1, few) == "bitcast"          # 2 tokens x 4 heads
+    assert _auto_fp8_dequant("fp8_e4m3", q(16, torch.float16), pages, 1, many) == "fp8mma"  # not TMA: fp16 q
+    assert _auto_fp8_dequant("fp8_e4m3", q(16, torch.float16), pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(32), pages, 1, many) == "fp8mma"                # 32 rows: no TMA
+    assert _auto_fp8_dequant("fp8_e4m3", q(32), pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS), pages, 1, few) == "bitcast"
+    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS), pages, 1, many) == "fp8mma"
+    assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS, torch.float32), pages, 1, many) == "bitcast"
     for kind in ("fp8_ds_mla", "bf16"):
-        assert _auto_fp8_dequant(kind, q(16), pages, 1, short) == "convert"
+        assert _auto_fp8_dequant(kind, q(16), pages, 1, many) == "convert"
     unaligned = torch.zeros(4, 64, 577, dtype=torch.float8_e4m3fn)[..., :576]
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), unaligned, 1, short) == "convert"
-    assert _auto_fp8_dequant("fp8_e4m3", q(128), unaligned, 1, short) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), unaligned, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(128), unaligned, 1, few) == "convert"
     small_pages = torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn)  # a 32-token tile would span two pages
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, short) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, few) == "convert"
     monkeypatch.setattr(md, "TMA_LAUNCH", False)
-    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, short) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, few) == "convert"
 
 
 # ------------------------------------------------------------------- fp8 tensor-core dots (fp8mma)

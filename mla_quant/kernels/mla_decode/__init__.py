@@ -47,15 +47,13 @@ COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that
 # the autotuner as before (sweeps).
 TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, TMA=True, num_warps=8, num_stages=3)
 TMA_LAUNCH = True
-# fp8_e4m3 pages read by the bitcast (fp8_dequant="bitcast", or "auto" up to BITCAST_TMA_MAX_LEN cached tokens per
-# request), bf16 queries, ≤ 16 query rows: the launcher runs FP8_TMA_CONFIG (the int32 words of whole 32-token tiles
-# staged by TMA, two in flight; 231 registers, 89 KB: two programs per SM). H200, 16 heads, session 12
-# (results/sweep_mla_decode_h200.json): batch 64 x 4k 118.4 µs at 4 splits against 126.8 for the fp8 tensor-core dots
-# ("auto" before) and 155.8 for the autotuned bitcast; batch 1 x 4k 22.0 against 23.2 (the conversion, "auto"
-# before). At 16k and 64k the fp8 tensor-core dots are as fast or faster (batch 32 x 16k 232.6 against 234.6 for the
-# best TMA bitcast pair, batch 64 x 64k 1689 against 1777, batch 1 x 64k 61.9 against 71.2), so "auto" keeps them.
+# fp8_e4m3 pages read by the bitcast (fp8_dequant="bitcast", which "auto" takes where this applies), bf16 queries,
+# ≤ 16 query rows: the launcher runs FP8_TMA_CONFIG (the int32 words of whole 32-token tiles staged by TMA, two in
+# flight; 231 registers, 89 KB: two programs per SM). H200, 16 heads, session 12 (bench mla_decode of 825d320, the
+# launcher's own split counts): batch 1 x 4k 22.0 µs against 23.2 for the conversion ("auto" before); batch 1 x 64k
+# 56.7 against 61.8 for the fp8 tensor-core dots ("auto" before); batch 64 x 4k 118.4 against 126.8; batch 64 x 64k
+# 1679.9 against 1688.3; the autotuned bitcast with pointer-loaded words took 155.8 at batch 64 x 4k (sweep).
 FP8_TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, TMA=True, num_warps=4, num_stages=3)
-BITCAST_TMA_MAX_LEN = 4096
 
 
 def _is_pow2(n: int) -> bool:
@@ -174,9 +172,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     fp16 queries only, fp32 queries keep the conversion), ``"fp8mma"`` (fp8_e4m3 pages: the score dots take the
     e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
     the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
-    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages the bitcast when it
-    takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`) and max_seq_len (the block table's capacity when not given)
-    ≤ ``BITCAST_TMA_MAX_LEN``; else "fp8mma" when q is bf16 / fp16 and batch × max_seq_len ≥ ``FP8_MMA_MIN_TOKENS``;
+    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages the bitcast where it
+    takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`); else "fp8mma" when q is bf16 / fp16 and batch ×
+    max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
     conversion). Only the Triton path of FP8 pages is affected.
     ``combine`` (Triton path, with more than one KV split): the kernel that merges the splits' partials,
@@ -232,7 +230,7 @@ def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: 
     at most ``max_len`` cached tokens."""
     if kind != "fp8_e4m3":
         return "convert"
-    if max_len <= BITCAST_TMA_MAX_LEN and _tma_launch(q, kv_data, kind, fp8_bitcast=True) is not None:
+    if _tma_launch(q, kv_data, kind, fp8_bitcast=True) is not None:
         return "bitcast"
     if q.dtype != torch.float32 and batch * max_len >= FP8_MMA_MIN_TOKENS:
         return "fp8mma"
