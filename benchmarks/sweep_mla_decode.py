@@ -47,11 +47,7 @@ CONFIGS = {
     # bitcast: the words by pointer loads (the autotuner's m16n32w4s2) or staged by TMA (no spills: m16n32w4 208 /
     # 229 registers at 2 / 3 stages, 2 programs per SM; m16n64w8s3 172 registers, 156 KB, 1 per SM)
     "bitcast": ((16, 32, False, 4, 2, False), (16, 32, False, 4, 2, True), (16, 32, False, 4, 3, True),
-                (16, 64, False, 8, 3, True), (16, 32, False, 8, 3, True), (16, 64, False, 8, 4, True),
-                # BATCH: one batched dot per 128 latent columns (a warp per column block: q no longer whole in
-                # every warp's registers); m16n16w4s3 168 registers, 57 KB (three programs per SM)
-                (16, 16, False, 4, 3, True, True), (16, 32, False, 4, 3, True, True), (16, 16, False, 4, 2, True, True),
-                (16, 32, False, 8, 3, True, True)),
+                (16, 64, False, 8, 3, True), (16, 32, False, 8, 3, True), (16, 64, False, 8, 4, True)),
 }
 
 
@@ -74,7 +70,7 @@ def _patched(fn, constants: dict, module=None):
 
 def _config(c) -> dict:
     return {"BLOCK_M": c[0], "BLOCK_N": c[1], "QK_SPLIT_LOAD": c[2], "num_warps": c[3], "num_stages": c[4],
-            "TMA": c[5], **({"BATCH": True} if len(c) > 6 and c[6] else {})}
+            "TMA": c[5]}
 
 
 def main(argv: list[str] | None = None) -> int:

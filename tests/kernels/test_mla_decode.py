@@ -600,32 +600,6 @@ def test_tma_tiles_equal_pointer_loads_and_need_plain_pages(triton_backend, monk
     assert md._page_descriptors(data, "bf16", 128, 16, words=True) == (None, None)  # words: fp8_e4m3 only
 
 
-def test_batched_bitcast_dots_match_unbatched(triton_backend):
-    """BATCH (the bitcast's dots batched per 128 latent columns, words by TMA; 16- and 64-row blocks) against the
-    unbatched TMA bitcast (the same products, summed in another order: fp32 rounding apart) and the reference, with
-    NaN in unused slots, token and tensor scales, 2 speculative tokens."""
-    from mla_quant.kernels.mla_decode import last_launch
-
-    lengths, page_size = [70, 33, 5, 16], 16
-    table = torch.tensor([[3, 0, 9, 1, 6], [2, 5, 7, -1, -1], [4, -1, -1, -1, -1], [8, -1, -1, -1, -1]],
-                         dtype=torch.int32)
-    for ts, heads, bm in ((None, 3, 16), (0.05, 3, 16), (None, 20, 64)):
-        data, scales, _ = build_pages(lengths, table, 10, page_size, "fp8_e4m3", ts, 256, 32, seed=4,
-                                      device=triton_backend)
-        q = torch.randn(4, 2, heads, 288).to(triton_backend)
-        args = (q, data, scales, table.to(triton_backend),
-                torch.tensor(lengths, dtype=torch.int32, device=triton_backend), 0.1, "fp8_e4m3", 256)
-        o_ref, lse_ref = mla_decode_reference(*args)
-        cfg = dict(BLOCK_M=bm, BLOCK_N=16, QK_SPLIT_LOAD=False, TMA=True)
-        for splits in (1, 2):
-            o0, lse0 = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="bitcast")
-            o1, lse1 = mla_decode(*args, num_splits=splits, config={**cfg, "BATCH": True}, fp8_dequant="bitcast")
-            assert last_launch() == (splits, f"m{bm}n16w4s3-tma-batch")
-            assert_all_written(o1, "out")
-            assert rel_err(o1, o0) < 1e-5 and torch.allclose(lse1, lse0, atol=1e-5), (ts, heads, splits)
-            assert rel_err(o1, o_ref) < 1e-5 and torch.allclose(lse1, lse_ref, atol=1e-4), (ts, heads, splits)
-
-
 def test_tma_launch_plans_one_program_per_sm():
     """The launcher's TMA_CONFIG (one program per SM) plans its KV splits for one program per SM: 16 heads x
     batch 64 x 4k on 132 SMs takes 2 splits (128 programs) where the autotuned kernel's 2 per SM take 4."""
@@ -694,15 +668,10 @@ def test_tma_and_multi_buffered_tiles_match_reference_gpu(kind, tensor_scale, he
     base = mla_decode(*args, num_splits=3, config=dict(BLOCK_M=bm, BLOCK_N=16, QK_SPLIT_LOAD=False),
                       fp8_dequant="convert")[0].float()
     for dequant in dequants:
-        for bn, warps, stages, tma, batch in ((64, 8, 2, True, False), (64, 8, 3, True, False),
-                                              (32, 8, 4, True, False), (32, 4, 3, True, False), (16, 4, 3, True, False),
-                                              (32, 8, 3, False, False), (32, 8, 4, False, False),
-                                              (16, 4, 3, True, True), (32, 4, 3, True, True)):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=False, TMA=tma, num_warps=warps, num_stages=stages,
-                       BATCH=batch)
+        for bn, warps, stages, tma in ((64, 8, 2, True), (64, 8, 3, True), (32, 8, 4, True), (32, 4, 3, True),
+                                       (16, 4, 3, True), (32, 8, 3, False), (32, 8, 4, False)):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, QK_SPLIT_LOAD=False, TMA=tma, num_warps=warps, num_stages=stages)
             if bm == 64 and (bn == 64 or bn > 16 and dequant != "convert"):  # (64 x 64 TMA: 296 KB of smem)
-                continue
-            if batch and dequant != "bitcast":  # (BATCH: the bitcast's batched per-128-column dots)
                 continue
             for splits in (1, 3):
                 out, lse = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant=dequant)

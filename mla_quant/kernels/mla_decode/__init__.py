@@ -112,11 +112,9 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
 
 
 def _check_config(config: dict) -> None:
-    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "PREFETCH", "TMA", "BATCH", "num_warps",
-                             "num_stages"}
+    unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "PREFETCH", "TMA", "num_warps", "num_stages"}
     if unknown or not {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD"} <= set(config):
-        raise ValueError("config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ PREFETCH, TMA, BATCH, num_warps, "
-                         "num_stages), "
+        raise ValueError("config: needs BLOCK_M, BLOCK_N, QK_SPLIT_LOAD (+ PREFETCH, TMA, num_warps, num_stages), "
                          f"got {sorted(config)}")
     if config["BLOCK_M"] not in (16, 32, 64) or config["BLOCK_N"] < 16 or not _is_pow2(config["BLOCK_N"]):
         raise ValueError(f"config: BLOCK_M {config['BLOCK_M']} must be 16/32/64 and BLOCK_N "
@@ -164,9 +162,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``config``: force one kernel configuration instead of the autotuner — ``BLOCK_M`` (16/32/64 query rows),
     ``BLOCK_N`` (tokens per tile), ``QK_SPLIT_LOAD``, optionally ``PREFETCH`` (load the next tile's bytes one
     iteration ahead), ``TMA`` (bf16 / fp8_e4m3 pages: read whole tiles through TMA descriptors where the pages
-    allow it, see ``_tma_rows``), ``BATCH`` (the bitcast of fp8_e4m3 pages: one batched dot per 128 latent
-    columns, so no warp holds all of q; with TMA its words staged by TMA), ``num_warps`` / ``num_stages`` (tests,
-    tuning). Without it, bf16 pages and
+    allow it, see ``_tma_rows``), ``num_warps`` / ``num_stages`` (tests, tuning). Without it, bf16 pages and
     queries with ≤ 16 query rows run ``TMA_CONFIG`` where TMA can read them (:func:`takes_tma_launch`), the
     bitcast of fp8_e4m3 pages likewise ``FP8_TMA_CONFIG``, everything else the autotuner;
     :func:`tuned_config` names the autotuner's choice of the last tuned launch.
@@ -254,7 +250,7 @@ def tuned_config() -> str | None:
 def _config_name(kw: dict) -> str:
     return (f"m{kw['BLOCK_M']}n{kw['BLOCK_N']}w{kw.get('num_warps', 4)}s{kw.get('num_stages', 3)}"
             + ("t" if kw["QK_SPLIT_LOAD"] else "") + ("p" if kw.get("PREFETCH") else "")
-            + ("-tma" if kw.get("TMA") else "") + ("-batch" if kw.get("BATCH") else ""))
+            + ("-tma" if kw.get("TMA") else ""))
 
 
 _LAST_LAUNCH: tuple[int, str | None] | None = None

@@ -201,7 +201,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    PDL: tl.constexpr = False, TMA: tl.constexpr = False, BATCH: tl.constexpr = False,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -220,10 +220,7 @@ def _mla_decode_kernel(
     [BLOCK_N, D_ROPE] blocks (FP8_BITCAST with fewer than 64 rows: over the pages as int32 words, [BLOCK_N,
     D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's
     causal limit are read through them (the pipeliner stages descriptor loads in shared memory; no masks), the
-    rest with the masked pointer loads.
-    BATCH (FP8_BITCAST of fp8_e4m3 pages): the batched per-128-column dots of the 64-row blocks at any block height
-    ([D_LAT/128, M, 128] q and accumulator: the warps split the column blocks, so no warp holds all of q as its A
-    operand), with TMA over the int32 words too."""
+    rest with the masked pointer loads."""
     grid_dependency_sync(PDL)
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     M = S_Q * H
@@ -247,7 +244,7 @@ def _mla_decode_kernel(
     TILED: tl.constexpr = BITCAST and SCALE_MODE == SCALE_TILE  # tile scales: batched per-tile dots
     # 64-row blocks of fp8_e4m3 also take the batched dots: [NT, 64, 128] accumulators fit registers where a
     # [64, 512] wgmma accumulator spills (sm_90)
-    BATCHED: tl.constexpr = TILED or (BITCAST and (BLOCK_M >= 64 or BATCH) and D_LAT % TILE == 0)
+    BATCHED: tl.constexpr = TILED or (BITCAST and BLOCK_M >= 64 and D_LAT % TILE == 0)
     NT: tl.constexpr = D_LAT // TILE if BATCHED else 1
     MMA8: tl.constexpr = (FP8_MMA > 0 and not FP8_BITCAST
                           and (SCALE_MODE == SCALE_TOKEN or SCALE_MODE == SCALE_TENSOR))
@@ -337,7 +334,7 @@ def _mla_decode_kernel(
         k_nx, k_pe_nx, sc_nx = _load_tile_raw(nx_lat, nx_rope, nx_sc, nx_ok, d_lat, d_rope, SCALE_MODE, D_LAT, TILE,
                                               BLOCK_N)
     # WORDS: the bitcast path's one load of fp8_e4m3 words per tile (its 16-row blocks), which TMA can stage
-    WORDS: tl.constexpr = BITCAST and (not BATCHED or BATCH and not TILED) and not QK_SPLIT_LOAD
+    WORDS: tl.constexpr = BITCAST and not BATCHED and not QK_SPLIT_LOAD  # (fp8_ds_mla's bitcast is BATCHED)
     # one-load tiles of bf16 / fp8_e4m3 pages, each tile in one page (fp8_ds_mla: its 64-row blocks spill more)
     ONE_PAGE: tl.constexpr = (PAGE_SIZE % BLOCK_N == 0 and not PREFETCHED and SCALE_MODE != SCALE_TILE
                               and (RAW or WORDS and TMA))
@@ -465,11 +462,8 @@ def _mla_decode_kernel(
                     s = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
                     s = tl.dot(q_pe, tl.trans(k_pe_raw.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
                 elif BATCHED:
-                    if DESC_ON and phase == 0:
-                        k = _e4m3_words_16(k_raw, D_LAT, BLOCK_N, TO_FP16, dot_ty == tl.float32)
-                    else:
-                        k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE,
-                                              BLOCK_N, dot_ty, True, TO_FP16)
+                    k = _load_latent_tile(lat_rows, sc_rows, tok_ok, d_lat, False, SCALE_MODE, D_LAT, TILE, BLOCK_N,
+                                          dot_ty, True, TO_FP16)
                     k = tl.permute(tl.reshape(k.to(dot_ty), (BLOCK_N, NT, TILE)), (1, 0, 2))             # [NT, N, TILE]
                     s_t = tl.dot(q_lat, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)         # [NT, M, N]
                     if TILED:
@@ -478,10 +472,7 @@ def _mla_decode_kernel(
                                           other=0.0)                                                    # [NT, N]
                         s = tl.sum(s_t * (tile_sc * unscale)[:, None, :], 0)
                     else:
-                        if DESC_ON and phase == 0:
-                            k_pe = _e4m3_words_16(k_pe_raw, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
-                        else:
-                            k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
+                        k_pe = _load_e4m3_16(rope_rows, tok_ok, D_ROPE, BLOCK_N, TO_FP16, dot_ty == tl.float32)
                         s = tl.sum(s_t, 0)
                     s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION)      # [M, N]
                 elif QK_SPLIT_LOAD:
