@@ -1,9 +1,10 @@
 """Plot for ``docs/benchmarks.md`` (CPU; needs matplotlib): ``python -m benchmarks.plot_mla_decode [--results F]``.
 
 ``docs/img/mla_decode_bandwidth.png``: achieved bandwidth of the ``mla_decode`` rows against batch, one panel per
-head count, one line per (KV format, context) — the path of the row (circles) and, where present, the fp8
-tensor-core dots (``fp8mma``, triangles: what ``fp8_dequant="auto"`` takes for fp8_e4m3 pages at ≥ 32k cached
-tokens) — with the copy ceiling measured in the same run. FP8 rows move half the bytes, so at the same TB/s they
+head count, one line per (KV format, context) — the path of the row (circles: the conversion for FP8 pages) and,
+where present, the fp8 tensor-core dots (``fp8mma``, triangles: what ``fp8_dequant="auto"`` takes for fp8_e4m3 pages
+at ≥ 32k cached tokens and more than 16 query rows) and the bitcast (squares: at ≤ 16 query rows it runs
+``FP8_TMA_CONFIG``, what "auto" takes there) — with the copy ceiling measured in the same run. FP8 rows move half the bytes, so at the same TB/s they
 run twice as fast.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .common import RESULTS
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 COLORS = {"bf16": "tab:gray", "fp8_e4m3": "tab:blue", "fp8_ds_mla": "tab:orange"}
 STYLES = {1024: ":", 4096: "-.", 16384: "--", 65536: "-"}
-VARIANTS = {None: "o", "fp8mma": "^"}  # case "variant" -> marker
+VARIANTS = {None: "o", "fp8mma": "^", "bitcast": "s"}  # case "variant" -> marker
 
 
 def plot(results: Path, out: Path) -> bool:
