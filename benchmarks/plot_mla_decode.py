@@ -4,8 +4,8 @@
 head count, one line per (KV format, context) — the path of the row (circles: the conversion for FP8 pages) and,
 where present, the fp8 tensor-core dots (``fp8mma``, triangles: what ``fp8_dequant="auto"`` takes for fp8_e4m3 pages
 at ≥ 32k cached tokens and more than 16 query rows) and the bitcast (squares: at ≤ 16 query rows it runs
-``FP8_TMA_CONFIG``, what "auto" takes there) — with the copy ceiling measured in the same run. FP8 rows move half the bytes, so at the same TB/s they
-run twice as fast.
+``FP8_TMA_CONFIG``, what "auto" takes there) — with the copy ceiling measured in the same run. FP8 rows move half
+the bytes, so at the same TB/s they run twice as fast.
 """
 from __future__ import annotations
 
