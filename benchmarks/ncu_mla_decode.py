@@ -28,10 +28,10 @@ CASES = (("bf16", "auto"), ("fp8_e4m3", "auto"), ("fp8_e4m3", "fp8mma"), ("fp8_e
 SHAPE = (64, 4096, 16)  # batch, ctx, heads
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats",
             "MemoryWorkloadAnalysis", "SourceCounters")
-# raw-page metrics kept in the summary
+# raw-page metrics kept in the summary, and the factors that bring ncu's units to the summary's (µs, TB/s)
 METRICS = {
-    "gpu__time_duration.sum": "duration",
-    "dram__bytes.sum.per_second": "dram_rate",
+    "gpu__time_duration.sum": "duration_us",
+    "dram__bytes.sum.per_second": "dram_tbps",
     "sm__inst_executed.avg.pct_of_peak_sustained_elapsed": "issue_pct",
     "launch__registers_per_thread": "registers",
     "launch__grid_size": "grid",
@@ -39,6 +39,7 @@ METRICS = {
     "smsp__warps_eligible.avg.per_cycle_active": "eligible_per_scheduler",
     "smsp__inst_executed.sum": "warp_instructions",
 }
+UNITS = {"duration_us": {"nsecond": 1e-3, "msecond": 1e3}, "dram_tbps": {"Gbyte/s": 1e-3, "Mbyte/s": 1e-6}}
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio")
 
 
@@ -77,14 +78,7 @@ def summarize_raw(text: str) -> dict:
             value = float(raw[metric].replace(",", ""))
         except (KeyError, ValueError):
             continue
-        unit = units.get(metric, "")
-        if name == "duration":  # in µs
-            value *= {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
-            name = "duration_us"
-        elif name == "dram_rate":  # in TB/s
-            value *= {"Gbyte/s": 1e-3, "Mbyte/s": 1e-6}.get(unit, 1.0)
-            name = "dram_tbps"
-        out[name] = round(value, 3)
+        out[name] = round(value * UNITS.get(name, {}).get(units.get(metric, ""), 1.0), 3)
     stalls = {}
     for metric, value in raw.items():
         m = STALL.fullmatch(metric)
