@@ -549,3 +549,97 @@ def test_caller_counters_are_left_zero_and_reused(triton_backend):
                    counters=torch.zeros(2, dtype=torch.int32, device=dev))
     with pytest.raises((TypeError, ValueError), match="counters"):
         w4a16_gemm(x, packed, scale, 32, counters=torch.zeros(40, device=dev))
+
+
+# --- 2-16 tokens: the swapped-operand kernel (swap_ab), weight as the wgmma A operand, one group per pair of dots ---
+SWAP_CASES = [(2, 40, 320, 32), (5, 72, 256, 64), (16, 130, 512, 128), (16, 64, 7 * 32, 32)]  # N, K ragged
+
+
+@pytest.mark.parametrize("m,n,k,group", SWAP_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swapped_kernel_matches_reference(triton_backend, m, n, k, group, dtype):
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=m + n)
+    scale = scale.to(dtype)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    x[-1, -group:] *= 50  # an outlier group in the last (possibly ragged) K block
+    out = poisoned_empty((m, n), dtype, dev)
+    y = w4a16_gemm(x, packed, scale, group, out=out, swap_ab=True)
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    # the group scale multiplies the fp32 partial (the reference rounds each weight to x.dtype first): as FAST_DEQUANT
+    assert_rel_close(y.float(), ref.float(), 1e-2, f"{m}x{n}x{k} g{group}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, group, fast_dequant=1).float(), 1e-2, "vs FAST_DEQUANT 1")
+
+
+def test_swapped_kernel_is_exact_in_fp32_sums_for_every_nibble(triton_backend):
+    """Every nibble value at every byte position and both halves: with power-of-two scales and small-integer
+    activations every product and partial sum is exact, so the kernel must equal the reference bit for bit (fp16: the
+    interpreter's fp32 -> bf16 store truncates instead of rounding)."""
+    dev = triton_backend
+    n, k, m = 16, 256, 3
+    codes = torch.arange(n * k).reshape(n, k) % 16                       # nibble n at every position
+    codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(1))]
+    words = (codes.reshape(n, k // 8, 8).to(torch.int64) << (torch.arange(8) * 4)).sum(-1)  # element 8w + i: bits 4i
+    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    scale = (2.0 ** torch.randint(-3, 3, (n, k // 32))).to(torch.float16)
+    x = torch.randint(-4, 5, (m, k)).to(torch.float16)
+    packed, scale, x = packed.to(dev), scale.to(dev), x.to(dev)
+    y = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
+    assert_bitwise_equal(y, w4a16_gemm_reference(x, packed, scale, 32), "swapped kernel, every nibble")
+
+
+def test_swap_ab_auto_rule_and_errors(triton_backend):
+    """"auto": the swapped kernel for 2..SWAP_MAX_M tokens of bf16 / fp16 without a pinned config or FAST_DEQUANT
+    level (bit-equal to swap_ab=True there); fp32 activations, one token, more tokens, a config or an explicit level
+    keep the other paths."""
+    from mla_quant.kernels.w4a16_gemm import SWAP_MAX_M, _takes_swap
+
+    assert _takes_swap("auto", 2, torch.bfloat16, True) and _takes_swap("auto", SWAP_MAX_M, torch.float16, True)
+    assert not _takes_swap("auto", 1, torch.bfloat16, True)
+    assert not _takes_swap("auto", SWAP_MAX_M + 1, torch.bfloat16, True)
+    assert not _takes_swap("auto", 8, torch.float32, True) and not _takes_swap("auto", 8, torch.bfloat16, False)
+    assert not _takes_swap(False, 8, torch.bfloat16, True) and _takes_swap(True, 1, torch.bfloat16, False)
+    dev = triton_backend
+    packed, scale = _weights(24, 256, 32, dev, seed=5)
+    x = torch.randn(6, 256, device=dev).to(torch.bfloat16)
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32), w4a16_gemm(x, packed, scale, 32, swap_ab=True))
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32, fast_dequant=1),
+                       w4a16_gemm(x, packed, scale, 32, swap_ab=False))
+    with pytest.raises(ValueError, match="swap_ab"):
+        w4a16_gemm(x.float(), packed, scale, 32, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab"):
+        w4a16_gemm(torch.randn(SWAP_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab"):
+        w4a16_gemm(x, packed, scale, 32, swap_ab="yes")
+
+
+def test_swap_split_leaves_every_split_a_block():
+    from mla_quant.kernels.w4a16_gemm.kernel import SWAP_MAX_SPLIT, swap_split
+
+    assert swap_split(7168, 256) == SWAP_MAX_SPLIT == 16  # 28 blocks: the measured split at 2048 / 4096 x 7168
+    assert swap_split(2048, 256) == 8 and swap_split(256, 256) == 1 and swap_split(320, 256) == 2
+
+
+def test_swapped_kernel_leaves_caller_counters_zero(triton_backend):
+    dev = triton_backend
+    packed, scale = _weights(72, 1024, 32, dev)  # 4 K blocks: split 4, two N tiles
+    x = torch.randn(4, 1024, device=dev).to(torch.bfloat16)
+    ref = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
+    counters = torch.zeros(2, dtype=torch.int32, device=dev)
+    for _ in range(2):
+        assert torch.equal(w4a16_gemm(x, packed, scale, 32, swap_ab=True, counters=counters), ref)
+        assert not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048), (4096, 7168)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_swapped_kernel_real_shapes(m, n, k, dtype):
+    packed, scale = _weights(n, k, 32, "cuda")
+    scale = scale.to(dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    y = w4a16_gemm(x, packed, scale, 32)  # "auto": the swapped kernel
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m} {n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, swap_ab=False).float(), 1e-2, "vs FAST_DEQUANT tile")
+    assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, swap_ab=True)), "deterministic"

@@ -17,7 +17,7 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_FORMS = ("planes1", "planes", "tile")
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
-__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M"]
+__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M"]
 
 
 def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
@@ -54,6 +54,27 @@ def _fast_level(value, m: int, pinned: bool) -> int:
     return int(value)
 
 
+# swap_ab="auto" runs the swapped-operand kernel (kernel._w4a16_swap_kernel) for 2..SWAP_MAX_M tokens of bf16 / fp16
+# activations without a pinned config or FAST_DEQUANT level: on the H200 (session 13) 1.15 / 1.52x tinygemm at 16 tokens
+# x 2048 / 4096 x 7168, 1.39 / 1.53x the FAST_DEQUANT tile it replaces; 0.68-0.80x tinygemm at 4-8 tokens (still
+# 1.44-1.56x the tile)
+SWAP_MAX_M = 16
+
+
+def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
+    """Whether this call runs the swapped-operand kernel (``swap_ab``: "auto", True or False)."""
+    ok_dtype = dtype in (torch.bfloat16, torch.float16)
+    if isinstance(swap_ab, str) and swap_ab == "auto":
+        return unpinned and ok_dtype and 2 <= m <= SWAP_MAX_M
+    if swap_ab is False:
+        return False
+    if swap_ab is not True:
+        raise ValueError(f"swap_ab: {swap_ab!r} must be True, False or 'auto'")
+    if not ok_dtype or m > SWAP_MAX_M:
+        raise ValueError(f"swap_ab=True: needs at most {SWAP_MAX_M} tokens of bf16 / fp16 activations, got {m} of {dtype}")
+    return True
+
+
 def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
     """A small fixed config for the CPU interpreter (autotuning there would only cost time; few, large
     programs run fastest there). The tests pin the other configs, split-K included. ``fast`` uses the
@@ -67,7 +88,7 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
                fast_dequant: int | str = "auto", gemv: str = "planes1",
-               counters: torch.Tensor | None = None) -> torch.Tensor:
+               counters: torch.Tensor | None = None, swap_ab: bool | str = "auto") -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -91,6 +112,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     tile the chosen plane GEMV cannot use (``kernel.planes1_tile_ok`` / ``kernel.planes_tile_ok``) runs the
     tile GEMV.
 
+    ``swap_ab`` ("auto", the default; True; False) picks the swapped-operand kernel for up to ``SWAP_MAX_M`` tokens of
+    bf16 / fp16 activations: the weight is the wgmma A operand (from registers, dequantized by elementwise ops on its
+    packed bytes), the tokens the N side, one group of 32 K per pair of dots, the group scale once per output
+    (``kernel._w4a16_swap_kernel``; docs/moe.md "W4A16 at 2-16 tokens: swapped operands"). "auto" takes it for 2 to
+    ``SWAP_MAX_M`` tokens when neither ``config`` nor a ``fast_dequant`` level is given.
+
     ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
     may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at
     zero again — a buffer kept across calls (on one stream) saves the ``torch.zeros`` launch of each call.
@@ -98,6 +125,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
     n, k = _check(x, weight_packed, weight_scale, group_size)
+    swap = _takes_swap(swap_ab, x.numel() // k if k else 0, x.dtype,
+                       config is None and isinstance(fast_dequant, str) and fast_dequant == "auto")
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
                                x.numel() // k if k else 0, config is not None)
     lead = x.shape[:-1]
@@ -124,6 +153,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return y.view(*lead, n)
     sms = num_sms(x.device)
     interpreted = triton_interpreted()
+    if swap:
+        return _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted).view(*lead, n)
     if config is None and interpreted:
         config = _interpreter_config(m, group_size, fast_dequant)
     x_vec = x2.data_ptr() % 16 == 0  # planes1: 128-bit activation loads (else one strided load per plane)
@@ -169,3 +200,18 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}
         _w4a16_gemm_kernel[grid(meta)](*args, **common, **meta)
     return y.view(*lead, n)
+
+
+def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):
+    """Launch ``kernel._w4a16_swap_kernel`` for x2 [M <= SWAP_MAX_M, K] into y [M, N]."""
+    from .kernel import SWAP_TILE, _w4a16_swap_kernel, swap_split
+
+    (m, k), n = x2.shape, y.shape[1]
+    bn, bk, warps, stages = SWAP_TILE
+    split = swap_split(k, bk)
+    part, count = split_k_workspace(m, n, split, triton.cdiv(n, bn), x2.device, counters)
+    _w4a16_swap_kernel[(triton.cdiv(n, bn), split)](
+        x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
+        GROUP=group_size, BM=16, BN=bn, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERPRET=interpreted, num_warps=warps,
+        num_stages=stages)
+    return y

@@ -441,3 +441,97 @@ w4a16_gemv_planes_autotuned = _autotuned(fast=0)  # one token, PLANES=True: its 
 # w4a16_gemm(..., fast_dequant=level): each FAST_DEQUANT level has its own configs and tuning cache
 FAST_AUTOTUNED = {1: _autotuned(fast=1), 2: _autotuned(fast=2)}
 w4a16_gemv_planes1_autotuned = _planes1_autotuned()  # one token in one launch (gemv="planes1")
+
+
+# ------------------------------------------------------------------ 2-16 tokens: swapped operands, one group per dot
+# (BN, BK, num_warps, num_stages) of the swapped kernel and its largest split: on the H200 (session 13, bf16, group 32)
+# 16.9 / 24.8 µs at 16 tokens x 2048 / 4096 x 7168 against tinygemm's 19.3 / 37.6 and the FAST_DEQUANT tile's 23.5 /
+# 37.9 (scratch sweep of BN 64-128, BK 128-256, splits 4-16); splits 4 and 8 were 1.2-1.7x slower at 2048 x 7168
+SWAP_TILE = (64, 256, 4, 2)
+SWAP_MAX_SPLIT = 16
+
+
+def swap_split(k: int, bk: int) -> int:
+    """Split-K of the swapped kernel: the largest power of two <= SWAP_MAX_SPLIT that leaves every split at least
+    one K block (a long serial chain of group dots per program is what limits it: docs/moe.md)."""
+    iters, split = triton.cdiv(k, bk), 1
+    while split * 2 <= min(SWAP_MAX_SPLIT, iters):
+        split *= 2
+    return split
+
+
+@triton.jit
+def _x_parity_pair(x_cols, kg, K, c, EVEN: tl.constexpr):
+    """The activations of one group as two B operands [16, BM]: elements kg + 2c (low nibbles) and kg + 2c + 1
+    (high nibbles); zeros past K (a whole group is in or out, K being a multiple of 32). ``EVEN`` (BK divides K):
+    no mask."""
+    if EVEN:
+        return tl.load(x_cols + (kg + 2 * c)[:, None]), tl.load(x_cols + (kg + 2 * c + 1)[:, None])
+    ok = (kg + 2 * c < K)[:, None]
+    return (tl.load(x_cols + (kg + 2 * c)[:, None], mask=ok, other=0.0),
+            tl.load(x_cols + (kg + 2 * c + 1)[:, None], mask=ok, other=0.0))
+
+
+@triton.jit
+def _byte_codes(b, HIGH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The signed codes q = n - 8 of the low (or high) nibbles of int8 ``b``, exact, in DT (bf16: bits 0x4300 | n
+    = 128 + n, fp16: 0x6400 | n = 1024 + n, then one subtraction; fp32 under the interpreter, whose 16-bit bitcasts
+    are wrong). Elementwise and widening only, so Triton keeps the whole chain in the wgmma A-operand registers."""
+    nib = ((b >> 4) & 0xF) if HIGH else (b & 0xF)
+    if INTERPRET:
+        q = nib.to(tl.float32) - 8.0
+    elif DT == tl.bfloat16:
+        q = (nib.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+    else:
+        q = (nib.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    return q
+
+
+@triton.jit
+def _w4a16_swap_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_ym, stride_part,
+    GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """y^T tile [BN, BM] = Σ_groups s_g · (lo(B_g) @ x_even,g^T + hi(B_g) @ x_odd,g^T) for M <= BM = 16 tokens.
+
+    The weight is the A operand (wgmma: 64 rows per warp group, from registers), the tokens the N side. Per group
+    of 32 K, B_g int8 [BN, 16] are the group's packed bytes: byte c holds elements 2c (low nibble) and 2c + 1 (high),
+    so each nibble half is a K = 16 operand by an elementwise op and the group's scale multiplies the fp32 partial once
+    per output (as FAST_DEQUANT). The activations of the next group are loaded while this one computes."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    c = tl.arange(0, 16)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    w8 = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
+    w_rows = w8 + (rn % N)[:, None].to(tl.int64) * (K // 2)          # rows past N re-read valid ones (not stored)
+    s_rows = s_ptr + (rn % N).to(tl.int64) * (K // GROUP)
+    x_cols = x_ptr + (rm % M)[None, :].to(tl.int64) * stride_xm       # [1, BM]
+    k_iters = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_iters, SPLIT_K)
+    it_lo = pid_k * per_split
+    it_hi = tl.minimum(it_lo + per_split, k_iters)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    x_lo, x_hi = _x_parity_pair(x_cols, it_lo * BK, K, c, False)
+    for it in range(it_lo, it_hi):
+        k0 = it * BK
+        for g in tl.static_range(BK // 32):
+            kg = k0 + 32 * g
+            xl, xh = x_lo, x_hi
+            # the next group (the next block's first at the last g: masked there, it may lie past K)
+            x_lo, x_hi = _x_parity_pair(x_cols, kg + 32, K, c, EVEN_K and g + 1 < BK // 32)
+            b = _load(w_rows + (kg // 2 + c)[None, :], (kg // 2 + c < K // 2)[None, :], EVEN_K)  # int8 [BN, 16]
+            lo, hi = _byte_codes(b, False, DT, INTERPRET), _byte_codes(b, True, DT, INTERPRET)
+            if INTERPRET:  # the interpreter's 16-bit dots are wrong; fp32 operands hold the same values
+                part = tl.dot(hi, xh.to(tl.float32), tl.dot(lo, xl.to(tl.float32)))
+            else:
+                part = tl.dot(hi, xh, tl.dot(lo, xl))
+            s = _load(s_rows + kg // GROUP, kg + 0 * rn < K, EVEN_K).to(tl.float32)  # [BN]
+            acc += part * s[:, None]
+    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
+    store_split_k(tl.trans(acc), y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out_mask,
+                  part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :]), stride_part, pid_k, count_ptr + pid_n,
+                  SPLIT_K)
