@@ -488,6 +488,16 @@ def _byte_codes(b, HIGH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr
 
 
 @triton.jit
+def _group_partial(w_rows, kg, K, c, xl, xh, DT: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """One group's unscaled fp32 partial [BN, BM]: lo(B_g) @ xl + hi(B_g) @ xh, B_g the group's int8 bytes [BN, 16]."""
+    b = _load(w_rows + (kg // 2 + c)[None, :], (kg // 2 + c < K // 2)[None, :], EVEN_K)
+    lo, hi = _byte_codes(b, False, DT, INTERPRET), _byte_codes(b, True, DT, INTERPRET)
+    if INTERPRET:  # the interpreter's 16-bit dots are wrong; fp32 operands hold the same values
+        return tl.dot(hi, xh.to(tl.float32), tl.dot(lo, xl.to(tl.float32)))
+    return tl.dot(hi, xh, tl.dot(lo, xl))
+
+
+@triton.jit
 def _w4a16_swap_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
@@ -499,7 +509,7 @@ def _w4a16_swap_kernel(
     The weight is the A operand (wgmma: 64 rows per warp group, from registers), the tokens the N side. Per group
     of 32 K, B_g int8 [BN, 16] are the group's packed bytes: byte c holds elements 2c (low nibble) and 2c + 1 (high),
     so each nibble half is a K = 16 operand by an elementwise op and the group's scale multiplies the fp32 partial once
-    per output (as FAST_DEQUANT). The activations of the next group are loaded while this one computes."""
+    per output (as FAST_DEQUANT). Groups go two per step (below)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -515,22 +525,24 @@ def _w4a16_swap_kernel(
     it_lo = pid_k * per_split
     it_hi = tl.minimum(it_lo + per_split, k_iters)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    x_lo, x_hi = _x_parity_pair(x_cols, it_lo * BK, K, c, False)
+    # two groups per step: their four dots issue before either partial is scaled, and one barrier stages both
+    # groups' activations (3-5 % faster than one group per step at 2048 / 4096 x 7168); the next pair's
+    # activations are loaded while this pair computes (masked past the block's end: they may lie past K)
+    tl.static_assert(BK % 64 == 0, "the swapped kernel takes K blocks of whole group pairs")
+    x_lo0, x_hi0 = _x_parity_pair(x_cols, it_lo * BK, K, c, False)
+    x_lo1, x_hi1 = _x_parity_pair(x_cols, it_lo * BK + 32, K, c, False)
     for it in range(it_lo, it_hi):
         k0 = it * BK
-        for g in tl.static_range(BK // 32):
+        for g in tl.static_range(0, BK // 32, 2):
             kg = k0 + 32 * g
-            xl, xh = x_lo, x_hi
-            # the next group (the next block's first at the last g: masked there, it may lie past K)
-            x_lo, x_hi = _x_parity_pair(x_cols, kg + 32, K, c, EVEN_K and g + 1 < BK // 32)
-            b = _load(w_rows + (kg // 2 + c)[None, :], (kg // 2 + c < K // 2)[None, :], EVEN_K)  # int8 [BN, 16]
-            lo, hi = _byte_codes(b, False, DT, INTERPRET), _byte_codes(b, True, DT, INTERPRET)
-            if INTERPRET:  # the interpreter's 16-bit dots are wrong; fp32 operands hold the same values
-                part = tl.dot(hi, xh.to(tl.float32), tl.dot(lo, xl.to(tl.float32)))
-            else:
-                part = tl.dot(hi, xh, tl.dot(lo, xl))
-            s = _load(s_rows + kg // GROUP, kg + 0 * rn < K, EVEN_K).to(tl.float32)  # [BN]
-            acc += part * s[:, None]
+            xl0, xh0, xl1, xh1 = x_lo0, x_hi0, x_lo1, x_hi1
+            x_lo0, x_hi0 = _x_parity_pair(x_cols, kg + 64, K, c, EVEN_K and g + 2 < BK // 32)
+            x_lo1, x_hi1 = _x_parity_pair(x_cols, kg + 96, K, c, EVEN_K and g + 2 < BK // 32)
+            p0 = _group_partial(w_rows, kg, K, c, xl0, xh0, DT, EVEN_K, INTERPRET)
+            p1 = _group_partial(w_rows, kg + 32, K, c, xl1, xh1, DT, EVEN_K, INTERPRET)
+            s0 = _load(s_rows + kg // GROUP, kg + 0 * rn < K, EVEN_K).to(tl.float32)            # [BN]
+            s1 = _load(s_rows + (kg + 32) // GROUP, kg + 32 + 0 * rn < K, EVEN_K).to(tl.float32)
+            acc += p0 * s0[:, None] + p1 * s1[:, None]
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
     store_split_k(tl.trans(acc), y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out_mask,
                   part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :]), stride_part, pid_k, count_ptr + pid_n,
