@@ -55,9 +55,9 @@ def _fast_level(value, m: int, pinned: bool) -> int:
 
 
 # swap_ab="auto" runs the swapped-operand kernel (kernel._w4a16_swap_kernel) for 2..SWAP_MAX_M tokens of bf16 / fp16
-# activations without a pinned config or FAST_DEQUANT level: on the H200 (session 13) 1.15 / 1.52x tinygemm at 16 tokens
-# x 2048 / 4096 x 7168, 1.39 / 1.53x the FAST_DEQUANT tile it replaces; 0.68-0.80x tinygemm at 4-8 tokens (still
-# 1.44-1.56x the tile)
+# activations without a pinned config or FAST_DEQUANT level: on the H200 (c286741, bench gemm) 1.15 / 1.50x tinygemm at
+# 16 tokens x 2048 / 4096 x 7168, 1.39 / 1.51x the FAST_DEQUANT tile it replaces; at 8 tokens 0.79 / 1.00x tinygemm
+# (still 1.46 / 1.52x the tile)
 SWAP_MAX_M = 16
 
 
