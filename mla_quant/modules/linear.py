@@ -46,13 +46,20 @@ def _fp8_weight_only(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.T
     return F.linear(x2, fmt.dequantize(tensors, x2.dtype))  # dequantize on the GPU, then cuBLAS
 
 
-def _int4(x2: torch.Tensor, fmt: Int4Group, tensors: dict[str, torch.Tensor], reference: bool) -> torch.Tensor:
-    gemm = w4a16_gemm_reference if reference else w4a16_gemm
-    return gemm(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size)
+# Up to this many tokens every w4a16_gemm path needs at most N split-K counters (one per output column tile)
+COUNTERS_MAX_TOKENS = 16
+
+
+def _int4(x2: torch.Tensor, fmt: Int4Group, tensors: dict[str, torch.Tensor], reference: bool,
+          counters: torch.Tensor | None = None) -> torch.Tensor:
+    if reference:
+        return w4a16_gemm_reference(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size)
+    kept = counters if counters is not None and x2.shape[0] <= COUNTERS_MAX_TOKENS else None
+    return w4a16_gemm(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size, counters=kept)
 
 
 def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
-             bias: torch.Tensor | None, reference: bool) -> torch.Tensor:
+             bias: torch.Tensor | None, reference: bool, counters: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(fmt, BF16):
         return F.linear(x, tensors["weight"].to(x.dtype), bias)
     reference = reference or getattr(fmt, "kernel", "auto") == "torch"
@@ -60,7 +67,7 @@ def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor
     if isinstance(fmt, FP8Block):
         y = (_fp8_w8a8 if fmt.act_quant else _fp8_weight_only)(x2, fmt, tensors, reference)
     elif isinstance(fmt, Int4Group):
-        y = _int4(x2, fmt, tensors, reference)
+        y = _int4(x2, fmt, tensors, reference, counters)
     else:
         raise TypeError(f"quant_linear: no compute path for format {fmt!r}")
     y = y.reshape(*x.shape[:-1], y.shape[-1])
@@ -68,9 +75,13 @@ def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor
 
 
 def quant_linear(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T (+ bias) for a weight held in ``fmt``. x: [..., K] -> [..., N] in x.dtype."""
-    return _compute(x, fmt, tensors, bias, reference=False)
+                 bias: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for a weight held in ``fmt``. x: [..., K] -> [..., N] in x.dtype.
+
+    ``counters`` (``Int4Group`` only, optional): int32 zeros [N] kept by the caller, the W4A16 GEMM's split-K
+    arrival counters for calls of up to ``COUNTERS_MAX_TOKENS`` tokens (each launch leaves them zero; it saves the
+    ``torch.zeros`` launch of each call). Calls that may run at the same time (several streams) need their own."""
+    return _compute(x, fmt, tensors, bias, reference=False, counters=counters)
 
 
 def quant_linear_reference(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
@@ -87,7 +98,10 @@ def _same_storage(a: WeightFormat, b: WeightFormat, n: int, k: int) -> bool:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight lives in any :class:`WeightFormat`. ``x: [..., in] -> [..., out]``."""
+    """A linear layer whose weight lives in any :class:`WeightFormat`. ``x: [..., in] -> [..., out]``.
+
+    An ``Int4Group`` layer keeps its W4A16 split-K counters (:meth:`split_k_counters`), so a call of up to 16 tokens is
+    one kernel launch; one layer must not run on two streams at the same time."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  fmt: WeightFormat | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -164,7 +178,22 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear: input has {x.shape[-1]} features, expected {self.in_features}")
-        return quant_linear(x, self.fmt, self.tensors, self.bias)
+        counters = self.split_k_counters(x.device) if isinstance(self.fmt, Int4Group) else None
+        return quant_linear(x, self.fmt, self.tensors, self.bias, counters)
+
+    def split_k_counters(self, device: torch.device) -> torch.Tensor | None:
+        """The W4A16 GEMM's split-K counters this layer keeps on ``device`` (int32 [out_features], left zero by every
+        launch): a plain attribute, not a buffer, so it is neither saved, sharded nor counted as weight bytes. Made
+        on first use outside a CUDA-graph capture; a call inside a capture that finds none gets None (the GEMM then
+        zeroes its own inside the graph: memory made during a capture is not zeroed until the graph runs)."""
+        kept = self.__dict__.get("_split_k_counters")
+        if kept is not None and kept.device == device and kept.numel() >= self.out_features:
+            return kept
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        kept = torch.zeros(self.out_features, dtype=torch.int32, device=device)
+        self.__dict__["_split_k_counters"] = kept
+        return kept
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt!r}"

@@ -117,6 +117,26 @@ def test_convert_format_requantizes_and_state_dict_keys_follow():
     assert layer.weight.dtype == fp8_quant.FP8
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layer_keeps_its_split_k_counters_zero(triton_backend, m, dtype):
+    """An Int4Group layer passes its kept counters (N entries, a plain attribute: not in the state dict or the
+    buffers) to the W4A16 GEMM for up to 16 tokens: the output equals the functional call bit for bit and the
+    counters are zero after every call; above 16 tokens the GEMM allocates its own."""
+    from mla_quant.kernels.w4a16_gemm import w4a16_gemm
+
+    layer, _ = _layer(Int4Group(32), n=72, k=1024, dtype=dtype, device=triton_backend)  # 4 K blocks: split-K runs
+    dev = torch.device(triton_backend)
+    counters = layer.split_k_counters(dev)
+    assert counters.dtype == torch.int32 and counters.numel() == 72 and counters is layer.split_k_counters(dev)
+    assert "_split_k_counters" not in dict(layer.named_buffers()) and "_split_k_counters" not in layer.state_dict()
+    x = torch.randn(m, 1024, device=triton_backend).to(dtype)
+    for _ in range(2):
+        y = layer(x)
+        assert not counters.any()
+    assert_bitwise_equal(y, w4a16_gemm(x, layer.weight_packed, layer.weight_scale, 32), f"M={m}")
+
+
 def test_from_linear_in_a_quantized_format():
     lin = nn.Linear(256, 20, bias=False)
     ql = QuantLinear.from_linear(lin, Int4Group(32))
@@ -145,3 +165,33 @@ def test_gpu_layer_matches_reference(fmt):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         ref = quant_linear_reference(x.float(), layer.fmt, layer.tensors, layer.bias.float())
         assert_rel_close(layer(x).float(), ref, 2e-2, f"{fmt!r} M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm_first", [True, False])
+def test_gpu_int4_layer_counters_under_cuda_graph_capture(warm_first):
+    """Kept counters made by an eager call serve the captured graph; a layer first called inside a capture makes
+    none there (the GEMM zeroes its own in the graph). Either way replays match the eager output and leave the
+    counters zero."""
+    layer, _ = _layer(Int4Group(32), n=2048, k=7168, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(8, 7168, device="cuda", dtype=torch.bfloat16)
+    ref = quant_linear(x, layer.fmt, layer.tensors)  # no kept counters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        if warm_first:
+            layer(x)
+        else:  # compile the kernels outside the capture without making the layer's counters
+            quant_linear(x, layer.fmt, layer.tensors)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    assert ("_split_k_counters" in layer.__dict__) == warm_first
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(y, ref, f"warm_first={warm_first}")
+    if warm_first:
+        assert not layer.split_k_counters(x.device).any()
+    assert_bitwise_equal(layer(x), ref, "eager after the graph")
