@@ -71,7 +71,8 @@ def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
     if swap_ab is not True:
         raise ValueError(f"swap_ab: {swap_ab!r} must be True, False or 'auto'")
     if not ok_dtype or m > SWAP_MAX_M:
-        raise ValueError(f"swap_ab=True: needs at most {SWAP_MAX_M} tokens of bf16 / fp16 activations, got {m} of {dtype}")
+        raise ValueError(f"swap_ab=True: needs at most {SWAP_MAX_M} tokens of bf16 / fp16 activations, "
+                         f"got {m} of {dtype}")
     return True
 
 
@@ -212,6 +213,6 @@ def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
     part, count = split_k_workspace(m, n, split, triton.cdiv(n, bn), x2.device, counters)
     _w4a16_swap_kernel[(triton.cdiv(n, bn), split)](
         x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
-        GROUP=group_size, BM=16, BN=bn, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERPRET=interpreted, num_warps=warps,
-        num_stages=stages)
+        GROUP=group_size, BM=16, BN=bn, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERPRET=interpreted,
+        num_warps=warps, num_stages=stages)
     return y

@@ -40,6 +40,11 @@ Level 2 also drops the subtraction: the 16-bit lanes ``128 + n`` (= q + 136) go 
 and ``136 · Σ x_group`` (one row sum per group) is subtracted from the partial — no floating-point op per
 weight at all; the products are exact and the cancellation costs ~5 of fp32's 24 bits.
 
+A second kernel, ``_w4a16_swap_kernel`` (the default for 2-16 tokens of bf16 / fp16, ``w4a16_gemm(..., swap_ab=)``),
+swaps the operands: y^T = W · x^T with the weight as the wgmma A operand in registers, one pair of K = 16 dots per
+group on the group's packed bytes (low and high nibbles), the group scale on the fp32 partial (end of this file;
+docs/moe.md "W4A16 at 2-16 tokens: swapped operands").
+
 Split-K (``SPLIT_K > 1``) fills the SMs when there are few output tiles: each program writes its fp32 partial
 ``[BM, BN]`` to a workspace, and the last program to arrive at a tile (an atomic counter) sums the partials
 in a fixed order — deterministic — writes the output and resets the counter for the next launch.
@@ -443,17 +448,18 @@ FAST_AUTOTUNED = {1: _autotuned(fast=1), 2: _autotuned(fast=2)}
 w4a16_gemv_planes1_autotuned = _planes1_autotuned()  # one token in one launch (gemv="planes1")
 
 
-# ------------------------------------------------------------------ 2-16 tokens: swapped operands, one group per dot
-# (BN, BK, num_warps, num_stages) of the swapped kernel and its largest split: on the H200 (session 13, bf16, group 32)
-# 16.9 / 24.8 µs at 16 tokens x 2048 / 4096 x 7168 against tinygemm's 19.3 / 37.6 and the FAST_DEQUANT tile's 23.5 /
-# 37.9 (scratch sweep of BN 64-128, BK 128-256, splits 4-16); splits 4 and 8 were 1.2-1.7x slower at 2048 x 7168
+# ------------------------------------------------ 2-16 tokens: swapped operands, a pair of dots per group of 32 K
+# (BN, BK, num_warps, num_stages) of the swapped kernel and its largest split: on the H200 (c286741, bench gemm, bf16)
+# 17.3 / 25.2 µs at 16 tokens x 2048 / 4096 x 7168 against tinygemm's 19.8 / 37.8 and the FAST_DEQUANT tile's
+# 24.0 / 38.0; the best or within noise of every tile and split swept (results/sweep_w4a16_swap_h200.json)
 SWAP_TILE = (64, 256, 4, 2)
 SWAP_MAX_SPLIT = 16
 
 
 def swap_split(k: int, bk: int) -> int:
     """Split-K of the swapped kernel: the largest power of two <= SWAP_MAX_SPLIT that leaves every split at least
-    one K block (a long serial chain of group dots per program is what limits it: docs/moe.md)."""
+    one K block (at 2048 x 7168, 4-8 splits were 1.2-1.7x slower than 16, and 32-64 splits of smaller blocks
+    1.3-1.7x slower: results/sweep_w4a16_swap_h200.json)."""
     iters, split = triton.cdiv(k, bk), 1
     while split * 2 <= min(SWAP_MAX_SPLIT, iters):
         split *= 2
