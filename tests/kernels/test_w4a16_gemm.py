@@ -571,6 +571,22 @@ def test_swapped_kernel_matches_reference(triton_backend, m, n, k, group, dtype)
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, group, fast_dequant=1).float(), 1e-2, "vs FAST_DEQUANT 1")
 
 
+def test_swapped_kernel_strided_and_batched_activations(triton_backend):
+    """Rows of x with a stride past K (a column slice of a wider tensor), leading dimensions, and one token under
+    swap_ab=True: the same result as contiguous rows of the same values."""
+    dev = triton_backend
+    packed, scale = _weights(40, 256, 32, dev, seed=3)
+    wide = torch.randn(6, 256 + 64, device=dev).to(torch.bfloat16)
+    x = wide[:, 64:]                                                    # stride(0) = 320, not K
+    y = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
+    assert_bitwise_equal(y, w4a16_gemm(x.contiguous(), packed, scale, 32, swap_ab=True), "strided rows")
+    y3 = w4a16_gemm(x.contiguous().view(2, 3, 256), packed, scale, 32)  # "auto": 6 tokens
+    assert y3.shape == (2, 3, 40)
+    assert_bitwise_equal(y3.view(6, 40), y, "leading dimensions")
+    one = w4a16_gemm(x[:1].contiguous(), packed, scale, 32, swap_ab=True)
+    assert_rel_close(one.float(), w4a16_gemm_reference(x[:1], packed, scale, 32).float(), 1e-2, "one token")
+
+
 def test_swapped_kernel_is_exact_in_fp32_sums_for_every_nibble(triton_backend):
     """Every nibble value at every byte position and both halves: with power-of-two scales and small-integer
     activations every product and partial sum is exact, so the kernel must equal the reference bit for bit (fp16: the
