@@ -1,4 +1,4 @@
-"""The DSA and MLA-decode sweeps' settings on the CPU: each names a knob the library has (a module constant or a
+"""The DSA, MLA-decode and W4A16 sweeps' settings on the CPU: each names a knob the library has (a module constant or a
 parameter of the radix select), and applying one restores the library afterwards; the sweeps run on the GPU only."""
 import inspect
 
@@ -56,3 +56,20 @@ def test_fp8_gemm_sweep_only_keeps_the_named_settings_and_auto():
     assert all(label in ("auto", "portable") or "PERSISTENT=1" in label for label, _ in kept)
     assert any("PERSISTENT=1" in label for label, _ in kept) and len(kept) < len(every)
     assert settings("no such setting") == every[:1]
+
+
+def test_w4a16_swap_settings_name_module_constants_and_are_undone():
+    from benchmarks.common import module_attrs
+    from benchmarks.sweep_w4a16 import SWAP_SETTINGS, name, swap_setting
+    from mla_quant.kernels.w4a16_gemm import kernel
+
+    before = (kernel.SWAP_TILE, kernel.SWAP_MAX_SPLIT)
+    assert swap_setting(SWAP_SETTINGS[0]) == {"SWAP_TILE": before[0], "SWAP_MAX_SPLIT": before[1]}  # default first
+    for setting in SWAP_SETTINGS:
+        cfg = swap_setting(setting)
+        bn, bk, _, _ = cfg["SWAP_TILE"]
+        assert bk % 64 == 0 and bn % 64 == 0  # whole group pairs per K block; wgmma's 64 rows per warp group
+        with module_attrs(kernel, cfg):
+            assert (kernel.SWAP_TILE, kernel.SWAP_MAX_SPLIT) == setting
+        assert name(cfg).startswith("swap")
+    assert (kernel.SWAP_TILE, kernel.SWAP_MAX_SPLIT) == before
