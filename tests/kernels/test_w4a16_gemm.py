@@ -595,8 +595,7 @@ def test_swapped_kernel_is_exact_in_fp32_sums_for_every_nibble(triton_backend):
     n, k, m = 16, 256, 3
     codes = torch.arange(n * k).reshape(n, k) % 16                       # nibble n at every position
     codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(1))]
-    words = (codes.reshape(n, k // 8, 8).to(torch.int64) << (torch.arange(8) * 4)).sum(-1)  # element 8w + i: bits 4i
-    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    packed = I.int4_pack_reference(codes - 8)
     scale = (2.0 ** torch.randint(-3, 3, (n, k // 32))).to(torch.float16)
     x = torch.randint(-4, 5, (m, k)).to(torch.float16)
     packed, scale, x = packed.to(dev), scale.to(dev), x.to(dev)

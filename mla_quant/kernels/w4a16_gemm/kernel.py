@@ -471,11 +471,8 @@ def _x_parity_pair(x_cols, kg, K, c, EVEN: tl.constexpr):
     """The activations of one group as two B operands [16, BM]: elements kg + 2c (low nibbles) and kg + 2c + 1
     (high nibbles); zeros past K (a whole group is in or out, K being a multiple of 32). ``EVEN`` (BK divides K):
     no mask."""
-    if EVEN:
-        return tl.load(x_cols + (kg + 2 * c)[:, None]), tl.load(x_cols + (kg + 2 * c + 1)[:, None])
     ok = (kg + 2 * c < K)[:, None]
-    return (tl.load(x_cols + (kg + 2 * c)[:, None], mask=ok, other=0.0),
-            tl.load(x_cols + (kg + 2 * c + 1)[:, None], mask=ok, other=0.0))
+    return _load(x_cols + (kg + 2 * c)[:, None], ok, EVEN), _load(x_cols + (kg + 2 * c + 1)[:, None], ok, EVEN)
 
 
 @triton.jit
