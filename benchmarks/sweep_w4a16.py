@@ -13,7 +13,8 @@ per shape with µs, the speedup over tinygemm and over the autotuned default. Mo
 
 ``--swap`` instead times the swapped-operand kernel (``swap_ab=True``, 2–16 tokens) at each ``SWAP_SETTINGS`` entry:
 its tile (``kernel.SWAP_TILE``: BN, BK, warps, stages) and largest split (``kernel.SWAP_MAX_SPLIT``), beside the
-previous path (``swap_ab=False``). Session 13's scratch version of it: ``results/sweep_w4a16_swap_h200.json``.
+previous path (``fast1_autotuned``: what ``swap_ab=False`` runs there). Session 13's scratch version of it:
+``results/sweep_w4a16_swap_h200.json``.
 """
 from __future__ import annotations
 
@@ -23,11 +24,10 @@ import json
 import torch
 
 from mla_quant.kernels.int4_quant import int4_quantize
-from mla_quant.kernels.w4a16_gemm import w4a16_gemm
-
-from .bench_gemm import _tinygemm_pack
+from mla_quant.kernels.w4a16_gemm import SWAP_MAX_M, w4a16_gemm
 from mla_quant.kernels.w4a16_gemm import kernel as w4a16_kernel
 
+from .bench_gemm import _tinygemm_pack
 from .common import L2_BYTES, graph_us, module_attrs
 
 GROUP = 32
@@ -99,12 +99,10 @@ def main() -> None:
             return graph_us(all_sets, n_sets, warmup_ms=5, rep_ms=30)[0]
 
         for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            if args.swap and not 2 <= m <= 16:
+            if args.swap and not 2 <= m <= SWAP_MAX_M:
                 continue
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = {"default": timed(lambda i: w4a16_gemm(x, *sets[i], GROUP))}
-            if args.swap:
-                ref["swap_ab_off"] = timed(lambda i: w4a16_gemm(x, *sets[i], GROUP, swap_ab=False))
             for level in (1, 2):
                 try:
                     ref[f"fast{level}_autotuned"] = timed(lambda i: w4a16_gemm(x, *sets[i], GROUP, fast_dequant=level))
