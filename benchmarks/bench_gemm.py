@@ -11,9 +11,11 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 ``cublas_bf16_us`` and ``act_quant_us`` (the 1×128 activation quantization it needs);
 * ``int4_g32``  the Triton W4A16 GEMM (group 32, bf16 scales); peer ``tinygemm_int4``
                 (``torch.ops.aten._weight_int4pack_mm``, group 32); also ``cublas_bf16_us``.
-* ``int4_g32`` at 2-16 tokens is the swapped-operand kernel (``swap_ab="auto"``, from session 13);
-                ``int4_g32_swap_ws`` the same with split-K counters kept across calls; ``int4_g32_fast`` is the
-                previous default there.
+* ``int4_g32`` at 2-16 tokens is the fragment kernel (``fragments="auto"``, from session 14: mma.sync on
+                fragments built in registers); ``int4_g32_frag_ws`` the same with split-K counters kept across
+                calls; ``int4_g32_swap`` the swapped-operand kernel (``swap_ab=True``, the default of session 13;
+                its rows with kept counters, ``int4_g32_swap_ws``, are in the results of that session);
+                ``int4_g32_fast`` the default before it.
 * ``int4_g32_fast``, ``int4_g32_fast2`` the same GEMM with ``fast_dequant=1`` / ``2`` (the FAST_DEQUANT
                 levels, each with its own autotuned configs, docs/recipes.md), same weights, peers and goal,
                 next to ``int4_g32`` (``speedup_vs_int4_g32``); ``int4_g32_fast0`` with ``fast_dequant=0`` where
@@ -36,17 +38,19 @@ import torch
 from mla_quant.kernels.fp8_gemm import fp8_gemm
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 from mla_quant.kernels.int4_quant import int4_quantize
-from mla_quant.kernels.w4a16_gemm import FAST_AUTO_MAX_M, SWAP_MAX_M, w4a16_gemm
+from mla_quant.kernels.w4a16_gemm import FAST_AUTO_MAX_M, FRAG_MAX_M, SWAP_MAX_M, w4a16_gemm
 
 from .common import Context, case, graph_us, rotating
 
-M_ALL = (1, 4, 16, 64, 512, 2048, 8192)
+M_ALL = (1, 2, 4, 8, 16, 64, 512, 2048, 8192)
+M_QUICK = (1, 2, 4, 8, 16, 512, 4096)
 # (N, K): Kimi q_a/kv_a-like 2048×7168, o_proj-like 7168×2048 (expert down), 4096×7168, the dense MLP's
 # 7168×18432 (down), GLM's dense 6144×12288.
 NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288))
 GROUP = 32
 FAST_FORMATS = {0: "int4_g32_fast0", 1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
-SWAP_WS_FORMAT = "int4_g32_swap_ws"  # 2..SWAP_MAX_M tokens: the default (swapped operands) with kept counters
+FRAG_WS_FORMAT = "int4_g32_frag_ws"  # 2..FRAG_MAX_M tokens: the default (the fragment kernel) with kept counters
+SWAP_FORMAT = "int4_g32_swap"  # 2..SWAP_MAX_M tokens: the swapped-operand kernel (swap_ab=True)
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
 # M = 1 variants beside int4_g32: row format -> (gemv form, pass kept split-K counters)
 GEMV_FORMATS = {TILE_FORMAT: ("tile", False), "int4_g32_planes": ("planes", False),
@@ -90,7 +94,7 @@ def _goal(fmt: str, m: int, row: dict) -> tuple[str, bool] | None:
 
 def run(ctx: Context) -> list[dict]:
     dev = ctx.device
-    ms = (1, 8, 16, 512, 4096) if ctx.quick else M_ALL
+    ms = M_QUICK if ctx.quick else M_ALL
     nks = NK_ALL[1:3] if ctx.quick else NK_ALL
     rows: list[dict] = []
     for n, k in nks:
@@ -163,8 +167,10 @@ def run(ctx: Context) -> list[dict]:
                         for fmt, (form, kept) in (GEMV_FORMATS.items() if m == 1 else ())]
             variants += [(fmt, {"fast_dequant": level}) for level, fmt in FAST_FORMATS.items()
                          if level or 1 < m <= FAST_AUTO_MAX_M]  # level 0: where level 1 was the default
-            if 1 < m <= SWAP_MAX_M:  # the default there (swap_ab="auto"), with split-K counters kept across calls
-                variants.append((SWAP_WS_FORMAT, {"counters": torch.zeros(n, dtype=torch.int32, device=dev)}))
+            if 1 < m <= FRAG_MAX_M:  # the default there (fragments="auto"), with split-K counters kept across calls
+                variants.append((FRAG_WS_FORMAT, {"counters": torch.zeros(n, dtype=torch.int32, device=dev)}))
+            if 1 < m <= SWAP_MAX_M:
+                variants.append((SWAP_FORMAT, {"swap_ab": True}))
             n_fast = 0
             for fmt, kwargs in variants:
                 try:  # an unmeasured variant failing must not lose the other rows

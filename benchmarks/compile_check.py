@@ -330,9 +330,12 @@ def cases_w4a16_gemm() -> Iterator[Case]:
     # M = 1 in one launch (opt-in), at a Kimi width where split-K runs
     n, k = 2048, 7168
     packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
-    for x_dtype in (BF16, torch.float16):  # 2..16 tokens: the swapped-operand kernel ("auto")
+    for x_dtype in (BF16, torch.float16):  # 2..16 tokens: the fragment kernel ("auto"), the swapped-operand kernel
+        for m in (8, 16):
+            yield f"M={m} fragments {n}x{k} x={_dt(x_dtype)}", partial(
+                w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32)
         yield f"M=16 swap_ab {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(16, k, dtype=x_dtype),
-                                                              packed, scale.to(x_dtype), 32)
+                                                              packed, scale.to(x_dtype), 32, swap_ab=True)
     for x_dtype in (BF16, torch.float32):
         yield f"M=1 gemv=planes1 {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(1, k, dtype=x_dtype),
                                                                    packed, scale, 32, gemv="planes1")

@@ -580,7 +580,7 @@ def test_swapped_kernel_strided_and_batched_activations(triton_backend):
     x = wide[:, 64:]                                                    # stride(0) = 320, not K
     y = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
     assert_bitwise_equal(y, w4a16_gemm(x.contiguous(), packed, scale, 32, swap_ab=True), "strided rows")
-    y3 = w4a16_gemm(x.contiguous().view(2, 3, 256), packed, scale, 32)  # "auto": 6 tokens
+    y3 = w4a16_gemm(x.contiguous().view(2, 3, 256), packed, scale, 32, swap_ab=True)
     assert y3.shape == (2, 3, 40)
     assert_bitwise_equal(y3.view(6, 40), y, "leading dimensions")
     one = w4a16_gemm(x[:1].contiguous(), packed, scale, 32, swap_ab=True)
@@ -605,8 +605,8 @@ def test_swapped_kernel_is_exact_in_fp32_sums_for_every_nibble(triton_backend):
 
 def test_swap_ab_auto_rule_and_errors(triton_backend):
     """"auto": the swapped kernel for 2..SWAP_MAX_M tokens of bf16 / fp16 without a pinned config or FAST_DEQUANT
-    level (bit-equal to swap_ab=True there); fp32 activations, one token, more tokens, a config or an explicit level
-    keep the other paths."""
+    level where the fragment kernel is off (bit-equal to swap_ab=True there); fp32 activations, one token, more
+    tokens, a config or an explicit level keep the other paths."""
     from mla_quant.kernels.w4a16_gemm import SWAP_MAX_M, _takes_swap
 
     assert _takes_swap("auto", 2, torch.bfloat16, True) and _takes_swap("auto", SWAP_MAX_M, torch.float16, True)
@@ -617,7 +617,8 @@ def test_swap_ab_auto_rule_and_errors(triton_backend):
     dev = triton_backend
     packed, scale = _weights(24, 256, 32, dev, seed=5)
     x = torch.randn(6, 256, device=dev).to(torch.bfloat16)
-    assert torch.equal(w4a16_gemm(x, packed, scale, 32), w4a16_gemm(x, packed, scale, 32, swap_ab=True))
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32, fragments=False),
+                       w4a16_gemm(x, packed, scale, 32, swap_ab=True))
     assert torch.equal(w4a16_gemm(x, packed, scale, 32, fast_dequant=1),
                        w4a16_gemm(x, packed, scale, 32, swap_ab=False))
     with pytest.raises(ValueError, match="swap_ab"):
@@ -654,7 +655,131 @@ def test_gpu_swapped_kernel_real_shapes(m, n, k, dtype):
     packed, scale = _weights(n, k, 32, "cuda")
     scale = scale.to(dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    y = w4a16_gemm(x, packed, scale, 32)  # "auto": the swapped kernel
+    y = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m} {n}x{k}")
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, swap_ab=False).float(), 1e-2, "vs FAST_DEQUANT tile")
     assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, swap_ab=True)), "deterministic"
+
+
+# --- 1-16 tokens: the fragment kernel (fragments.py), mma.sync on fragments built in each thread's registers ---
+FRAG_CASES = [(2, 40, 320, 32), (5, 72, 256, 64), (8, 130, 512, 128), (9, 64, 7 * 32, 32), (16, 96, 384, 32),
+              (1, 48, 128, 32)]  # N and K ragged (K % 128), 1-2 token tiles
+
+
+@pytest.mark.parametrize("m,n,k,group", FRAG_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fragment_kernel_matches_reference(triton_backend, m, n, k, group, dtype):
+    """Against the reference, which rounds each weight to x.dtype as the kernel does: only the summation order and
+    the output rounding differ. An outlier group in the last (possibly ragged) K block; a poisoned output."""
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=m + n)
+    scale = scale.to(dtype)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    x[-1, -group:] *= 50
+    y = w4a16_gemm(x, packed, scale, group, out=poisoned_empty((m, n), dtype, dev), fragments=True)
+    assert_rel_close(y.float(), w4a16_gemm_reference(x, packed, scale, group).float(), 1e-2, f"{m}x{n}x{k} g{group}")
+    assert torch.equal(y, w4a16_gemm(x, packed, scale, group, fragments=True)), "deterministic"
+
+
+def test_fragment_kernel_is_exact_for_every_nibble(triton_backend):
+    """Every nibble value at every position of every lane's words: with power-of-two scales and small-integer
+    activations every weight, product and sum is exact, so the kernel equals the reference bit for bit (fp16: the
+    interpreter's fp32 -> bf16 store truncates instead of rounding). 9 tokens: two token tiles."""
+    dev = triton_backend
+    n, k, m = 32, 512, 9
+    codes = torch.arange(n * k).reshape(n, k) % 16
+    codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(2))]
+    packed = I.int4_pack_reference(codes - 8)
+    scale = (2.0 ** torch.randint(-3, 3, (n, k // 32))).to(torch.float16)
+    x = torch.randint(-4, 5, (m, k)).to(torch.float16)
+    packed, scale, x = packed.to(dev), scale.to(dev), x.to(dev)
+    y = w4a16_gemm(x, packed, scale, 32, fragments=True)
+    assert_bitwise_equal(y, w4a16_gemm_reference(x, packed, scale, 32), "fragment kernel, every nibble")
+
+
+def test_fragment_kernel_rows_strides_and_alignment(triton_backend):
+    """Rows of x with a stride past K and leading dimensions give what contiguous rows give; rows that are only
+    2-byte aligned (an odd element offset) are not taken by "auto" (the swapped kernel runs) and refused by True."""
+    dev = triton_backend
+    packed, scale = _weights(40, 256, 32, dev, seed=3)
+    wide = torch.randn(6, 256 + 64, device=dev).to(torch.bfloat16)
+    x = wide[:, 64:]                                                    # stride(0) = 320, not K
+    y = w4a16_gemm(x, packed, scale, 32)                                # "auto": the fragment kernel
+    assert_bitwise_equal(y, w4a16_gemm(x.contiguous(), packed, scale, 32, fragments=True), "strided rows")
+    y3 = w4a16_gemm(x.contiguous().view(2, 3, 256), packed, scale, 32)
+    assert y3.shape == (2, 3, 40)
+    assert_bitwise_equal(y3.view(6, 40), y, "leading dimensions")
+    odd = torch.randn(6 * 256 + 1, device=dev).to(torch.bfloat16)[1:].view(6, 256)  # 2-byte aligned rows
+    odd.copy_(x)
+    assert_bitwise_equal(w4a16_gemm(odd, packed, scale, 32), w4a16_gemm(x, packed, scale, 32, swap_ab=True),
+                         "2-byte aligned: the swapped kernel")
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        w4a16_gemm(odd, packed, scale, 32, fragments=True)
+
+
+def test_fragments_auto_rule_and_errors(triton_backend):
+    """"auto": 2..FRAG_MAX_M tokens of bf16 / fp16 with scales of the same dtype, no pinned config, FAST_DEQUANT
+    level or swap_ab=True; otherwise the other paths. Bad values and impossible calls name the argument."""
+    from mla_quant.kernels.w4a16_gemm import FRAG_MAX_M
+
+    dev = triton_backend
+    packed, scale = _weights(24, 256, 32, dev, seed=5)
+    x = torch.randn(6, 256, device=dev).to(torch.bfloat16)
+    frag = w4a16_gemm(x, packed, scale, 32, fragments=True)
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32), frag)
+    swapped = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32, fragments=False), swapped)
+    assert torch.equal(w4a16_gemm(x, packed, scale.float(), 32), w4a16_gemm(x, packed, scale.float(), 32,
+                                                                             swap_ab=True)), "fp32 scales: swapped"
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32, fast_dequant=1), w4a16_gemm(x, packed, scale, 32,
+                                                                                    swap_ab=False))
+    one = x[:1].contiguous()
+    assert torch.equal(w4a16_gemm(one, packed, scale, 32), w4a16_gemm(one, packed, scale, 32, fragments=False))
+    with pytest.raises(ValueError, match="fragments"):
+        w4a16_gemm(x, packed, scale, 32, fragments="yes")
+    with pytest.raises(ValueError, match="fragments=True.*float32"):
+        w4a16_gemm(x.float(), packed, scale, 32, fragments=True)
+    with pytest.raises(ValueError, match="fragments=True.*weight_scale"):
+        w4a16_gemm(x, packed, scale.float(), 32, fragments=True)
+    with pytest.raises(ValueError, match="fragments=True.*tokens"):
+        w4a16_gemm(torch.randn(FRAG_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32,
+                   fragments=True)
+
+
+def test_fragment_kernel_leaves_caller_counters_zero(triton_backend):
+    dev = triton_backend
+    packed, scale = _weights(72, 512, 32, dev)  # split-K over 4 K blocks, several row tiles
+    x = torch.randn(4, 512, device=dev).to(torch.bfloat16)
+    ref = w4a16_gemm(x, packed, scale, 32, fragments=True)
+    counters = torch.zeros(3, dtype=torch.int32, device=dev)
+    for _ in range(2):
+        assert torch.equal(w4a16_gemm(x, packed, scale, 32, fragments=True, counters=counters), ref)
+        assert not counters.any()
+
+
+def test_fragment_split_and_bounds():
+    from mla_quant.kernels.w4a16_gemm.fragments import FRAG_TILES, frag_bounds, frag_split
+
+    assert frag_split(2048, 7168, 64, 128, 132) == 16 and frag_split(4096, 7168, 64, 128, 132) == 8
+    assert frag_split(64, 128, 64, 128, 132) == 1 and frag_split(64, 384, 64, 128, 132) == 2
+    split, tiles = frag_bounds(2048, 7168, 132)
+    assert split >= max(frag_split(2048, 7168, 16 * mt * w, bk, 132) for mt, bk, w in FRAG_TILES)
+    assert tiles >= max(-(-2048 // (16 * mt * w)) for mt, bk, w in FRAG_TILES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 5, 8, 16])
+@pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048), (4096, 7168)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fragment_kernel_real_shapes(m, n, k, dtype):
+    """"auto" runs the fragment kernel: the reference (1 ulp of the output dtype, relative), the swapped kernel,
+    deterministic; kept counters give the same bits and stay zero."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    scale = scale.to(dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    y = w4a16_gemm(x, packed, scale, 32)
+    assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, fragments=True))
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m} {n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, swap_ab=True).float(), 1e-2, "vs swapped")
+    counters = torch.zeros(n, dtype=torch.int32, device="cuda")
+    assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, counters=counters)) and not counters.any()

@@ -17,7 +17,8 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_FORMS = ("planes1", "planes", "tile")
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
-__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M"]
+__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
+           "FRAG_MAX_M"]
 
 
 def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
@@ -61,6 +62,63 @@ def _fast_level(value, m: int, pinned: bool) -> int:
 SWAP_MAX_M = 16
 
 
+# fragments="auto" runs the fragment kernel (fragments.py: mma.sync on fragments built in each thread's registers, no
+# shared memory) for 2..FRAG_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on the H200 (bench
+# gemm) it replaced the swapped kernel there, 1.3-1.7x faster at 2048 / 4096 x 7168 (docs/moe.md "W4A16 at 2-16
+# tokens: MMA fragments in registers")
+FRAG_MAX_M = 16
+
+
+def _frag_problem(m: int, x: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
+    """Why the fragment kernel cannot take this call (None: it can)."""
+    if m > FRAG_MAX_M:
+        return f"{m} tokens (it takes up to {FRAG_MAX_M})"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x of {x.dtype} (it takes bf16 / fp16)"
+    if scale_dtype != x.dtype:
+        return f"weight_scale of {scale_dtype} (it needs x's dtype, {x.dtype}: the weight is rounded to it once)"
+    if x.data_ptr() % 4 or (m > 1 and x.stride(0) % 2):
+        return "x rows not 4-byte aligned"
+    return None
+
+
+def _takes_frag(fragments, m: int, x2: torch.Tensor, scale_dtype: torch.dtype, unpinned: bool) -> bool:
+    """Whether this call runs the fragment kernel (``fragments``: "auto", True or False; x2 [M, K])."""
+    if isinstance(fragments, str) and fragments == "auto":
+        return unpinned and m >= 2 and _frag_problem(m, x2, scale_dtype) is None
+    if fragments is False:
+        return False
+    if fragments is not True:
+        raise ValueError(f"fragments: {fragments!r} must be True, False or 'auto'")
+    problem = _frag_problem(m, x2, scale_dtype)
+    if problem is not None:
+        raise ValueError(f"fragments=True: the fragment kernel cannot take {problem}")
+    return True
+
+
+def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):
+    """Launch ``fragments._w4a16_frag_kernel`` (autotuned over ``FRAG_TILES``; one fixed small tile under the
+    interpreter) for x2 [M <= FRAG_MAX_M, K] into y [M, N]."""
+    from .fragments import FRAG_INTERPRETER_TILE, _w4a16_frag_kernel, frag_bounds, frag_split, w4a16_frag_autotuned
+
+    (m, k), n = x2.shape, y.shape[1]
+    sms = num_sms(x2.device)
+    max_split, max_tiles = frag_bounds(n, k, sms)
+    part, count = split_k_workspace(m, n, max_split, max_tiles, x2.device, counters)
+    args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n, sms)
+    common = dict(GROUP=group_size, NT=triton.cdiv(m, 8), INTERPRET=interpreted,
+                  X_VEC=x2.data_ptr() % 16 == 0 and (m == 1 or (x2.stride(0) * x2.element_size()) % 16 == 0))
+    if interpreted:  # autotuning the interpreter would only cost time
+        mt, bk, warps = FRAG_INTERPRETER_TILE
+        split = frag_split(n, k, 16 * mt * warps, bk, sms)
+        _w4a16_frag_kernel[(triton.cdiv(n, 16 * mt * warps), split)](
+            *args, **common, MT=mt, BK=bk, W=warps, SPLIT_K=split, EVEN_K=k % bk == 0, num_warps=warps)
+    else:
+        w4a16_frag_autotuned[lambda meta: (triton.cdiv(n, 16 * meta["MT"] * meta["W"]), meta["SPLIT_K"])](
+            *args, **common)
+    return y
+
+
 def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
     """Whether this call runs the swapped-operand kernel (``swap_ab``: "auto", True or False)."""
     ok_dtype = dtype in (torch.bfloat16, torch.float16)
@@ -89,7 +147,8 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
                fast_dequant: int | str = "auto", gemv: str = "planes1",
-               counters: torch.Tensor | None = None, swap_ab: bool | str = "auto") -> torch.Tensor:
+               counters: torch.Tensor | None = None, swap_ab: bool | str = "auto",
+               fragments: bool | str = "auto") -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -119,6 +178,14 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     (``kernel._w4a16_swap_kernel``; docs/moe.md "W4A16 at 2-16 tokens: swapped operands"). "auto" takes it for 2 to
     ``SWAP_MAX_M`` tokens when neither ``config`` nor a ``fast_dequant`` level is given.
 
+    ``fragments`` ("auto", the default; True; False) picks the fragment kernel: m16n8k16 ``mma.sync`` whose operand
+    fragments each thread builds in its own registers (the weight scaled and rounded to x's dtype on the way, as
+    ``int4_dequantize`` stores it; no shared memory; ``fragments.py``; docs/moe.md "W4A16 at 2-16 tokens: MMA fragments
+    in registers"). It takes 1 to ``FRAG_MAX_M`` tokens of bf16 / fp16 activations with scales of the same dtype and
+    4-byte aligned rows; "auto" takes it for 2 to ``FRAG_MAX_M`` such tokens when neither ``config``, a
+    ``fast_dequant`` level nor ``swap_ab=True`` is given (``swap_ab`` then decides between the swapped kernel and the
+    tile). True forces it (a call it cannot take raises), False keeps it off.
+
     ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
     may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at
     zero again — a buffer kept across calls (on one stream) saves the ``torch.zeros`` launch of each call.
@@ -126,8 +193,13 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
     n, k = _check(x, weight_packed, weight_scale, group_size)
-    swap = _takes_swap(swap_ab, x.numel() // k if k else 0, x.dtype,
-                       config is None and isinstance(fast_dequant, str) and fast_dequant == "auto")
+    unpinned = config is None and isinstance(fast_dequant, str) and fast_dequant == "auto"
+    swap = _takes_swap(swap_ab, x.numel() // k if k else 0, x.dtype, unpinned)
+    if fragments is True and swap_ab is True:
+        raise ValueError("fragments=True and swap_ab=True: pick one kernel")
+    frag = _takes_frag(fragments, x.numel() // k if k else 0, x.reshape(-1, k) if k else x, weight_scale.dtype,
+                       unpinned and swap_ab is not True and swap_ab is not False)
+    swap = swap and not frag
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
                                x.numel() // k if k else 0, config is not None)
     lead = x.shape[:-1]
@@ -154,6 +226,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return y.view(*lead, n)
     sms = num_sms(x.device)
     interpreted = triton_interpreted()
+    if frag:
+        return _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted).view(*lead, n)
     if swap:
         return _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted).view(*lead, n)
     if config is None and interpreted:

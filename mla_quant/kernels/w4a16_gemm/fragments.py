@@ -1,0 +1,268 @@
+"""W4A16 for 1-8 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
+
+y^T [rows, tokens] = W · x^T as m16n8k16 MMAs (bf16 or fp16, fp32 accumulation): the INT4 weight is the A operand
+(16 rows), the tokens the N side (8, padded by re-reading valid rows). ``tl.dot`` would stage one operand through
+shared memory and re-pack the weight bytes with byte permutes; here each thread loads exactly the words and
+activations of its own fragment registers and issues the MMA as inline PTX. The kernel works on 1-D tensors of one
+element per thread (``T = 32 · num_warps`` elements: element i lives in thread i, lane i % 32 of warp i // 32), so
+an elementwise inline-asm op runs once in every lane, as a warp-wide ``mma.sync`` must.
+
+Which K a register holds is ours to choose (a dot product does not care about the order of K, as long as A and B
+agree). Lane (r, c) = (lane // 4, lane % 4) of a warp holds, for each 32-K chunk g (the quantization group's
+32 columns) and each 16-row tile, the int32 word 4g + c of rows r and r + 8: eight nibbles each. The pair register
+``P_j`` = ``(w >> 4j) & 0x000F000F | 0x43004300`` holds nibbles j and j + 4 in its two bf16 lanes as 128 + n (one
+LOP3, exact), and one ``sub.bf16x2`` of 136 makes the codes n - 8 (fp16: 0x6400 | n = 1024 + n, minus 1032).
+The B register ``Q_j`` holds the activations of the same two elements (8w + j, 8w + j + 4) of token r, made from
+one 128-bit load of the word's 8 activations by one PRMT. Two MMAs per chunk — pairs (0, 1) then (2, 3) — sum the
+quad's four words, i.e. the chunk's 32 K; the chunk's scale (group ``32g // GROUP``) multiplies that fp32 partial
+once per output, as the swapped kernel does. Per 8 weights a thread issues ~11 integer/half instructions (3 shifts,
+4 LOP3, 4 HSUB2) and a quarter of an MMA; the activations cost 1 load and 4 PRMT per chunk, shared by all
+the warp's row tiles.
+
+The accumulator fragment gives lane (r, c) the outputs (row r, token 2c), (r, 2c + 1), (r + 8, 2c), (r + 8, 2c + 1)
+of each tile. Split-K as everywhere (``_gemm_utils.reduce_arrivals``'s rule: partials in a workspace, the last
+program of a tile sums them in split order — deterministic — and resets its counter).
+
+Under ``TRITON_INTERPRET`` the fragments are fp32 values and :func:`_mma_emulated` computes what the warp's MMA
+computes from them (the same lanes, the same K pairing), so the CPU tests check the indexing; the GPU tests check
+the bit tricks and the PTX.
+"""
+import triton
+import triton.language as tl
+
+from .._gemm_utils import autotune_bench
+from .kernel import _ld4
+
+# (16-row tiles per warp, BK, warps) the launcher's autotuner tries; on the H200 (session 14's probe, bf16, 2-8 tokens)
+# BK 256 was 3-5 % faster at 2048 x 7168 and 7168 x 2048, BK 128 7 % faster at 4096 x 7168; two tiles per warp or
+# eight warps were 10-40 % slower
+FRAG_TILES = ((1, 128, 4), (1, 256, 4))
+FRAG_INTERPRETER_TILE = (1, 128, 2)  # small, and two warps: the CPU tests cover the warp index too
+
+
+@triton.jit
+def _pairs(words, scale2, j: tl.constexpr, DT: tl.constexpr):
+    """Nibbles j and j + 4 of every word as one 16-bit pair (low lane: nibble j) of weights (n - 8) · s, rounded once
+    to DT as ``int4_dequantize`` stores them: LOP3 to 128 + n (bf16; fp16: 1024 + n), an exact subtraction, one
+    multiply by ``scale2`` (the scale in both lanes)."""
+    src = words >> (4 * j) if j > 0 else words
+    if DT == tl.bfloat16:
+        asm: tl.constexpr = ("{\n\t.reg .b32 t, b;\n\tlop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;\n\t"
+                             "mov.b32 b, 0x43084308;\n\tsub.rn.bf16x2 t, t, b;\n\tmul.rn.bf16x2 $0, t, $2;\n\t}")
+    else:
+        asm: tl.constexpr = ("{\n\t.reg .b32 t, b;\n\tlop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;\n\t"
+                             "mov.b32 b, 0x64086408;\n\tsub.rn.f16x2 t, t, b;\n\tmul.rn.f16x2 $0, t, $2;\n\t}")
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [src, scale2], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _act_pair(lo, hi, HIGH: tl.constexpr):
+    """Activations j and j + 4 of a word as one 16-bit pair, from the 32-bit words holding (j, j + 1) and
+    (j + 4, j + 5): their low (``HIGH`` false) or high halves."""
+    sel: tl.constexpr = 0x7632 if HIGH else 0x5410
+    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, DT: tl.constexpr):
+    """One warp-wide m16n8k16 MMA (row.col, fp32 accumulation) on this thread's fragment registers."""
+    ty: tl.constexpr = "bf16" if DT == tl.bfloat16 else "f16"
+    return tl.inline_asm_elementwise(
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, "
+        "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma_emulated(top, bot, b, acc, W: tl.constexpr):
+    """What one m16n8k16 MMA of each warp computes, for fp32 fragments of one value per lane: ``top`` / ``bot`` the
+    four A values of rows r / r + 8 (logical K 2c, 2c + 1, 2c + 8, 2c + 9), ``b`` the four B values of token r at
+    those K; ``acc`` (d0, d1, d2, d3): rows r, r, r + 8, r + 8 and tokens 2c, 2c + 1, 2c, 2c + 1 (the interpreter)."""
+    d_top = tl.zeros((W, 8, 8), dtype=tl.float32)   # [warp, row r, token n]: the sum over the quad's lanes c'
+    d_bot = tl.zeros((W, 8, 8), dtype=tl.float32)
+    for j in tl.static_range(4):
+        bj = tl.reshape(b[j], (W, 8, 4))[:, None, :, :]
+        d_top += tl.sum(tl.reshape(top[j], (W, 8, 4))[:, :, None, :] * bj, axis=3)
+        d_bot += tl.sum(tl.reshape(bot[j], (W, 8, 4))[:, :, None, :] * bj, axis=3)
+    n = tl.arange(0, 8)[None, :]
+    c2 = 2 * tl.arange(0, 4)[:, None]                # lane c takes tokens 2c and 2c + 1
+    even = (n == c2).to(tl.float32)[None, None, :, :]
+    odd = (n == c2 + 1).to(tl.float32)[None, None, :, :]
+    t0, b0 = d_top[:, :, None, :], d_bot[:, :, None, :]
+    return (acc[0] + tl.reshape(tl.sum(t0 * even, axis=3), (W * 32,)),
+            acc[1] + tl.reshape(tl.sum(t0 * odd, axis=3), (W * 32,)),
+            acc[2] + tl.reshape(tl.sum(b0 * even, axis=3), (W * 32,)),
+            acc[3] + tl.reshape(tl.sum(b0 * odd, axis=3), (W * 32,)))
+
+
+@triton.jit
+def _word_step(w_top, w_bot, s_top, s_bot, xw, acc, DT: tl.constexpr, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc += this word's 8 weights of rows r and r + 8 times its activations (two MMAs). ``w_top`` / ``w_bot`` int32
+    words, ``s_top`` / ``s_bot`` their scales (GPU: the DT pair (s, s) as int32; interpreter: fp32), ``xw`` the
+    activation pairs Q_0..Q_3 (GPU) or the word's 8 activations in fp32 (interpreter)."""
+    if INTERPRET:  # the weights rounded to DT as on the GPU, then the emulated MMA
+        top = ()
+        bot = ()
+        for j in tl.static_range(8):
+            top = top + (((((w_top >> (4 * j)) & 0xF) - 8).to(tl.float32) * s_top).to(DT).to(tl.float32),)
+            bot = bot + (((((w_bot >> (4 * j)) & 0xF) - 8).to(tl.float32) * s_bot).to(DT).to(tl.float32),)
+        acc = _mma_emulated((top[0], top[4], top[1], top[5]), (bot[0], bot[4], bot[1], bot[5]),
+                            (xw[0], xw[4], xw[1], xw[5]), acc, W)
+        return _mma_emulated((top[2], top[6], top[3], top[7]), (bot[2], bot[6], bot[3], bot[7]),
+                             (xw[2], xw[6], xw[3], xw[7]), acc, W)
+    d0, d1, d2, d3 = _mma(_pairs(w_top, s_top, 0, DT), _pairs(w_bot, s_bot, 0, DT), _pairs(w_top, s_top, 1, DT),
+                          _pairs(w_bot, s_bot, 1, DT), xw[0], xw[1], acc[0], acc[1], acc[2], acc[3], DT)
+    return _mma(_pairs(w_top, s_top, 2, DT), _pairs(w_bot, s_bot, 2, DT), _pairs(w_top, s_top, 3, DT),
+                _pairs(w_bot, s_bot, 3, DT), xw[2], xw[3], d0, d1, d2, d3, DT)
+
+
+@triton.jit
+def _four_words(ptrs, INTERPRET: tl.constexpr):
+    """The 4 int32 words at each (16-byte aligned) pointer: one 128-bit load (four loads under the interpreter)."""
+    if INTERPRET:
+        return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
+    return _ld4(ptrs)
+
+
+@triton.jit
+def _word_activations(ptrs, ok, EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr):
+    """A word's 8 activations of each lane's token (``ptrs`` at element 8w; zeros where not ``ok``): the pairs
+    Q_0..Q_3 (GPU: one 128-bit load with ``X_VEC``, else four 32-bit loads, then 4 PRMT) or 8 fp32 values."""
+    if INTERPRET:
+        vals = ()
+        for j in tl.static_range(8):
+            vals = vals + (tl.where(ok, tl.load(ptrs + j).to(tl.float32), 0.0),)
+        return vals
+    if X_VEC:
+        v0, v1, v2, v3 = _ld4(ptrs)
+    else:
+        x32 = ptrs.to(tl.pointer_type(tl.int32), bitcast=True)
+        v0, v1, v2, v3 = tl.load(x32), tl.load(x32 + 1), tl.load(x32 + 2), tl.load(x32 + 3)
+    if not EVEN_K:
+        v0, v1, v2, v3 = tl.where(ok, v0, 0), tl.where(ok, v1, 0), tl.where(ok, v2, 0), tl.where(ok, v3, 0)
+    return _act_pair(v0, v2, False), _act_pair(v0, v2, True), _act_pair(v1, v3, False), _act_pair(v1, v3, True)
+
+
+@triton.jit
+def _scale_pair(ptrs, ok, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One scale per lane (0 where not ``ok``): fp32 under the interpreter, else the DT pair (s, s) as int32."""
+    s = tl.where(ok, tl.load(ptrs), 0.0)
+    if INTERPRET:
+        return s.to(tl.float32)
+    bits = s.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _w4a16_frag_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_xm, stride_ym, stride_part,
+    NUM_SMS,  # split-K heuristic input only
+    GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr,
+):
+    """y [M <= 8, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
+    program takes BN = 16 · MT · W rows (each warp MT tiles of 16) and a K range of whole BK blocks (split-K).
+    Per block of 128 K lane (r, c) holds words 4c .. 4c + 3 of rows r and r + 8 (one 128-bit load each) and the
+    matching 32 activations of token r; the weights are scaled before the MMAs, so one accumulator sums all K."""
+    T: tl.constexpr = 32 * W
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    BN: tl.constexpr = 16 * MT * W
+    tl.static_assert(BK % 128 == 0, "the fragment kernel takes K blocks of 128")
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    lane = tl.arange(0, T) % 32
+    r = lane // 4
+    c = lane % 4
+    row0 = pid_n * BN + (tl.arange(0, T) // 32) * (16 * MT) + r   # row r of the warp's first tile
+    x_rows = ()   # token 8n + r of each token tile n (rows past M re-read valid ones)
+    for n in tl.static_range(NT):
+        x_rows = x_rows + (x_ptr + ((8 * n + r) % M).to(tl.int64) * stride_xm,)
+    k_iters = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_iters, SPLIT_K)
+    it_lo = pid_k * per_split
+    it_hi = tl.minimum(it_lo + per_split, k_iters)
+
+    accs = ()
+    for t in tl.static_range(4 * MT * NT):   # (row tile t, token tile n): 4 accumulators at 4 (t NT + n)
+        accs = accs + (tl.zeros((T,), dtype=tl.float32),)
+    for it in range(it_lo, it_hi):
+        for blk in tl.static_range(BK // 128):
+            kb = it * BK + 128 * blk + 32 * c                             # this lane's first K in the block
+            ok = kb < K                                                    # K is a multiple of 32
+            kc = tl.minimum(kb, K - 32)                                   # clamped: always a valid address
+            xs = ()   # the 32 activations of token 8n + r, per token tile n and word q: xs[4 n + q]
+            for n in tl.static_range(NT):
+                for q in tl.static_range(4):
+                    xs = xs + (_word_activations(x_rows[n] + kc + 8 * q, ok, EVEN_K, X_VEC, INTERPRET),)
+            new = ()
+            for t in tl.static_range(MT):
+                top = ((row0 + 16 * t) % N).to(tl.int64)
+                bot = ((row0 + 16 * t + 8) % N).to(tl.int64)
+                w_top = _four_words(w_ptr + top * (K // 8) + kc // 8, INTERPRET)
+                w_bot = _four_words(w_ptr + bot * (K // 8) + kc // 8, INTERPRET)
+                s_top = _scale_pair(s_ptr + top * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET)
+                s_bot = _scale_pair(s_ptr + bot * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET)
+                for n in tl.static_range(NT):
+                    acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
+                           accs[4 * (t * NT + n) + 3])
+                    for q in tl.static_range(4):
+                        acc = _word_step(w_top[q], w_bot[q], s_top, s_bot, xs[4 * n + q], acc, DT, W, INTERPRET)
+                    new = new + acc
+            accs = new
+
+    # lane (r, c) of tiles (t, n) holds rows (r, r, r + 8, r + 8) x tokens 8n + (2c, 2c + 1, 2c, 2c + 1)
+    offs = ()     # into the workspace [SPLIT_K, M, N]
+    y_offs = ()
+    masks = ()
+    for t in tl.static_range(MT):
+        for n in tl.static_range(NT):
+            for q in tl.static_range(4):
+                row = row0 + 16 * t + 8 * (q // 2)
+                tok = (8 * n + 2 * c + q % 2).to(tl.int64)
+                offs = offs + (tok * N + row,)
+                y_offs = y_offs + (tok * stride_ym + row,)
+                masks = masks + ((tok < M) & (row < N),)
+    if SPLIT_K == 1:
+        for q in tl.static_range(4 * MT * NT):
+            tl.store(y_ptr + y_offs[q], accs[q].to(DT), mask=masks[q])
+    else:
+        for q in tl.static_range(4 * MT * NT):
+            tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + offs[q], accs[q], mask=masks[q])
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last program of this tile: the sum in split order, then reset the counter
+            for q in tl.static_range(4 * MT * NT):
+                total = tl.zeros((T,), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    total += tl.load(part_ptr + s * stride_part + offs[q], mask=masks[q], other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(y_ptr + y_offs[q], total.to(DT), mask=masks[q])
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+def frag_split(n: int, k: int, bn: int, bk: int, sms: int) -> int:
+    """Split-K of the fragment kernel: double while every split keeps a K block and the grid stays within ~4
+    programs per SM."""
+    tiles, iters = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    split = 1
+    while split * 2 <= iters and tiles * split * 2 <= 4 * sms:
+        split *= 2
+    return split
+
+
+def frag_bounds(n: int, k: int, sms: int) -> tuple[int, int]:
+    """(largest split, most row tiles) over the tiles a launch may take (the workspace's size)."""
+    tiles = FRAG_TILES + (FRAG_INTERPRETER_TILE,)
+    return (max(frag_split(n, k, 16 * mt * w, bk, sms) for mt, bk, w in tiles),
+            max(triton.cdiv(n, 16 * mt * w) for mt, bk, w in tiles))
+
+
+w4a16_frag_autotuned = triton.autotune(
+    configs=[triton.Config({"MT": mt, "BK": bk, "W": w}, num_warps=w) for mt, bk, w in FRAG_TILES],
+    key=["N", "K", "NT", "GROUP", "X_VEC"], do_bench=autotune_bench,
+)(triton.heuristics({
+    "SPLIT_K": lambda a: frag_split(a["N"], a["K"], 16 * a["MT"] * a["W"], a["BK"], a["NUM_SMS"]),
+    "EVEN_K": lambda a: a["K"] % a["BK"] == 0,
+})(_w4a16_frag_kernel))
