@@ -155,61 +155,14 @@ def _scale_pair(ptrs, ok, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _block_loads(it, x_rows, w_ptr, s_ptr, row0, c, N, K, GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr,
-                 BK: tl.constexpr, EVEN_K: tl.constexpr, X_VEC: tl.constexpr, DT: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """Everything K block ``it`` reads, per block of 128 K: the activations of each token tile and word
-    (``xs[4 n + q]``), then per row tile the words and scales of rows r and r + 8. A flat tuple: for each 128-K
-    block, 4·NT activation entries, then MT × (4 words top, 4 words bottom, scale top, scale bottom)."""
-    out = ()
-    for blk in tl.static_range(BK // 128):
-        kb = it * BK + 128 * blk + 32 * c                                 # this lane's first K in the block
-        ok = kb < K                                                        # K is a multiple of 32
-        kc = tl.minimum(kb, K - 32)                                       # clamped: always a valid address
-        for n in tl.static_range(NT):
-            for q in tl.static_range(4):
-                out = out + (_word_activations(x_rows[n] + kc + 8 * q, ok, EVEN_K, X_VEC, INTERPRET),)
-        for t in tl.static_range(MT):
-            top = ((row0 + 16 * t) % N).to(tl.int64)
-            bot = ((row0 + 16 * t + 8) % N).to(tl.int64)
-            out = out + _four_words(w_ptr + top * (K // 8) + kc // 8, INTERPRET)
-            out = out + _four_words(w_ptr + bot * (K // 8) + kc // 8, INTERPRET)
-            out = out + (_scale_pair(s_ptr + top * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET),
-                         _scale_pair(s_ptr + bot * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET))
-    return out
-
-
-@triton.jit
-def _block_math(loads, accs, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                W: tl.constexpr, INTERPRET: tl.constexpr):
-    """accs (4 per (row tile t, token tile n), at 4 (t NT + n)) plus the products of one K block's ``loads``
-    (:func:`_block_loads`)."""
-    PER: tl.constexpr = 4 * NT + 10 * MT                                  # entries per 128-K block
-    for blk in tl.static_range(BK // 128):
-        new = ()
-        for t in tl.static_range(MT):
-            for n in tl.static_range(NT):
-                acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
-                       accs[4 * (t * NT + n) + 3])
-                for q in tl.static_range(4):
-                    acc = _word_step(loads[PER * blk + 4 * NT + 10 * t + q], loads[PER * blk + 4 * NT + 10 * t + 4 + q],
-                                     loads[PER * blk + 4 * NT + 10 * t + 8], loads[PER * blk + 4 * NT + 10 * t + 9],
-                                     loads[PER * blk + 4 * n + q], acc, DT, W, INTERPRET)
-                new = new + acc
-        accs = new
-    return accs
-
-
-@triton.jit
 def _w4a16_frag_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
     NUM_SMS,  # split-K heuristic input only
     GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
 ):
-    """y [M <= 16, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
+    """y [M <= 8, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
     program takes BN = 16 · MT · W rows (each warp MT tiles of 16) and a K range of whole BK blocks (split-K).
     Per block of 128 K lane (r, c) holds words 4c .. 4c + 3 of rows r and r + 8 (one 128-bit load each) and the
     matching 32 activations of token r; the weights are scaled before the MMAs, so one accumulator sums all K."""
@@ -234,18 +187,30 @@ def _w4a16_frag_kernel(
     accs = ()
     for t in tl.static_range(4 * MT * NT):   # (row tile t, token tile n): 4 accumulators at 4 (t NT + n)
         accs = accs + (tl.zeros((T,), dtype=tl.float32),)
-    if PREFETCH:  # the next K block's loads are issued before this block's math (registers double-buffered)
-        nxt = _block_loads(it_lo, x_rows, w_ptr, s_ptr, row0, c, N, K, GROUP, MT, NT, BK, EVEN_K, X_VEC, DT,
-                           INTERPRET)
-        for it in range(it_lo, it_hi):
-            cur = nxt
-            nxt = _block_loads(tl.minimum(it + 1, it_hi - 1), x_rows, w_ptr, s_ptr, row0, c, N, K, GROUP, MT, NT, BK,
-                               EVEN_K, X_VEC, DT, INTERPRET)
-            accs = _block_math(cur, accs, MT, NT, BK, DT, W, INTERPRET)
-    else:
-        for it in range(it_lo, it_hi):
-            accs = _block_math(_block_loads(it, x_rows, w_ptr, s_ptr, row0, c, N, K, GROUP, MT, NT, BK, EVEN_K, X_VEC,
-                                            DT, INTERPRET), accs, MT, NT, BK, DT, W, INTERPRET)
+    for it in range(it_lo, it_hi):
+        for blk in tl.static_range(BK // 128):
+            kb = it * BK + 128 * blk + 32 * c                             # this lane's first K in the block
+            ok = kb < K                                                    # K is a multiple of 32
+            kc = tl.minimum(kb, K - 32)                                   # clamped: always a valid address
+            xs = ()   # the 32 activations of token 8n + r, per token tile n and word q: xs[4 n + q]
+            for n in tl.static_range(NT):
+                for q in tl.static_range(4):
+                    xs = xs + (_word_activations(x_rows[n] + kc + 8 * q, ok, EVEN_K, X_VEC, INTERPRET),)
+            new = ()
+            for t in tl.static_range(MT):
+                top = ((row0 + 16 * t) % N).to(tl.int64)
+                bot = ((row0 + 16 * t + 8) % N).to(tl.int64)
+                w_top = _four_words(w_ptr + top * (K // 8) + kc // 8, INTERPRET)
+                w_bot = _four_words(w_ptr + bot * (K // 8) + kc // 8, INTERPRET)
+                s_top = _scale_pair(s_ptr + top * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET)
+                s_bot = _scale_pair(s_ptr + bot * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET)
+                for n in tl.static_range(NT):
+                    acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
+                           accs[4 * (t * NT + n) + 3])
+                    for q in tl.static_range(4):
+                        acc = _word_step(w_top[q], w_bot[q], s_top, s_bot, xs[4 * n + q], acc, DT, W, INTERPRET)
+                    new = new + acc
+            accs = new
 
     # lane (r, c) of tiles (t, n) holds rows (r, r, r + 8, r + 8) x tokens 8n + (2c, 2c + 1, 2c, 2c + 1)
     offs = ()     # into the workspace [SPLIT_K, M, N]
