@@ -56,16 +56,17 @@ def _fast_level(value, m: int, pinned: bool) -> int:
 
 
 # swap_ab="auto" runs the swapped-operand kernel (kernel._w4a16_swap_kernel) for 2..SWAP_MAX_M tokens of bf16 / fp16
-# activations without a pinned config or FAST_DEQUANT level: on the H200 (c286741, bench gemm) 1.15 / 1.50x tinygemm at
-# 16 tokens x 2048 / 4096 x 7168, 1.39 / 1.51x the FAST_DEQUANT tile it replaces; at 8 tokens 0.79 / 1.00x tinygemm
-# (still 1.46 / 1.52x the tile)
+# activations without a pinned config or FAST_DEQUANT level where the fragment kernel does not (fp32 or mismatched
+# scales, 2-byte aligned rows, fragments=False; session 13's default there): on the H200 (c286741, bench gemm)
+# 1.15 / 1.50x tinygemm at 16 tokens x 2048 / 4096 x 7168, 1.39 / 1.51x the FAST_DEQUANT tile it replaced; at 8 tokens
+# 0.79 / 1.00x tinygemm (still 1.46 / 1.52x the tile)
 SWAP_MAX_M = 16
 
 
 # fragments="auto" runs the fragment kernel (fragments.py: mma.sync on fragments built in each thread's registers, no
-# shared memory) for 2..FRAG_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on the H200 (bench
-# gemm) it replaced the swapped kernel there, 1.3-1.7x faster at 2048 / 4096 x 7168 (docs/moe.md "W4A16 at 2-16
-# tokens: MMA fragments in registers")
+# shared memory) for 2..FRAG_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on the H200 (2f59a22,
+# bench gemm) 1.2-1.6x faster than the swapped kernel it replaced there at 2048 / 4096 x 7168, 0.84-2.04x tinygemm
+# (docs/moe.md "W4A16 at 2-16 tokens: MMA fragments in registers")
 FRAG_MAX_M = 16
 
 
@@ -183,8 +184,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     ``int4_dequantize`` stores it; no shared memory; ``fragments.py``; docs/moe.md "W4A16 at 2-16 tokens: MMA fragments
     in registers"). It takes 1 to ``FRAG_MAX_M`` tokens of bf16 / fp16 activations with scales of the same dtype and
     4-byte aligned rows; "auto" takes it for 2 to ``FRAG_MAX_M`` such tokens when neither ``config``, a
-    ``fast_dequant`` level nor ``swap_ab=True`` is given (``swap_ab`` then decides between the swapped kernel and the
-    tile). True forces it (a call it cannot take raises), False keeps it off.
+    ``fast_dequant`` level nor ``swap_ab`` True / False is given (``swap_ab`` then decides between the swapped kernel
+    and the tile). True forces it (a call it cannot take raises, naming why), False keeps it off.
 
     ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
     may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at

@@ -1,23 +1,30 @@
-"""W4A16 for 1-8 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
+"""W4A16 for 1-16 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
 
 y^T [rows, tokens] = W · x^T as m16n8k16 MMAs (bf16 or fp16, fp32 accumulation): the INT4 weight is the A operand
-(16 rows), the tokens the N side (8, padded by re-reading valid rows). ``tl.dot`` would stage one operand through
-shared memory and re-pack the weight bytes with byte permutes; here each thread loads exactly the words and
-activations of its own fragment registers and issues the MMA as inline PTX. The kernel works on 1-D tensors of one
-element per thread (``T = 32 · num_warps`` elements: element i lives in thread i, lane i % 32 of warp i // 32), so
-an elementwise inline-asm op runs once in every lane, as a warp-wide ``mma.sync`` must.
+(16 rows per tile), the tokens the N side (one or two tiles of 8; rows past M re-read valid ones and are not stored).
+``tl.dot`` stages one operand through shared memory and re-packs the weight bytes with byte permutes (the swapped
+kernel: ~54 SASS instructions per word and thread, 71 LDS / 32 STS per K block); here each thread loads exactly the
+words and activations of its own fragment registers and issues the MMA as inline PTX: no shared memory at all. The
+kernel works on 1-D tensors of one element per thread (``T = 32 · num_warps``: element i lives in thread i, lane
+i % 32 of warp i // 32; Triton gives a 1-D tensor of as many elements as threads one element per thread), so an
+elementwise inline-asm op runs once in every lane, as a warp-wide ``mma.sync`` must.
 
-Which K a register holds is ours to choose (a dot product does not care about the order of K, as long as A and B
-agree). Lane (r, c) = (lane // 4, lane % 4) of a warp holds, for each 32-K chunk g (the quantization group's
-32 columns) and each 16-row tile, the int32 word 4g + c of rows r and r + 8: eight nibbles each. The pair register
-``P_j`` = ``(w >> 4j) & 0x000F000F | 0x43004300`` holds nibbles j and j + 4 in its two bf16 lanes as 128 + n (one
-LOP3, exact), and one ``sub.bf16x2`` of 136 makes the codes n - 8 (fp16: 0x6400 | n = 1024 + n, minus 1032).
-The B register ``Q_j`` holds the activations of the same two elements (8w + j, 8w + j + 4) of token r, made from
-one 128-bit load of the word's 8 activations by one PRMT. Two MMAs per chunk — pairs (0, 1) then (2, 3) — sum the
-quad's four words, i.e. the chunk's 32 K; the chunk's scale (group ``32g // GROUP``) multiplies that fp32 partial
-once per output, as the swapped kernel does. Per 8 weights a thread issues ~11 integer/half instructions (3 shifts,
-4 LOP3, 4 HSUB2) and a quarter of an MMA; the activations cost 1 load and 4 PRMT per chunk, shared by all
-the warp's row tiles.
+Which K a register holds is ours to choose: a dot product does not care about the order of K, as long as A and B
+agree. Lane (r, c) = (lane // 4, lane % 4) holds, per block of 128 K and per 16-row tile, words 4c .. 4c + 3 of
+rows r and r + 8 (one 128-bit load each; 32 K of one row: one quantization group at group 32) and the 32 matching
+activations of token r (four 128-bit loads). For each word:
+
+* the pair register ``P_j`` = ``(w >> 4j) & 0x000F000F | 0x43004300`` holds nibbles j and j + 4 in its two bf16
+  lanes as 128 + n (one LOP3, exact); ``sub.bf16x2`` of 136 makes the codes n - 8, exactly, and ``mul.bf16x2`` by
+  the lane's group scale gives the weight rounded once to bf16 — the value ``int4_dequantize`` stores and the
+  reference multiplies (fp16: 0x6400 | n = 1024 + n, minus 1032). So the scales must have x's dtype;
+* the B register ``Q_j`` holds the activations of the same two elements (8w + j, 8w + j + 4), made from the loaded
+  pairs (8w + j, 8w + j + 1) and (8w + j + 4, 8w + j + 5) by one PRMT;
+* two MMAs, pairs (0, 1) then (2, 3), add the word's 8 weights times their activations to the accumulator.
+
+As the weights are scaled before the MMAs, the four lanes of a quad may hold different groups, and one accumulator
+sums the whole K range. Per word and thread: 3 shifts, 4 LOP3, 4 HSUB2, 4 HMUL2 and 2 HMMA per token tile (~22 SASS
+instructions with the loads and addresses, sm_90; the one-token plane GEMV takes 34, the swapped kernel 54).
 
 The accumulator fragment gives lane (r, c) the outputs (row r, token 2c), (r, 2c + 1), (r + 8, 2c), (r + 8, 2c + 1)
 of each tile. Split-K as everywhere (``_gemm_utils.reduce_arrivals``'s rule: partials in a workspace, the last
@@ -25,7 +32,7 @@ program of a tile sums them in split order — deterministic — and resets its 
 
 Under ``TRITON_INTERPRET`` the fragments are fp32 values and :func:`_mma_emulated` computes what the warp's MMA
 computes from them (the same lanes, the same K pairing), so the CPU tests check the indexing; the GPU tests check
-the bit tricks and the PTX.
+the bit tricks and the PTX. docs/moe.md "W4A16 at 2-16 tokens: MMA fragments in registers".
 """
 import triton
 import triton.language as tl
@@ -162,7 +169,7 @@ def _w4a16_frag_kernel(
     GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr,
 ):
-    """y [M <= 8, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
+    """y [M <= 8 NT, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
     program takes BN = 16 · MT · W rows (each warp MT tiles of 16) and a K range of whole BK blocks (split-K).
     Per block of 128 K lane (r, c) holds words 4c .. 4c + 3 of rows r and r + 8 (one 128-bit load each) and the
     matching 32 activations of token r; the weights are scaled before the MMAs, so one accumulator sums all K."""
