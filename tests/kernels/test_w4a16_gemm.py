@@ -587,18 +587,22 @@ def test_swapped_kernel_strided_and_batched_activations(triton_backend):
     assert_rel_close(one.float(), w4a16_gemm_reference(x[:1], packed, scale, 32).float(), 1e-2, "one token")
 
 
+def _exact_case(n, k, m, seed, device):
+    """Weights with every nibble value at every position (columns shuffled), power-of-two fp16 group-32 scales and
+    small-integer fp16 activations [m, k]: every dequantized weight, product and sum is exact in fp16 / fp32."""
+    codes = torch.arange(n * k).reshape(n, k) % 16
+    codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(seed))]
+    packed = I.int4_pack_reference(codes - 8)
+    scale = (2.0 ** torch.randint(-3, 3, (n, k // 32))).to(torch.float16)
+    x = torch.randint(-4, 5, (m, k)).to(torch.float16)
+    return packed.to(device), scale.to(device), x.to(device)
+
+
 def test_swapped_kernel_is_exact_in_fp32_sums_for_every_nibble(triton_backend):
     """Every nibble value at every byte position and both halves: with power-of-two scales and small-integer
     activations every product and partial sum is exact, so the kernel must equal the reference bit for bit (fp16: the
     interpreter's fp32 -> bf16 store truncates instead of rounding)."""
-    dev = triton_backend
-    n, k, m = 16, 256, 3
-    codes = torch.arange(n * k).reshape(n, k) % 16                       # nibble n at every position
-    codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(1))]
-    packed = I.int4_pack_reference(codes - 8)
-    scale = (2.0 ** torch.randint(-3, 3, (n, k // 32))).to(torch.float16)
-    x = torch.randint(-4, 5, (m, k)).to(torch.float16)
-    packed, scale, x = packed.to(dev), scale.to(dev), x.to(dev)
+    packed, scale, x = _exact_case(16, 256, 3, 1, triton_backend)
     y = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
     assert_bitwise_equal(y, w4a16_gemm_reference(x, packed, scale, 32), "swapped kernel, every nibble")
 
@@ -636,14 +640,17 @@ def test_swap_split_leaves_every_split_a_block():
     assert swap_split(2048, 256) == 8 and swap_split(256, 256) == 1 and swap_split(320, 256) == 2
 
 
-def test_swapped_kernel_leaves_caller_counters_zero(triton_backend):
+# swapped: 4 K blocks of 256 (split 4), two row tiles of 64; fragments: 4 K blocks of 128, three row tiles of 32
+@pytest.mark.parametrize("k,tiles,kernel", [(1024, 2, {"swap_ab": True}), (512, 3, {"fragments": True})],
+                         ids=["swapped", "fragments"])
+def test_small_batch_kernels_leave_caller_counters_zero(triton_backend, k, tiles, kernel):
     dev = triton_backend
-    packed, scale = _weights(72, 1024, 32, dev)  # 4 K blocks: split 4, two N tiles
-    x = torch.randn(4, 1024, device=dev).to(torch.bfloat16)
-    ref = w4a16_gemm(x, packed, scale, 32, swap_ab=True)
-    counters = torch.zeros(2, dtype=torch.int32, device=dev)
+    packed, scale = _weights(72, k, 32, dev)
+    x = torch.randn(4, k, device=dev).to(torch.bfloat16)
+    ref = w4a16_gemm(x, packed, scale, 32, **kernel)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=dev)
     for _ in range(2):
-        assert torch.equal(w4a16_gemm(x, packed, scale, 32, swap_ab=True, counters=counters), ref)
+        assert torch.equal(w4a16_gemm(x, packed, scale, 32, counters=counters, **kernel), ref)
         assert not counters.any()
 
 
@@ -685,14 +692,7 @@ def test_fragment_kernel_is_exact_for_every_nibble(triton_backend):
     """Every nibble value at every position of every lane's words: with power-of-two scales and small-integer
     activations every weight, product and sum is exact, so the kernel equals the reference bit for bit (fp16: the
     interpreter's fp32 -> bf16 store truncates instead of rounding). 9 tokens: two token tiles."""
-    dev = triton_backend
-    n, k, m = 32, 512, 9
-    codes = torch.arange(n * k).reshape(n, k) % 16
-    codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(2))]
-    packed = I.int4_pack_reference(codes - 8)
-    scale = (2.0 ** torch.randint(-3, 3, (n, k // 32))).to(torch.float16)
-    x = torch.randint(-4, 5, (m, k)).to(torch.float16)
-    packed, scale, x = packed.to(dev), scale.to(dev), x.to(dev)
+    packed, scale, x = _exact_case(32, 512, 9, 2, triton_backend)
     y = w4a16_gemm(x, packed, scale, 32, fragments=True)
     assert_bitwise_equal(y, w4a16_gemm_reference(x, packed, scale, 32), "fragment kernel, every nibble")
 
@@ -744,17 +744,6 @@ def test_fragments_auto_rule_and_errors(triton_backend):
     with pytest.raises(ValueError, match="fragments=True.*tokens"):
         w4a16_gemm(torch.randn(FRAG_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32,
                    fragments=True)
-
-
-def test_fragment_kernel_leaves_caller_counters_zero(triton_backend):
-    dev = triton_backend
-    packed, scale = _weights(72, 512, 32, dev)  # split-K over 4 K blocks, several row tiles
-    x = torch.randn(4, 512, device=dev).to(torch.bfloat16)
-    ref = w4a16_gemm(x, packed, scale, 32, fragments=True)
-    counters = torch.zeros(3, dtype=torch.int32, device=dev)
-    for _ in range(2):
-        assert torch.equal(w4a16_gemm(x, packed, scale, 32, fragments=True, counters=counters), ref)
-        assert not counters.any()
 
 
 def test_fragment_split_and_bounds():
