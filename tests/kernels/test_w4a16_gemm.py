@@ -741,6 +741,11 @@ def test_fragments_auto_rule_and_errors(triton_backend):
         w4a16_gemm(x.float(), packed, scale, 32, fragments=True)
     with pytest.raises(ValueError, match="fragments=True.*weight_scale"):
         w4a16_gemm(x, packed, scale.float(), 32, fragments=True)
+    shifted = torch.zeros(24 * 32 + 1, dtype=torch.int32, device=dev)[1:].view(24, 32)  # 4-byte offset
+    shifted.copy_(packed)
+    assert torch.equal(w4a16_gemm(x, shifted, scale, 32), swapped), "weights not 16-byte aligned: swapped"
+    with pytest.raises(ValueError, match="fragments=True.*16-byte"):
+        w4a16_gemm(x, shifted, scale, 32, fragments=True)
     with pytest.raises(ValueError, match="fragments=True.*tokens"):
         w4a16_gemm(torch.randn(FRAG_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32,
                    fragments=True)

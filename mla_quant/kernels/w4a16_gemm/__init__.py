@@ -70,7 +70,7 @@ SWAP_MAX_M = 16
 FRAG_MAX_M = 16
 
 
-def _frag_problem(m: int, x: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
+def _frag_problem(m: int, x: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
     """Why the fragment kernel cannot take this call (None: it can)."""
     if m > FRAG_MAX_M:
         return f"{m} tokens (it takes up to {FRAG_MAX_M})"
@@ -80,18 +80,21 @@ def _frag_problem(m: int, x: torch.Tensor, scale_dtype: torch.dtype) -> str | No
         return f"weight_scale of {scale_dtype} (it needs x's dtype, {x.dtype}: the weight is rounded to it once)"
     if x.data_ptr() % 4 or (m > 1 and x.stride(0) % 2):
         return "x rows not 4-byte aligned"
+    if weight_packed.data_ptr() % 16:
+        return "weight_packed not 16-byte aligned (its words load 128 bits at a time)"
     return None
 
 
-def _takes_frag(fragments, m: int, x2: torch.Tensor, scale_dtype: torch.dtype, unpinned: bool) -> bool:
+def _takes_frag(fragments, m: int, x2: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype,
+                unpinned: bool) -> bool:
     """Whether this call runs the fragment kernel (``fragments``: "auto", True or False; x2 [M, K])."""
     if isinstance(fragments, str) and fragments == "auto":
-        return unpinned and m >= 2 and _frag_problem(m, x2, scale_dtype) is None
+        return unpinned and m >= 2 and _frag_problem(m, x2, weight_packed, scale_dtype) is None
     if fragments is False:
         return False
     if fragments is not True:
         raise ValueError(f"fragments: {fragments!r} must be True, False or 'auto'")
-    problem = _frag_problem(m, x2, scale_dtype)
+    problem = _frag_problem(m, x2, weight_packed, scale_dtype)
     if problem is not None:
         raise ValueError(f"fragments=True: the fragment kernel cannot take {problem}")
     return True
@@ -198,7 +201,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     swap = _takes_swap(swap_ab, x.numel() // k if k else 0, x.dtype, unpinned)
     if fragments is True and swap_ab is True:
         raise ValueError("fragments=True and swap_ab=True: pick one kernel")
-    frag = _takes_frag(fragments, x.numel() // k if k else 0, x.reshape(-1, k) if k else x, weight_scale.dtype,
+    frag = _takes_frag(fragments, x.numel() // k if k else 0, x.reshape(-1, k) if k else x, weight_packed,
+                       weight_scale.dtype,
                        unpinned and swap_ab is not True and swap_ab is not False)
     swap = swap and not frag
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
