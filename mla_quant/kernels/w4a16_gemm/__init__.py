@@ -2,6 +2,8 @@
 ``pack-quantized``), dequantized in registers. ``y = x @ W.T``; see ``kernel.py`` for the tiling."""
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -197,16 +199,17 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
     n, k = _check(x, weight_packed, weight_scale, group_size)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    m = x2.shape[0]
     unpinned = config is None and isinstance(fast_dequant, str) and fast_dequant == "auto"
-    swap = _takes_swap(swap_ab, x.numel() // k if k else 0, x.dtype, unpinned)
+    swap = _takes_swap(swap_ab, m, x.dtype, unpinned)
     if fragments is True and swap_ab is True:
         raise ValueError("fragments=True and swap_ab=True: pick one kernel")
-    frag = _takes_frag(fragments, x.numel() // k if k else 0, x.reshape(-1, k) if k else x, weight_packed,
-                       weight_scale.dtype,
-                       unpinned and swap_ab is not True and swap_ab is not False)
+    frag = _takes_frag(fragments, m, x2, weight_packed, weight_scale.dtype,
+                       unpinned and not isinstance(swap_ab, bool))
     swap = swap and not frag
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
-                               x.numel() // k if k else 0, config is not None)
+                               m, config is not None)
     lead = x.shape[:-1]
     if out is not None:
         check_tensor("out", out, dtype=x.dtype, contiguous=True)
@@ -224,8 +227,6 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                          planes_tile_ok, split_k, w4a16_gemm_autotuned, w4a16_gemv_planes1_autotuned,
                          w4a16_gemv_planes_autotuned, workspace_bounds)
 
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
     y = (torch.empty((*lead, n), dtype=x.dtype, device=x.device) if out is None else out).view(m, n)
     if m == 0 or n == 0:
         return y.view(*lead, n)
