@@ -3,6 +3,8 @@
 * ``docs/img/recipes_roofline.png`` — the model: time of a GEMM per format against tokens, bounded by
   HBM bytes (weights dominate at small T) and by the tensor-core rate (FP8 runs at twice bf16);
 * ``docs/img/gemm_speedup.png`` — measured ``gemm`` rows: each format's speedup over bf16 cuBLAS against M;
+* ``docs/img/w4a16_tokens.png`` — measured ``gemm`` rows at 1-16 tokens: the W4A16 kernels' µs per call against
+  tinygemm's and the weight bytes at the measured copy bandwidth (docs/moe.md);
 * ``docs/img/prefill_decode.png`` — measured ``prefill`` rows: tokens/s of the layer stack per format;
 * ``docs/img/e2e_concurrency.png`` — measured ``e2e_decode`` rows (one KV budget for every format): decode
   tokens/s against concurrency, where BF16 KV runs out of pages, and the two ratios beside the seed's figures.
@@ -79,6 +81,41 @@ def plot_gemm(plt, cases: list[dict], path: Path) -> bool:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set(title=f"N={n}, K={k}", xlabel="M", ylabel="speedup over bf16 cuBLAS")
         ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# W4A16 rows at 1-16 tokens: row format -> (label, style)
+W4A16_ROWS = {"int4_g32": ("default (GEMV at 1, fragments at 2-16)", "-o", "tab:blue"),
+              "int4_g32_frag_ws": ("fragments, kept counters", ":o", "tab:orange"),
+              "int4_g32_swap": ("swapped wgmma kernel (session 13)", "-s", "tab:green"),
+              "int4_g32_planes1_ws": ("GEMV, kept counters", "o", "tab:purple")}
+
+
+def plot_w4a16_tokens(plt, cases: list[dict], path: Path) -> bool:
+    rows = [c for c in cases if c["bench"] == "gemm" and c["case"]["format"].startswith("int4_g32")
+            and c["case"]["M"] <= 16 and c["case"]["format"] in W4A16_ROWS]
+    shapes = sorted({(c["case"]["N"], c["case"]["K"]) for c in rows})
+    if not shapes:
+        return False
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
+    for ax, (n, k) in zip(axes[0], shapes):
+        mine = [c for c in rows if (c["case"]["N"], c["case"]["K"]) == (n, k)]
+        for fmt, (label, style, color) in W4A16_ROWS.items():
+            pts = sorted((c["case"]["M"], c["median_us"]) for c in mine if c["case"]["format"] == fmt)
+            if pts:
+                ax.plot(*zip(*pts), style, ms=3, color=color, label=label)
+        peer = sorted((c["case"]["M"], c["peer_median_us"]) for c in mine
+                      if c["case"]["format"] == "int4_g32" and c.get("peer_median_us"))
+        ax.plot(*zip(*peer), "--", color=COLORS["tinygemm_int4"], label="tinygemm (same run)")
+        floor = n * k * BYTES_PER_WEIGHT["int4_g32"] / (COPY_TBPS * 1e6)
+        ax.axhline(floor, color="k", lw=0.8, ls=":", label=f"weights at {COPY_TBPS} TB/s")
+        ax.set(title=f"W4A16, N={n}, K={k} (bf16)", xlabel="tokens", ylabel="µs per call", ylim=(0, None))
+        ax.set_xticks([1, 2, 4, 8, 16])
+        ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -179,8 +216,8 @@ def main(argv=None) -> int:
     IMG.mkdir(parents=True, exist_ok=True)
     plot_roofline(plt, IMG / "recipes_roofline.png")
     cases = json.loads(args.results.read_text())["cases"] if args.results.is_file() else []
-    for name, fn in (("gemm_speedup.png", plot_gemm), ("prefill_decode.png", plot_prefill),
-                     ("e2e_concurrency.png", plot_e2e)):
+    for name, fn in (("gemm_speedup.png", plot_gemm), ("w4a16_tokens.png", plot_w4a16_tokens),
+                     ("prefill_decode.png", plot_prefill), ("e2e_concurrency.png", plot_e2e)):
         print(("wrote " if fn(plt, cases, IMG / name) else "no rows for ") + str(IMG / name))
     print(f"wrote {IMG / 'recipes_roofline.png'}")
     return 0
