@@ -1,6 +1,7 @@
 """Static profile of the INT4 GEMV loops on sm_90, without a GPU (docs/moe.md, "The INT4 plane GEMV").
 
     PYTHONPATH=. /path/to/venv-triton-3.6/bin/python -m benchmarks.gemv_sass [--dump DIR]
+    PYTHONPATH=. python -m benchmarks.gemv_sass --fragments    # the fragment kernel's MMA operand layouts (JSON)
 
 Compiles, through ``compile_check``'s fake Hopper, every autotune candidate the launchers keep for one token
 at Kimi K2.6 shapes — ``fused_moe`` INT4 at ``block_m=1`` (gate-up: N = 2048, K = 7168, gated; down:
@@ -13,6 +14,8 @@ instructions x warps / weights per iteration). Static counts only: nothing runs.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 
 import torch
 
@@ -23,10 +26,39 @@ COLUMNS = ("LDG", "LDG128", "STS", "LDS", "BAR", "SHFL", "LOP3", "SHF", "FADD", 
 HIDDEN, INTER, EXPERTS = 7168, 2048, 4  # Kimi K2.6 widths; the number of experts does not change the code
 
 
+def mma_layouts(ttgir: str) -> list[str]:
+    """The distinct layouts of the tensors that the inline-asm ``mma.sync`` ops of a TTGIR module take and return."""
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, flags=re.M))
+    used = {name for line in ttgir.splitlines() if "mma.sync" in line
+            for name in re.findall(r"tensor<[^>]*, (#\w+)>", line)}
+    return sorted(aliases.get(name, name) for name in used)
+
+
+def fragment_layouts() -> dict:
+    """Compile the fragment kernel (``w4a16_gemm/fragments.py``) for sm_90 at 8 and 16 tokens, every autotuned tile:
+    per kernel the layouts of its MMA operands (each must hold one element per thread, lanes in order, for the
+    warp-wide ``mma.sync`` to see the fragments it was given), the count of MMA ops and the shared memory."""
+    with collect_compiled(("_w4a16_frag_kernel",)) as (_, compiled):
+        from mla_quant.kernels.w4a16_gemm import w4a16_gemm
+
+        packed, scale = torch.zeros(2048, HIDDEN // 8, dtype=torch.int32), torch.ones(2048, HIDDEN // 32,
+                                                                                      dtype=torch.bfloat16)
+        for m in (8, 16):
+            w4a16_gemm(torch.randn(m, HIDDEN, dtype=torch.bfloat16), packed, scale, 32, fragments=True)
+    return {f"NT{kw['NT']} BK{kw['BK']} W{kw['W']}": {
+        "layouts": mma_layouts(kernel.asm["ttgir"]), "num_warps": kw["num_warps"],
+        "mma_ops": sum("mma.sync" in line for line in kernel.asm["ttgir"].splitlines()),
+        "shared": kernel.metadata.shared} for _, kw, kernel in compiled}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
+    parser.add_argument("--fragments", action="store_true", help="print the fragment kernel's MMA operand layouts")
     args = parser.parse_args(argv)
+    if args.fragments:
+        print(json.dumps(fragment_layouts()))
+        return 0
     with collect_compiled(("_moe_gemm_kernel", "_w4a16_gemm_kernel")) as (log, compiled):
         from mla_quant.kernels.fused_moe import GEMV_FORMS, fused_moe
         from mla_quant.kernels.w4a16_gemm import GEMV_FORMS as W4_FORMS

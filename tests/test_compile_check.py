@@ -64,3 +64,24 @@ def test_mla_decode_tiles_get_num_stages_minus_one_buffers_on_sm90():
     assert done.returncode == 0, done.stdout + done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"tma_config": [2, 2], "m16n32w8s3": [2], "m16n32w8s4": [3], "m16n64w8s2": [1]}, got
+
+
+def test_fragment_kernel_mma_operands_hold_one_element_per_thread_on_sm90():
+    """Compiled for sm_90 (fake Hopper, a subprocess): every inline-asm ``mma.sync`` of the W4A16 fragment kernel takes
+    and returns tensors of one element per thread with the lanes in order — the layout its hand-built fragments rely
+    on (another layout would hand the MMA other lanes' registers) — at 1 and 2 token tiles and every autotuned tile,
+    and the kernel stages nothing through shared memory."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gemv_sass", "--fragments"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {k.split()[0] for k in got} == {"NT1", "NT2"}, got
+    for tile, kernel in got.items():
+        warps = kernel["num_warps"]
+        one_per_thread = (f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], "
+                          "order = [0]}>")
+        assert kernel["layouts"] == [one_per_thread], (tile, kernel)
+        assert kernel["mma_ops"] > 0 and kernel["shared"] <= 16, (tile, kernel)
