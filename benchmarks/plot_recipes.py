@@ -62,14 +62,30 @@ def plot_roofline(plt, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_gemm(plt, cases: list[dict], path: Path) -> bool:
-    rows = [c for c in cases if c["bench"] == "gemm"]
+def _gemm_panels(plt, rows: list[dict], width: float, height: float):
+    """One panel per (N, K) of the ``gemm`` rows: (figure, [(axis, N, K, that shape's rows)]), or None without rows."""
     shapes = sorted({(c["case"]["N"], c["case"]["K"]) for c in rows})
     if not shapes:
+        return None
+    fig, axes = plt.subplots(1, len(shapes), figsize=(width * len(shapes), height), squeeze=False)
+    return fig, [(ax, n, k, [c for c in rows if (c["case"]["N"], c["case"]["K"]) == (n, k)])
+                 for ax, (n, k) in zip(axes[0], shapes)]
+
+
+def _save(plt, fig, path: Path) -> bool:
+    fig.axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_gemm(plt, cases: list[dict], path: Path) -> bool:
+    got = _gemm_panels(plt, [c for c in cases if c["bench"] == "gemm"], 4, 3.6)
+    if got is None:
         return False
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), squeeze=False)
-    for ax, (n, k) in zip(axes[0], shapes):
-        mine = [c for c in rows if (c["case"]["N"], c["case"]["K"]) == (n, k)]
+    fig, panels = got
+    for ax, n, k, mine in panels:
         for fmt in ("fp8_block", "int4_g32"):
             pts = sorted((c["case"]["M"], c) for c in mine if c["case"]["format"] == fmt)
             ms = [m for m, _ in pts]
@@ -81,14 +97,10 @@ def plot_gemm(plt, cases: list[dict], path: Path) -> bool:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set(title=f"N={n}, K={k}", xlabel="M", ylabel="speedup over bf16 cuBLAS")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
-# W4A16 rows at 1-16 tokens: row format -> (label, style)
+# W4A16 rows at 1-16 tokens: row format -> (label, line style, colour)
 W4A16_ROWS = {"int4_g32": ("default (GEMV at 1, fragments at 2-16)", "-o", "tab:blue"),
               "int4_g32_frag_ws": ("fragments, kept counters", ":o", "tab:orange"),
               "int4_g32_swap": ("swapped wgmma kernel (session 13)", "-s", "tab:green"),
@@ -96,14 +108,12 @@ W4A16_ROWS = {"int4_g32": ("default (GEMV at 1, fragments at 2-16)", "-o", "tab:
 
 
 def plot_w4a16_tokens(plt, cases: list[dict], path: Path) -> bool:
-    rows = [c for c in cases if c["bench"] == "gemm" and c["case"]["format"].startswith("int4_g32")
-            and c["case"]["M"] <= 16 and c["case"]["format"] in W4A16_ROWS]
-    shapes = sorted({(c["case"]["N"], c["case"]["K"]) for c in rows})
-    if not shapes:
+    got = _gemm_panels(plt, [c for c in cases if c["bench"] == "gemm" and c["case"]["M"] <= 16
+                                and c["case"]["format"] in W4A16_ROWS], 5, 3.8)
+    if got is None:
         return False
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
-    for ax, (n, k) in zip(axes[0], shapes):
-        mine = [c for c in rows if (c["case"]["N"], c["case"]["K"]) == (n, k)]
+    fig, panels = got
+    for ax, n, k, mine in panels:
         for fmt, (label, style, color) in W4A16_ROWS.items():
             pts = sorted((c["case"]["M"], c["median_us"]) for c in mine if c["case"]["format"] == fmt)
             if pts:
@@ -116,11 +126,7 @@ def plot_w4a16_tokens(plt, cases: list[dict], path: Path) -> bool:
         ax.set(title=f"W4A16, N={n}, K={k} (bf16)", xlabel="tokens", ylabel="µs per call", ylim=(0, None))
         ax.set_xticks([1, 2, 4, 8, 16])
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_prefill(plt, cases: list[dict], path: Path) -> bool:

@@ -38,7 +38,11 @@ import triton
 import triton.language as tl
 
 from .._gemm_utils import autotune_bench
-from .kernel import _ld4
+from .kernel import _ld4, planes1_split
+
+# split-K of the fragment kernel: the one-launch GEMV's rule (double while every split keeps a K block and the grid
+# stays within ~4 programs per SM)
+frag_split = planes1_split
 
 # (16-row tiles per warp, BK, warps) the launcher's autotuner tries; on the H200 (session 14's probe, bf16, 2-8 tokens)
 # BK 256 was 3-5 % faster at 2048 x 7168 and 7168 x 2048, BK 128 7 % faster at 4096 x 7168; two tiles per warp or
@@ -247,16 +251,6 @@ def _w4a16_frag_kernel(
                                      cache_modifier=".cg")
                 tl.store(y_ptr + y_offs[q], total.to(DT), mask=masks[q])
             tl.atomic_xchg(count_ptr + pid_n, 0)
-
-
-def frag_split(n: int, k: int, bn: int, bk: int, sms: int) -> int:
-    """Split-K of the fragment kernel: double while every split keeps a K block and the grid stays within ~4
-    programs per SM."""
-    tiles, iters = triton.cdiv(n, bn), triton.cdiv(k, bk)
-    split = 1
-    while split * 2 <= iters and tiles * split * 2 <= 4 * sms:
-        split *= 2
-    return split
 
 
 def frag_bounds(n: int, k: int, sms: int) -> tuple[int, int]:
