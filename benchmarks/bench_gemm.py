@@ -43,7 +43,7 @@ from mla_quant.kernels.w4a16_gemm import FAST_AUTO_MAX_M, FRAG_MAX_M, SWAP_MAX_M
 from .common import Context, case, graph_us, rotating
 
 M_ALL = (1, 2, 4, 8, 16, 64, 512, 2048, 8192)
-M_QUICK = (1, 2, 4, 8, 16, 512, 4096)
+M_QUICK = (1, 2, 4, 8, 16, 32, 64, 512, 4096)
 # (N, K): Kimi q_a/kv_a-like 2048×7168, o_proj-like 7168×2048 (expert down), 4096×7168, the dense MLP's
 # 7168×18432 (down), GLM's dense 6144×12288.
 NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288))

@@ -331,7 +331,7 @@ def cases_w4a16_gemm() -> Iterator[Case]:
     n, k = 2048, 7168
     packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
     for x_dtype in (BF16, torch.float16):  # 2..16 tokens: the fragment kernel ("auto"), the swapped-operand kernel
-        for m in (8, 16):
+        for m in (2, 8, 16):   # every launch tile of fragments.frag_tile
             yield f"M={m} fragments {n}x{k} x={_dt(x_dtype)}", partial(
                 w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32)
         yield f"M=16 swap_ab {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(16, k, dtype=x_dtype),

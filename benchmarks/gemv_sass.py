@@ -34,20 +34,32 @@ def mma_layouts(ttgir: str) -> list[str]:
     return sorted(aliases.get(name, name) for name in used)
 
 
+def staged_before_mma(ttgir: str) -> int:
+    """TTGIR ops that move data between threads (``convert_layout``, shared-memory allocs / loads / stores) placed
+    before the module's last ``mma.sync`` (program order: the main loop comes before the epilogue)."""
+    lines = ttgir.splitlines()
+    last = max((i for i, line in enumerate(lines) if "mma.sync" in line), default=-1)
+    moves = ("ttg.convert_layout", "ttg.local_alloc", "ttg.local_load", "ttg.local_store")
+    return sum(any(op in line for op in moves) for line in lines[:last])
+
+
 def fragment_layouts() -> dict:
-    """Compile the fragment kernel (``w4a16_gemm/fragments.py``) for sm_90 at 8 and 16 tokens, every autotuned tile:
+    """Compile the fragment kernel (``w4a16_gemm/fragments.py``) for sm_90 at 2, 8 and 16 tokens (every launch tile):
     per kernel the layouts of its MMA operands (each must hold one element per thread, lanes in order, for the
-    warp-wide ``mma.sync`` to see the fragments it was given), the count of MMA ops and the shared memory."""
+    warp-wide ``mma.sync`` to see the fragments it was given), the count of MMA ops, the data moves between threads
+    before the last MMA and the shared memory (Triton 3.9's store coalescing lays the split-K epilogue out through
+    shared memory; 3.6 does not)."""
     with collect_compiled(("_w4a16_frag_kernel",)) as (_, compiled):
         from mla_quant.kernels.w4a16_gemm import w4a16_gemm
 
         packed, scale = torch.zeros(2048, HIDDEN // 8, dtype=torch.int32), torch.ones(2048, HIDDEN // 32,
                                                                                       dtype=torch.bfloat16)
-        for m in (8, 16):
+        for m in (2, 8, 16):
             w4a16_gemm(torch.randn(m, HIDDEN, dtype=torch.bfloat16), packed, scale, 32, fragments=True)
     return {f"NT{kw['NT']} BK{kw['BK']} W{kw['W']}": {
         "layouts": mma_layouts(kernel.asm["ttgir"]), "num_warps": kw["num_warps"],
         "mma_ops": sum("mma.sync" in line for line in kernel.asm["ttgir"].splitlines()),
+        "staged_before_mma": staged_before_mma(kernel.asm["ttgir"]),
         "shared": kernel.metadata.shared} for _, kw, kernel in compiled}
 
 

@@ -70,7 +70,8 @@ def test_fragment_kernel_mma_operands_hold_one_element_per_thread_on_sm90():
     """Compiled for sm_90 (fake Hopper, a subprocess): every inline-asm ``mma.sync`` of the W4A16 fragment kernel takes
     and returns tensors of one element per thread with the lanes in order — the layout its hand-built fragments rely
     on (another layout would hand the MMA other lanes' registers) — at 1 and 2 token tiles and every autotuned tile,
-    and the kernel stages nothing through shared memory."""
+    and nothing moves between threads before the last MMA (the fragments are never staged; only the split-K
+    epilogue may be re-laid out for its stores, as Triton 3.9 does through shared memory)."""
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -84,4 +85,4 @@ def test_fragment_kernel_mma_operands_hold_one_element_per_thread_on_sm90():
         one_per_thread = (f"#ttg.blocked<{{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], "
                           "order = [0]}>")
         assert kernel["layouts"] == [one_per_thread], (tile, kernel)
-        assert kernel["mma_ops"] > 0 and kernel["shared"] <= 16, (tile, kernel)
+        assert kernel["mma_ops"] > 0 and kernel["staged_before_mma"] == 0, (tile, kernel)

@@ -751,14 +751,17 @@ def test_fragments_auto_rule_and_errors(triton_backend):
                    fragments=True)
 
 
-def test_fragment_split_and_bounds():
-    from mla_quant.kernels.w4a16_gemm.fragments import FRAG_TILES, frag_bounds, frag_split
+def test_fragment_split_and_launch_rule():
+    from mla_quant.kernels.w4a16_gemm.fragments import FRAG_INTERPRETER_TILE, frag_plan, frag_split, frag_tile
 
     assert frag_split(2048, 7168, 64, 128, 132) == 16 and frag_split(4096, 7168, 64, 128, 132) == 8
     assert frag_split(64, 128, 64, 128, 132) == 1 and frag_split(64, 384, 64, 128, 132) == 2
-    split, tiles = frag_bounds(2048, 7168, 132)
-    assert split >= max(frag_split(2048, 7168, 16 * mt * w, bk, 132) for mt, bk, w in FRAG_TILES)
-    assert tiles >= max(-(-2048 // (16 * mt * w)) for mt, bk, w in FRAG_TILES)
+    assert frag_split(4096, 7168, 64, 128, 132, per_sm=8) == 16
+    assert [frag_tile(m)[1:] for m in (1, 4, 5, 8, 9, 16)] == [(256, 4, 8)] * 2 + [(128, 4, 4)] * 4
+    with pytest.raises(StopIteration):
+        frag_tile(17)
+    assert frag_plan(4096, 7168, 2, 132) == (frag_split(4096, 7168, 64, 256, 132, 8), frag_tile(2)) == (16, (1, 256, 4, 8))
+    assert frag_plan(4096, 7168, 16, 132, interpreted=True)[1] == FRAG_INTERPRETER_TILE
 
 
 @pytest.mark.gpu

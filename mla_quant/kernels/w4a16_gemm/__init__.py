@@ -103,25 +103,19 @@ def _takes_frag(fragments, m: int, x2: torch.Tensor, weight_packed: torch.Tensor
 
 
 def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):
-    """Launch ``fragments._w4a16_frag_kernel`` (autotuned over ``FRAG_TILES``; one fixed small tile under the
-    interpreter) for x2 [M <= FRAG_MAX_M, K] into y [M, N]."""
-    from .fragments import FRAG_INTERPRETER_TILE, _w4a16_frag_kernel, frag_bounds, frag_split, w4a16_frag_autotuned
+    """Launch ``fragments._w4a16_frag_kernel`` (the tile of ``fragments.frag_tile`` for the token count; one fixed
+    small tile under the interpreter) for x2 [M <= FRAG_MAX_M, K] into y [M, N]."""
+    from .fragments import _w4a16_frag_kernel, frag_plan
 
     (m, k), n = x2.shape, y.shape[1]
-    sms = num_sms(x2.device)
-    max_split, max_tiles = frag_bounds(n, k, sms)
-    part, count = split_k_workspace(m, n, max_split, max_tiles, x2.device, counters)
-    args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n, sms)
-    common = dict(GROUP=group_size, NT=triton.cdiv(m, 8), INTERPRET=interpreted,
-                  X_VEC=x2.data_ptr() % 16 == 0 and (m == 1 or (x2.stride(0) * x2.element_size()) % 16 == 0))
-    if interpreted:  # autotuning the interpreter would only cost time
-        mt, bk, warps = FRAG_INTERPRETER_TILE
-        split = frag_split(n, k, 16 * mt * warps, bk, sms)
-        _w4a16_frag_kernel[(triton.cdiv(n, 16 * mt * warps), split)](
-            *args, **common, MT=mt, BK=bk, W=warps, SPLIT_K=split, EVEN_K=k % bk == 0, num_warps=warps)
-    else:
-        w4a16_frag_autotuned[lambda meta: (triton.cdiv(n, 16 * meta["MT"] * meta["W"]), meta["SPLIT_K"])](
-            *args, **common)
+    split, (mt, bk, warps, _) = frag_plan(n, k, m, num_sms(x2.device), interpreted)
+    tiles = triton.cdiv(n, 16 * mt * warps)
+    part, count = split_k_workspace(m, n, split, tiles, x2.device, counters)
+    _w4a16_frag_kernel[(tiles, split)](
+        x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
+        GROUP=group_size, MT=mt, NT=triton.cdiv(m, 8), BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0,
+        X_VEC=x2.data_ptr() % 16 == 0 and (m == 1 or (x2.stride(0) * x2.element_size()) % 16 == 0),
+        INTERPRET=interpreted, W=warps, num_warps=warps)
     return y
 
 

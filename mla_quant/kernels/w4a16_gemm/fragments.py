@@ -27,8 +27,9 @@ sums the whole K range. Per word and thread: 3 shifts, 4 LOP3, 4 HSUB2, 4 HMUL2 
 instructions with the loads and addresses, sm_90; the one-token plane GEMV takes 34, the swapped kernel 54).
 
 The accumulator fragment gives lane (r, c) the outputs (row r, token 2c), (r, 2c + 1), (r + 8, 2c), (r + 8, 2c + 1)
-of each tile. Split-K as everywhere (``_gemm_utils.reduce_arrivals``'s rule: partials in a workspace, the last
-program of a tile sums them in split order — deterministic — and resets its counter).
+of each tile. Split-K as everywhere: ``_gemm_utils.store_split_k`` on the accumulators joined into one tensor
+(partials in a workspace, the last program of a tile sums them in split order — deterministic — and resets its
+counter). BK and the grid size (~4 or ~8 programs per SM) follow the token count (``frag_tile``).
 
 Under ``TRITON_INTERPRET`` the fragments are fp32 values and :func:`_mma_emulated` computes what the warp's MMA
 computes from them (the same lanes, the same K pairing), so the CPU tests check the indexing; the GPU tests check
@@ -37,18 +38,27 @@ the bit tricks and the PTX. docs/moe.md "W4A16 at 2-16 tokens: MMA fragments in 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import autotune_bench
+from .._gemm_utils import store_split_k
 from .kernel import _ld4, planes1_split
 
 # split-K of the fragment kernel: the one-launch GEMV's rule (double while every split keeps a K block and the grid
-# stays within ~4 programs per SM)
+# stays within ~PER_SM programs per SM)
 frag_split = planes1_split
 
-# (16-row tiles per warp, BK, warps) the launcher's autotuner tries; on the H200 (session 14's probe, bf16, 2-8 tokens)
-# BK 256 was 3-5 % faster at 2048 x 7168 and 7168 x 2048, BK 128 7 % faster at 4096 x 7168; two tiles per warp or
-# eight warps were 10-40 % slower
-FRAG_TILES = ((1, 128, 4), (1, 256, 4))
-FRAG_INTERPRETER_TILE = (1, 128, 2)  # small, and two warps: the CPU tests cover the warp index too
+# The launch per token count, (16-row tiles per warp, BK, warps, programs per SM), a fixed rule rather than an
+# autotuner: the kernel takes ~8-17 µs, so eager timings measure the host's launches, and the autotuner once kept a
+# tile 18 % slower than the best (16 tokens at 7168 x 2048). Session 15's probe on the H200 (kept counters, CUDA
+# graphs, 2048 x 7168 / 4096 x 7168 / 7168 x 2048, results/sweep_w4a16_frag_h200.json): at 1-4 tokens BK 256 with ~8
+# programs per SM was the best of 4 tiles or within 0.4 %; at 5-8 tokens BK 128 with ~4 within 2 %; at 9-16 tokens BK
+# 128 with ~4 within 1 % (BK 256 was 8 % slower at 4096 x 7168 and ~8 programs per SM 15-35 % slower). Two tiles per
+# warp, eight warps or a loop that issues every load of a BK 256 / 512 iteration first were no faster (sessions 14-15)
+FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)))
+FRAG_INTERPRETER_TILE = (1, 128, 2, 4)  # small, and two warps: the CPU tests cover the warp index too
+
+
+def frag_tile(m: int) -> tuple[int, int, int, int]:
+    """(row tiles per warp, BK, warps, programs per SM) of the GPU launch for ``m`` tokens (1..16)."""
+    return next(tile for most, tile in FRAG_TILE_BY_TOKENS if m <= most)
 
 
 @triton.jit
@@ -169,7 +179,6 @@ def _scale_pair(ptrs, ok, DT: tl.constexpr, INTERPRET: tl.constexpr):
 def _w4a16_frag_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
-    NUM_SMS,  # split-K heuristic input only
     GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr,
 ):
@@ -235,35 +244,27 @@ def _w4a16_frag_kernel(
                 offs = offs + (tok * N + row,)
                 y_offs = y_offs + (tok * stride_ym + row,)
                 masks = masks + ((tok < M) & (row < N),)
-    if SPLIT_K == 1:
-        for q in tl.static_range(4 * MT * NT):
-            tl.store(y_ptr + y_offs[q], accs[q].to(DT), mask=masks[q])
-    else:
-        for q in tl.static_range(4 * MT * NT):
-            tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + offs[q], accs[q], mask=masks[q])
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last program of this tile: the sum in split order, then reset the counter
-            for q in tl.static_range(4 * MT * NT):
-                total = tl.zeros((T,), dtype=tl.float32)
-                for s in range(0, SPLIT_K):
-                    total += tl.load(part_ptr + s * stride_part + offs[q], mask=masks[q], other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(y_ptr + y_offs[q], total.to(DT), mask=masks[q])
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+    COUNT: tl.constexpr = 4 * MT * NT   # the shared split-K store on one [T, 2, 2, ...] tensor: each thread keeps its
+    store_split_k(_stacked(accs, COUNT), y_ptr + _stacked(y_offs, COUNT), _stacked(masks, COUNT),  # own elements
+                  part_ptr + _stacked(offs, COUNT), stride_part, pid_k, count_ptr + pid_n, SPLIT_K)
 
 
-def frag_bounds(n: int, k: int, sms: int) -> tuple[int, int]:
-    """(largest split, most row tiles) over the tiles a launch may take (the workspace's size)."""
-    tiles = FRAG_TILES + (FRAG_INTERPRETER_TILE,)
-    return (max(frag_split(n, k, 16 * mt * w, bk, sms) for mt, bk, w in tiles),
-            max(triton.cdiv(n, 16 * mt * w) for mt, bk, w in tiles))
+@triton.jit
+def _stacked(vals, COUNT: tl.constexpr):
+    """The COUNT (a power of two) same-shaped tensors of ``vals`` as one tensor, joined pairwise (``tl.join`` adds a
+    minor dimension of 2 that stays in the thread: no data moves). Sharing ``store_split_k`` this way also took the
+    kernel from 80 to 54 registers at one token tile (sm_90), so twice the programs fit on an SM."""
+    out = vals
+    for level in tl.static_range(COUNT.bit_length() - 1):
+        pairs = ()
+        for i in tl.static_range(COUNT >> (level + 1)):
+            pairs = pairs + (tl.join(out[2 * i], out[2 * i + 1]),)
+        out = pairs
+    return out[0]
 
 
-w4a16_frag_autotuned = triton.autotune(
-    configs=[triton.Config({"MT": mt, "BK": bk, "W": w}, num_warps=w) for mt, bk, w in FRAG_TILES],
-    key=["N", "K", "NT", "GROUP", "X_VEC"], do_bench=autotune_bench,
-)(triton.heuristics({
-    "SPLIT_K": lambda a: frag_split(a["N"], a["K"], 16 * a["MT"] * a["W"], a["BK"], a["NUM_SMS"]),
-    "EVEN_K": lambda a: a["K"] % a["BK"] == 0,
-})(_w4a16_frag_kernel))
+def frag_plan(n: int, k: int, m: int, sms: int, interpreted: bool = False) -> tuple[int, tuple[int, int, int, int]]:
+    """(split, tile) of the launch for ``m`` tokens: the tile of :func:`frag_tile` (or the interpreter's) and its
+    split-K."""
+    mt, bk, w, per_sm = FRAG_INTERPRETER_TILE if interpreted else frag_tile(m)
+    return frag_split(n, k, 16 * mt * w, bk, sms, per_sm), (mt, bk, w, per_sm)

@@ -359,13 +359,13 @@ def planes1_tile_ok(bk: int, num_warps: int, vec: bool = False) -> bool:
     return bk % 32 == 0 and (vec or bk // 8 < 32 * num_warps)
 
 
-def planes1_split(n: int, k: int, bn: int, bk: int, sms: int) -> int:
-    """Split-K of the one-launch plane GEMV: double while the grid stays within ~4 programs per SM and every
-    split keeps at least one K block (a split of one or two long K blocks keeps all its words in flight at
+def planes1_split(n: int, k: int, bn: int, bk: int, sms: int, per_sm: int = 4) -> int:
+    """Split-K of the one-launch plane GEMV: double while the grid stays within ~``per_sm`` programs per SM and
+    every split keeps at least one K block (a split of one or two long K blocks keeps all its words in flight at
     once). The last program of a tile sums the partials in split order (deterministic)."""
     tiles, iters = triton.cdiv(n, bn), triton.cdiv(k, bk)
     split = 1
-    while split * 2 <= iters and tiles * split * 2 <= 4 * sms:
+    while split * 2 <= iters and tiles * split * 2 <= per_sm * sms:
         split *= 2
     return split
 
