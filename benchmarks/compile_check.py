@@ -382,6 +382,8 @@ def cases_fused_moe() -> Iterator[Case]:
         if kind == "int4_group":
             yield f"kind={kind} T=1 shared_out", partial(decode, shared_out=torch.randn(1, hidden, dtype=BF16))
             yield f"kind={kind} T=1 decode_fusion=False", partial(decode, decode_fusion=False)
+            yield f"kind={kind} T=1 gemv=fragments shared_out", partial(
+                decode, gemv="fragments", shared_out=torch.randn(1, hidden, dtype=BF16))
         else:
             yield f"kind={kind} act_quant={act_quant} T=1 block_m=1", decode
 

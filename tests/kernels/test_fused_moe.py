@@ -543,3 +543,105 @@ def test_gpu_plane_tile_real_widths(t, block_m, dtype):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert_rel_close(got.float(), ref.float(), tol, f"plane tile T={t} block_m={block_m}")
     assert_rel_close(got.float(), tile.float(), tol, f"plane tile vs dequant T={t} block_m={block_m}")
+
+
+# --- gemv="fragments": mma.sync on fragments built in registers (fused_moe/fragments.py), the decode path ---
+
+def _frag_experts(e, hidden, inter, group, dtype, dev, seed):
+    """INT4 experts with scales in x's dtype (the fragment kernel scales the weights in it)."""
+    gate, up, down = experts("int4_group", e, hidden, inter, seed=seed, group_size=group, device=dev)
+    for w in (gate, up, down):
+        w["weight_scale"] = w["weight_scale"].to(dtype)
+    return gate, up, down
+
+
+# (hidden, inter, group, dtype, tokens, top_k, shared, dropped): K whole and ragged against BK 128 (160, 96), rows
+# ragged against the interpreted 32-row tile (96, 160), groups of 64, fp16, several tokens; the last two split K
+# (the interpreter's 4 "SMs"): the gate-up in 4 (its last split arrives and writes h), the down in 4 per slot (8
+# arrivals per token and tile)
+FRAG_CASES = [(256, 128, 32, torch.bfloat16, 1, 4, True, False), (160, 96, 32, torch.float16, 2, 3, False, True),
+              (384, 256, 64, torch.bfloat16, 1, 2, True, True), (128, 160, 32, torch.bfloat16, 3, 2, True, True),
+              (512, 32, 32, torch.bfloat16, 1, 1, True, False), (64, 512, 32, torch.bfloat16, 1, 2, False, False)]
+
+
+@pytest.mark.parametrize("hidden,inter,group,dtype,tokens,top_k,shared,dropped", FRAG_CASES)
+def test_fragment_gemv_matches_reference(triton_backend, monkeypatch, hidden, inter, group, dtype, tokens, top_k,
+                                         shared, dropped):
+    dev, e = triton_backend, 5
+    gate, up, down = _frag_experts(e, hidden, inter, group, dtype, dev, seed=hidden + inter)
+    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+    w, ids = routing(tokens, e, top_k, seed=hidden, device=dev)
+    if dropped:  # outside [0, E) at both ends; token 0 loses every slot
+        ids[0, :] = -1
+        ids[-1, -1] = e
+    shared_out = torch.randn(tokens, hidden, device=dev).to(dtype) if shared else None
+    what = f"fragments H={hidden} I={inter} g{group} {dtype} T={tokens} k={top_k}"
+    if hidden in (512, 64):   # the split-K cases: the launch splits as the comment above says
+        from mla_quant.kernels.fused_moe.fragments import MOE_FRAG_INTERPRETER
+        from mla_quant.kernels.w4a16_gemm.fragments import frag_split
+
+        bk, per_sm, warps = MOE_FRAG_INTERPRETER
+        rows, k = (inter, hidden) if hidden == 512 else (hidden, inter)
+        assert frag_split(rows * tokens * top_k, k, 16 * warps, bk, 4, per_sm) == 4, what
+    _poison_allocations(monkeypatch)   # h, the partials: read only where written
+    outs = []
+    for _ in range(2):
+        out = poisoned_empty((tokens, hidden), dtype, dev)
+        got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="fragments",
+                        shared_out=shared_out, out=out)
+        assert got is out
+        outs.append(got)
+    assert_bitwise_equal(outs[0], outs[1], f"{what}: twice (counters left zero, a fixed summation order)")
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="planes",
+                       shared_out=shared_out)
+    assert_rel_close(outs[0].float().cpu(), planes.float().cpu(), 2e-2, f"{what} vs the plane GEMV")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group, shared_out=None if shared_out is None else shared_out.cpu())
+    assert_rel_close(outs[0].float().cpu(), ref.float(), 2e-2, what)
+    if dropped:  # a token whose slots are all dropped gets exactly the shared output (or zero)
+        want = torch.zeros(hidden, dtype=dtype) if shared_out is None else shared_out[0].cpu()
+        assert torch.equal(outs[0][0].cpu(), want), what
+
+
+def test_fragment_gemv_names_what_it_cannot_take(triton_backend):
+    dev = triton_backend
+    gate, up, down = _frag_experts(3, 128, 64, 32, torch.bfloat16, dev, seed=1)
+    w, ids = routing(1, 3, 2, device=dev)
+    x = torch.randn(1, 128, device=dev)
+    run = lambda xx, **kw: fused_moe(xx, w, ids, gate, up, down, kind="int4_group", block_m=1,  # noqa: E731
+                                     gemv="fragments", **kw)
+    with pytest.raises(ValueError, match="fragments.*bf16 / fp16"):
+        run(x)
+    with pytest.raises(ValueError, match="fragments.*weight_scale.*float16"):
+        run(x.to(torch.float16))
+    with pytest.raises(ValueError, match="fragments.*decode_fusion=False"):
+        run(x.to(torch.bfloat16), decode_fusion=False)
+    with pytest.raises(ValueError, match="gemv"):
+        fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="fragment")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fragment_gemv_real_widths(t, dtype):
+    """Kimi's widths, top-8, the shared output and dropped slots, compiled (the MMA fragments, the PTX bit tricks,
+    the split-K gate-up): against the reference, the plane GEMV, and itself (bitwise)."""
+    e, k = 24, 8
+    gate, up, down = _frag_experts(e, 7168, 2048, 32, dtype, "cuda", seed=5)
+    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
+    w, ids = routing(t, e, k, device="cuda")
+    ids[0, ::3] = -1
+    ids[-1, 1] = e
+    shared_out = torch.randn(t, 7168, device="cuda").to(dtype)
+    outs = []
+    for _ in range(2):
+        out = poisoned_empty((t, 7168), dtype, "cuda")
+        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="fragments",
+                              shared_out=shared_out, out=out))
+    assert_bitwise_equal(outs[0], outs[1], f"fragments twice T={t}")
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes", decode_fusion=True,
+                       shared_out=shared_out)
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
+    assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"fragments vs reference T={t} {dtype}")
+    assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"fragments vs planes T={t} {dtype}")

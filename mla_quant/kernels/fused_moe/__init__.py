@@ -27,8 +27,8 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # the INT4 GEMV (block_m == 1): nibble planes with a register double buffer of the next K block's words (the
 # default: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
-# plain planes, or the previous tile form
-GEMV_FORMS = ("prefetch", "planes", "tile")
+# plain planes, the previous tile form, or mma.sync on fragments built in registers (fragments.py; the decode path)
+GEMV_FORMS = ("prefetch", "planes", "tile", "fragments")
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -166,7 +166,10 @@ def fused_moe(
     ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (the activations re-ordered into fp32 nibble
     planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (default: the same with
     the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200) or
-    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile).
+    ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile) or ``"fragments"`` (``mma.sync`` on
+    operand fragments each thread builds in its registers, as ``w4a16_gemm``'s fragment kernel: the decode path
+    without align or combine launch at any token count; bf16 / fp16 x with scales of x's dtype and 16-byte aligned
+    weight rows, else a ValueError naming why; ``fragments.py``).
     ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (default: the words kept in
     their load layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md
     "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200) or ``"dequant"``
@@ -194,6 +197,12 @@ def fused_moe(
                 ue8m0=ue8m0, shared_out=shared_out, out=out)
     if not use_triton(x):
         return fused_moe_reference(x, topk_weights, topk_ids, gate, up, down, **args)
+    if gemv == "fragments" and kind == "int4_group" and (block_m or choose_block_m(
+            topk_ids.numel(), num_experts, kind)) == 1:
+        problem = _frag_problem(x, gate, up, down, decode_fusion)
+        if problem is not None:
+            raise ValueError(f"gemv='fragments': {problem}")
+        return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
                          moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_planes_autotuned,
@@ -301,4 +310,71 @@ def fused_moe(
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
         y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),
         TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
+    return result
+
+
+def _frag_problem(x: torch.Tensor, gate: dict, up: dict, down: dict, decode_fusion) -> str | None:
+    """Why ``gemv="fragments"`` cannot take this call (None: it can)."""
+    if decode_fusion is False:
+        return "it runs the decode path (no align, no combine launch); decode_fusion=False asks for the other"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}; the MMA fragments take bf16 / fp16"
+    if (x.stride(0) * x.element_size()) % 4 or x.data_ptr() % 4:
+        return "x rows are not 4-byte aligned"
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        words, scale = w["weight_packed"], w["weight_scale"]
+        if scale.dtype != x.dtype:
+            return f"{name}['weight_scale'] is {scale.dtype}, not x's {x.dtype} (the weights are scaled in x's dtype)"
+        if words.data_ptr() % 16 or any((st * 4) % 16 for st in words.stride()[:2]):
+            return f"{name}['weight_packed'] rows are not 16-byte aligned (128-bit loads)"
+    if gate["weight_packed"].stride() != up["weight_packed"].stride() or \
+            gate["weight_scale"].stride() != up["weight_scale"].stride():
+        return "gate and up have different strides"
+    return None
+
+
+def _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out) -> torch.Tensor:
+    """``fused_moe`` on the fragment kernel (``fragments._moe_frag_kernel``): a gate-up launch writing h, a down
+    launch whose last arrival per token and row tile combines; one zeroed counter buffer per call."""
+    from .._gemm_utils import num_sms
+    from ..w4a16_gemm.fragments import frag_split
+    from .fragments import MOE_FRAG_INTERPRETER, MOE_FRAG_TILE, MOE_FRAG_WARPS, _moe_frag_kernel
+
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    assignments = tokens * top_k
+    experts, inter = gate["weight_packed"].shape[:2]
+    result = out if out is not None else torch.empty_like(x)
+    if tokens == 0:
+        return result
+    interpret = triton_interpreted()
+    bk, per_sm, warps = MOE_FRAG_INTERPRETER if interpret else (*MOE_FRAG_TILE, MOE_FRAG_WARPS)
+    bn, sms = 16 * warps, num_sms(x.device)
+    gu_tiles, dn_tiles = triton.cdiv(inter, bn), triton.cdiv(hidden, bn)
+    gu_split = frag_split(inter * assignments, hidden, bn, bk, sms, per_sm)
+    dn_split = frag_split(hidden * assignments, inter, bn, bk, sms, per_sm)
+    ids = topk_ids.contiguous().view(-1)
+    weights = topk_weights.contiguous().view(-1)
+    counters = torch.zeros(assignments * gu_tiles + tokens * dn_tiles, dtype=torch.int32, device=x.device)
+    h = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
+    part_gu = torch.empty(gu_split * assignments * 2 * inter if gu_split > 1 else 1, dtype=torch.float32,
+                          device=x.device)
+    part_dn = torch.empty(top_k * dn_split * tokens * hidden, dtype=torch.float32, device=x.device)
+    shared = shared_out if shared_out is not None else result
+    pdl = pdl_launch(x.device, "fused_moe")
+    common = dict(GROUP=group_size, BK=bk, INTERPRET=interpret, W=warps, TOP_K=top_k, num_warps=warps, **pdl)
+    gw, gs, uw, us = gate["weight_packed"], gate["weight_scale"], up["weight_packed"], up["weight_scale"]
+    _moe_frag_kernel[(gu_tiles, gu_split, assignments)](
+        x, ids, gw, gs, uw, us, h, part_gu, counters, weights, shared,
+        inter, hidden, experts, x.stride(0), gw.stride(0), gw.stride(1), gs.stride(0), gs.stride(1), h.stride(0),
+        0, assignments * 2 * inter,
+        GATED=True, SPLIT_K=gu_split, EVEN_K=hidden % bk == 0,
+        X_VEC=x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0, **common)
+    dw, ds = down["weight_packed"], down["weight_scale"]
+    _moe_frag_kernel[(dn_tiles, dn_split, assignments)](
+        h, ids, dw, ds, dw, ds, result, part_dn, counters[assignments * gu_tiles:], weights, shared,
+        hidden, inter, experts, h.stride(0), dw.stride(0), dw.stride(1), ds.stride(0), ds.stride(1), result.stride(0),
+        shared.stride(0), tokens * hidden,
+        GATED=False, SPLIT_K=dn_split, EVEN_K=inter % bk == 0, X_VEC=(inter * x.element_size()) % 16 == 0,
+        HAS_SHARED=shared_out is not None, **common)
     return result

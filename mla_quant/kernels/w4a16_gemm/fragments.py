@@ -176,6 +176,43 @@ def _scale_pair(ptrs, ok, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def frag_accumulate(x_rows, w_rows, s_rows, it_lo, it_hi, K, GROUP: tl.constexpr, NT: tl.constexpr,
+                    TILES: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, X_VEC: tl.constexpr,
+                    INTERPRET: tl.constexpr, DT: tl.constexpr, W: tl.constexpr):
+    """The K loop of a fragment GEMM over K blocks [it_lo, it_hi) of BK: for TILES 16-row tiles and NT token tiles,
+    the 4 · TILES · NT accumulators (tile t, token tile n at 4 (t NT + n); module doc). ``x_rows[n]``: each lane's
+    pointer to its token row of tile n (x's dtype DT); ``w_rows[2t]`` / ``w_rows[2t + 1]``: to the first int32 word of
+    its rows r / r + 8 of tile t; ``s_rows`` likewise to their first group scale (DT)."""
+    c = tl.arange(0, 32 * W) % 4
+    accs = ()
+    for t in tl.static_range(4 * TILES * NT):
+        accs = accs + (tl.zeros((32 * W,), dtype=tl.float32),)
+    for it in range(it_lo, it_hi):
+        for blk in tl.static_range(BK // 128):
+            kb = it * BK + 128 * blk + 32 * c                             # this lane's first K in the block
+            ok = kb < K                                                    # K is a multiple of 32
+            kc = tl.minimum(kb, K - 32)                                   # clamped: always a valid address
+            xs = ()   # the 32 activations of token 8n + r, per token tile n and word q: xs[4 n + q]
+            for n in tl.static_range(NT):
+                for q in tl.static_range(4):
+                    xs = xs + (_word_activations(x_rows[n] + kc + 8 * q, ok, EVEN_K, X_VEC, INTERPRET),)
+            new = ()
+            for t in tl.static_range(TILES):
+                w_top = _four_words(w_rows[2 * t] + kc // 8, INTERPRET)
+                w_bot = _four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET)
+                s_top = _scale_pair(s_rows[2 * t] + kc // GROUP, ok, DT, INTERPRET)
+                s_bot = _scale_pair(s_rows[2 * t + 1] + kc // GROUP, ok, DT, INTERPRET)
+                for n in tl.static_range(NT):
+                    acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
+                           accs[4 * (t * NT + n) + 3])
+                    for q in tl.static_range(4):
+                        acc = _word_step(w_top[q], w_bot[q], s_top, s_bot, xs[4 * n + q], acc, DT, W, INTERPRET)
+                    new = new + acc
+            accs = new
+    return accs
+
+
+@triton.jit
 def _w4a16_frag_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
@@ -204,33 +241,15 @@ def _w4a16_frag_kernel(
     it_lo = pid_k * per_split
     it_hi = tl.minimum(it_lo + per_split, k_iters)
 
-    accs = ()
-    for t in tl.static_range(4 * MT * NT):   # (row tile t, token tile n): 4 accumulators at 4 (t NT + n)
-        accs = accs + (tl.zeros((T,), dtype=tl.float32),)
-    for it in range(it_lo, it_hi):
-        for blk in tl.static_range(BK // 128):
-            kb = it * BK + 128 * blk + 32 * c                             # this lane's first K in the block
-            ok = kb < K                                                    # K is a multiple of 32
-            kc = tl.minimum(kb, K - 32)                                   # clamped: always a valid address
-            xs = ()   # the 32 activations of token 8n + r, per token tile n and word q: xs[4 n + q]
-            for n in tl.static_range(NT):
-                for q in tl.static_range(4):
-                    xs = xs + (_word_activations(x_rows[n] + kc + 8 * q, ok, EVEN_K, X_VEC, INTERPRET),)
-            new = ()
-            for t in tl.static_range(MT):
-                top = ((row0 + 16 * t) % N).to(tl.int64)
-                bot = ((row0 + 16 * t + 8) % N).to(tl.int64)
-                w_top = _four_words(w_ptr + top * (K // 8) + kc // 8, INTERPRET)
-                w_bot = _four_words(w_ptr + bot * (K // 8) + kc // 8, INTERPRET)
-                s_top = _scale_pair(s_ptr + top * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET)
-                s_bot = _scale_pair(s_ptr + bot * (K // GROUP) + kc // GROUP, ok, DT, INTERPRET)
-                for n in tl.static_range(NT):
-                    acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
-                           accs[4 * (t * NT + n) + 3])
-                    for q in tl.static_range(4):
-                        acc = _word_step(w_top[q], w_bot[q], s_top, s_bot, xs[4 * n + q], acc, DT, W, INTERPRET)
-                    new = new + acc
-            accs = new
+    w_rows = ()
+    s_rows = ()
+    for t in tl.static_range(MT):
+        for half in tl.static_range(2):   # rows r and r + 8 of tile t (rows past N re-read valid ones)
+            row = ((row0 + 16 * t + 8 * half) % N).to(tl.int64)
+            w_rows = w_rows + (w_ptr + row * (K // 8),)
+            s_rows = s_rows + (s_ptr + row * (K // GROUP),)
+    accs = frag_accumulate(x_rows, w_rows, s_rows, it_lo, it_hi, K, GROUP, NT, MT, BK, EVEN_K, X_VEC, INTERPRET, DT,
+                           W)
 
     # lane (r, c) of tiles (t, n) holds rows (r, r, r + 8, r + 8) x tokens 8n + (2c, 2c + 1, 2c, 2c + 1)
     offs = ()     # into the workspace [SPLIT_K, M, N]
