@@ -580,7 +580,7 @@ def test_fragment_gemv_matches_reference(triton_backend, monkeypatch, hidden, in
         from mla_quant.kernels.fused_moe.fragments import MOE_FRAG_INTERPRETER
         from mla_quant.kernels.w4a16_gemm.fragments import frag_split
 
-        bk, per_sm, warps = MOE_FRAG_INTERPRETER
+        bk, per_sm, warps, _ = MOE_FRAG_INTERPRETER
         rows, k = (inter, hidden) if hidden == 512 else (hidden, inter)
         assert frag_split(rows * tokens * top_k, k, 16 * warps, bk, 4, per_sm) == 4, what
     _poison_allocations(monkeypatch)   # h, the partials: read only where written

@@ -338,7 +338,7 @@ def _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, 
     launch whose last arrival per token and row tile combines; one zeroed counter buffer per call."""
     from .._gemm_utils import num_sms
     from ..w4a16_gemm.fragments import frag_split
-    from .fragments import MOE_FRAG_INTERPRETER, MOE_FRAG_TILE, MOE_FRAG_WARPS, _moe_frag_kernel
+    from . import fragments as frag
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -348,33 +348,38 @@ def _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, 
     if tokens == 0:
         return result
     interpret = triton_interpreted()
-    bk, per_sm, warps = MOE_FRAG_INTERPRETER if interpret else (*MOE_FRAG_TILE, MOE_FRAG_WARPS)
-    bn, sms = 16 * warps, num_sms(x.device)
-    gu_tiles, dn_tiles = triton.cdiv(inter, bn), triton.cdiv(hidden, bn)
-    gu_split = frag_split(inter * assignments, hidden, bn, bk, sms, per_sm)
-    dn_split = frag_split(hidden * assignments, inter, bn, bk, sms, per_sm)
+    sms = num_sms(x.device)
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
+    shared = shared_out if shared_out is not None else result
+    pdl = pdl_launch(x.device, "fused_moe")
+
+    def plan(which: str, rows: int, k: int):
+        bk, per_sm, warps, prefetch = frag.MOE_FRAG_INTERPRETER if interpret else frag.MOE_FRAG_TILES[which]
+        tiles = triton.cdiv(rows, 16 * warps)
+        split = frag_split(rows * assignments, k, 16 * warps, bk, sms, per_sm)
+        return tiles, split, dict(GROUP=group_size, BK=bk, EVEN_K=k % bk == 0, INTERPRET=interpret, W=warps,
+                                  TOP_K=top_k, PREFETCH=prefetch, num_warps=warps, **pdl)
+
+    gu_tiles, gu_split, gu_meta = plan("gate_up", inter, hidden)
+    dn_tiles, dn_split, dn_meta = plan("down", hidden, inter)
     counters = torch.zeros(assignments * gu_tiles + tokens * dn_tiles, dtype=torch.int32, device=x.device)
     h = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     part_gu = torch.empty(gu_split * assignments * 2 * inter if gu_split > 1 else 1, dtype=torch.float32,
                           device=x.device)
     part_dn = torch.empty(top_k * dn_split * tokens * hidden, dtype=torch.float32, device=x.device)
-    shared = shared_out if shared_out is not None else result
-    pdl = pdl_launch(x.device, "fused_moe")
-    common = dict(GROUP=group_size, BK=bk, INTERPRET=interpret, W=warps, TOP_K=top_k, num_warps=warps, **pdl)
     gw, gs, uw, us = gate["weight_packed"], gate["weight_scale"], up["weight_packed"], up["weight_scale"]
-    _moe_frag_kernel[(gu_tiles, gu_split, assignments)](
+    frag._moe_frag_kernel[(gu_tiles, gu_split, assignments)](
         x, ids, gw, gs, uw, us, h, part_gu, counters, weights, shared,
         inter, hidden, experts, x.stride(0), gw.stride(0), gw.stride(1), gs.stride(0), gs.stride(1), h.stride(0),
         0, assignments * 2 * inter,
-        GATED=True, SPLIT_K=gu_split, EVEN_K=hidden % bk == 0,
-        X_VEC=x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0, **common)
+        GATED=True, SPLIT_K=gu_split, X_VEC=x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0,
+        **gu_meta)
     dw, ds = down["weight_packed"], down["weight_scale"]
-    _moe_frag_kernel[(dn_tiles, dn_split, assignments)](
+    frag._moe_frag_kernel[(dn_tiles, dn_split, assignments)](
         h, ids, dw, ds, dw, ds, result, part_dn, counters[assignments * gu_tiles:], weights, shared,
         hidden, inter, experts, h.stride(0), dw.stride(0), dw.stride(1), ds.stride(0), ds.stride(1), result.stride(0),
         shared.stride(0), tokens * hidden,
-        GATED=False, SPLIT_K=dn_split, EVEN_K=inter % bk == 0, X_VEC=(inter * x.element_size()) % 16 == 0,
-        HAS_SHARED=shared_out is not None, **common)
+        GATED=False, SPLIT_K=dn_split, X_VEC=(inter * x.element_size()) % 16 == 0,
+        HAS_SHARED=shared_out is not None, **dn_meta)
     return result

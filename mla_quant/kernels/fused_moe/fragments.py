@@ -35,7 +35,7 @@ def _moe_frag_kernel(
     N, K, E, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_st, stride_part,
     GATED: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr, TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False,
+    HAS_SHARED: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """GATED: x [T, K] (token rows), w1 / w3 the gate / up words [E, N, K/8] (scales [E, N, K/GROUP] in x's dtype),
     out = h [A, N] in x's dtype; part fp32 [SPLIT_K, A, 2, N]; counters [A, row tiles].
@@ -79,7 +79,7 @@ def _moe_frag_kernel(
     it_hi = tl.minimum(it_lo + per_split, k_iters)
     TILES: tl.constexpr = 2 if GATED else 1
     accs = frag_accumulate((x_row,), w_rows, s_rows, it_lo, it_hi, K, GROUP, 1, TILES, BK, EVEN_K, X_VEC, INTERPRET,
-                           DT, W)
+                           DT, W, PREFETCH)
 
     if GATED:  # (gate r, gate r + 8, up r, up r + 8), summed over the splits, then silu(gate) · up
         vals = _stacked((accs[0], accs[2], accs[4], accs[6]), 4)
@@ -112,7 +112,8 @@ def _moe_frag_kernel(
             tl.store(out_ptr + t.to(tl.int64) * stride_out + rows, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# (BK, programs per SM) of each launch: the dense fragment kernel's one-token rule (BK 256, ~8 programs per SM)
-MOE_FRAG_TILE = (256, 8)
-MOE_FRAG_WARPS = 4
-MOE_FRAG_INTERPRETER = (128, 4, 2)   # (BK, programs per SM, warps): small, two warps
+# (BK, programs per SM, warps, PREFETCH) of each launch: the best of 20 pairs at one Kimi token on the H200 (session
+# 15, results/sweep_moe_frag_h200.json): 81.3 µs against 81.9-95.5 for the others — and 75.0 µs for the plane GEMV
+# (gemv="prefetch") in the same run, so this form is not the default
+MOE_FRAG_TILES = {"gate_up": (256, 8, 4, True), "down": (256, 16, 4, True)}
+MOE_FRAG_INTERPRETER = (128, 4, 2, False)   # small, two warps

@@ -147,28 +147,38 @@ def _four_words(ptrs, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _word_activations(ptrs, ok, EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr):
-    """A word's 8 activations of each lane's token (``ptrs`` at element 8w; zeros where not ``ok``): the pairs
-    Q_0..Q_3 (GPU: one 128-bit load with ``X_VEC``, else four 32-bit loads, then 4 PRMT) or 8 fp32 values."""
+def _x_words(ptrs, X_VEC: tl.constexpr, INTERPRET: tl.constexpr):
+    """The raw loads of a word's 8 activations of each lane's token (``ptrs`` at element 8w; addresses always valid):
+    four int32 words (GPU: one 128-bit load with ``X_VEC``, else four 32-bit loads) or 8 values (interpreter)."""
     if INTERPRET:
         vals = ()
         for j in tl.static_range(8):
-            vals = vals + (tl.where(ok, tl.load(ptrs + j).to(tl.float32), 0.0),)
+            vals = vals + (tl.load(ptrs + j).to(tl.float32),)
         return vals
     if X_VEC:
-        v0, v1, v2, v3 = _ld4(ptrs)
-    else:
-        x32 = ptrs.to(tl.pointer_type(tl.int32), bitcast=True)
-        v0, v1, v2, v3 = tl.load(x32), tl.load(x32 + 1), tl.load(x32 + 2), tl.load(x32 + 3)
+        return _ld4(ptrs)
+    x32 = ptrs.to(tl.pointer_type(tl.int32), bitcast=True)
+    return tl.load(x32), tl.load(x32 + 1), tl.load(x32 + 2), tl.load(x32 + 3)
+
+
+@triton.jit
+def _x_pairs(v, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """A word's activations as the MMA's B registers Q_0..Q_3 (4 PRMT; zeros where not ``ok``), or under the
+    interpreter its 8 values (zeros where not ``ok``)."""
+    if INTERPRET:
+        vals = ()
+        for j in tl.static_range(8):
+            vals = vals + (tl.where(ok, v[j], 0.0),)
+        return vals
+    v0, v1, v2, v3 = v[0], v[1], v[2], v[3]
     if not EVEN_K:
         v0, v1, v2, v3 = tl.where(ok, v0, 0), tl.where(ok, v1, 0), tl.where(ok, v2, 0), tl.where(ok, v3, 0)
     return _act_pair(v0, v2, False), _act_pair(v0, v2, True), _act_pair(v1, v3, False), _act_pair(v1, v3, True)
 
 
 @triton.jit
-def _scale_pair(ptrs, ok, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """One scale per lane (0 where not ``ok``): fp32 under the interpreter, else the DT pair (s, s) as int32."""
-    s = tl.where(ok, tl.load(ptrs), 0.0)
+def _scale_pair(s, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """A lane's loaded scale: fp32 under the interpreter, else the DT pair (s, s) as int32."""
     if INTERPRET:
         return s.to(tl.float32)
     bits = s.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -176,39 +186,76 @@ def _scale_pair(ptrs, ok, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP: tl.constexpr, NT: tl.constexpr, TILES: tl.constexpr,
+                BK: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr):
+    """Every load of K iteration ``it`` (BK / 128 blocks), raw: per block (activation words per token tile n and
+    word q at 4 n + q; per row tile t (top words, bottom words, top scale, bottom scale)). Addresses past K are
+    clamped to the last 32 K (always valid; masked in ``_frag_math``)."""
+    c = tl.arange(0, 32 * W) % 4
+    loads = ()
+    for blk in tl.static_range(BK // 128):
+        kc = tl.minimum(it * BK + 128 * blk + 32 * c, K - 32)        # this lane's first K in the block, clamped
+        xw = ()
+        for n in tl.static_range(NT):
+            for q in tl.static_range(4):
+                xw = xw + (_x_words(x_rows[n] + kc + 8 * q, X_VEC, INTERPRET),)
+        ws = ()
+        for t in tl.static_range(TILES):
+            ws = ws + ((_four_words(w_rows[2 * t] + kc // 8, INTERPRET),
+                        _four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET),
+                        tl.load(s_rows[2 * t] + kc // GROUP), tl.load(s_rows[2 * t + 1] + kc // GROUP)),)
+        loads = loads + ((xw, ws),)
+    return loads
+
+
+@triton.jit
+def _frag_math(loads, it, K, accs, NT: tl.constexpr, TILES: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+               INTERPRET: tl.constexpr, DT: tl.constexpr, W: tl.constexpr):
+    """The MMAs of K iteration ``it`` on its ``_frag_loads``; K past the end contributes zero."""
+    c = tl.arange(0, 32 * W) % 4
+    for blk in tl.static_range(BK // 128):
+        ok = it * BK + 128 * blk + 32 * c < K                            # K is a multiple of 32
+        xw, ws = loads[blk]
+        xs = ()   # the 32 activations of token 8n + r as B registers, per token tile n and word q: xs[4 n + q]
+        for i in tl.static_range(4 * NT):
+            xs = xs + (_x_pairs(xw[i], ok, EVEN_K, INTERPRET),)
+        new = ()
+        for t in tl.static_range(TILES):
+            w_top, w_bot, s_top, s_bot = ws[t]
+            s_top = _scale_pair(tl.where(ok, s_top, 0.0), DT, INTERPRET)
+            s_bot = _scale_pair(tl.where(ok, s_bot, 0.0), DT, INTERPRET)
+            for n in tl.static_range(NT):
+                acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
+                       accs[4 * (t * NT + n) + 3])
+                for q in tl.static_range(4):
+                    acc = _word_step(w_top[q], w_bot[q], s_top, s_bot, xs[4 * n + q], acc, DT, W, INTERPRET)
+                new = new + acc
+        accs = new
+    return accs
+
+
+@triton.jit
 def frag_accumulate(x_rows, w_rows, s_rows, it_lo, it_hi, K, GROUP: tl.constexpr, NT: tl.constexpr,
                     TILES: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, X_VEC: tl.constexpr,
-                    INTERPRET: tl.constexpr, DT: tl.constexpr, W: tl.constexpr):
+                    INTERPRET: tl.constexpr, DT: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr = False):
     """The K loop of a fragment GEMM over K blocks [it_lo, it_hi) of BK: for TILES 16-row tiles and NT token tiles,
     the 4 · TILES · NT accumulators (tile t, token tile n at 4 (t NT + n); module doc). ``x_rows[n]``: each lane's
     pointer to its token row of tile n (x's dtype DT); ``w_rows[2t]`` / ``w_rows[2t + 1]``: to the first int32 word of
-    its rows r / r + 8 of tile t; ``s_rows`` likewise to their first group scale (DT)."""
-    c = tl.arange(0, 32 * W) % 4
+    its rows r / r + 8 of tile t; ``s_rows`` likewise to their first group scale (DT). PREFETCH: the next
+    iteration's loads are issued before this iteration's MMAs (a register double buffer)."""
     accs = ()
     for t in tl.static_range(4 * TILES * NT):
         accs = accs + (tl.zeros((32 * W,), dtype=tl.float32),)
-    for it in range(it_lo, it_hi):
-        for blk in tl.static_range(BK // 128):
-            kb = it * BK + 128 * blk + 32 * c                             # this lane's first K in the block
-            ok = kb < K                                                    # K is a multiple of 32
-            kc = tl.minimum(kb, K - 32)                                   # clamped: always a valid address
-            xs = ()   # the 32 activations of token 8n + r, per token tile n and word q: xs[4 n + q]
-            for n in tl.static_range(NT):
-                for q in tl.static_range(4):
-                    xs = xs + (_word_activations(x_rows[n] + kc + 8 * q, ok, EVEN_K, X_VEC, INTERPRET),)
-            new = ()
-            for t in tl.static_range(TILES):
-                w_top = _four_words(w_rows[2 * t] + kc // 8, INTERPRET)
-                w_bot = _four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET)
-                s_top = _scale_pair(s_rows[2 * t] + kc // GROUP, ok, DT, INTERPRET)
-                s_bot = _scale_pair(s_rows[2 * t + 1] + kc // GROUP, ok, DT, INTERPRET)
-                for n in tl.static_range(NT):
-                    acc = (accs[4 * (t * NT + n)], accs[4 * (t * NT + n) + 1], accs[4 * (t * NT + n) + 2],
-                           accs[4 * (t * NT + n) + 3])
-                    for q in tl.static_range(4):
-                        acc = _word_step(w_top[q], w_bot[q], s_top, s_bot, xs[4 * n + q], acc, DT, W, INTERPRET)
-                    new = new + acc
-            accs = new
+    if PREFETCH:
+        nxt = _frag_loads(x_rows, w_rows, s_rows, it_lo, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W)
+        for it in range(it_lo, it_hi):
+            cur = nxt
+            nxt = _frag_loads(x_rows, w_rows, s_rows, it + 1, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W)
+            accs = _frag_math(cur, it, K, accs, NT, TILES, BK, EVEN_K, INTERPRET, DT, W)
+    else:
+        for it in range(it_lo, it_hi):
+            loads = _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W)
+            accs = _frag_math(loads, it, K, accs, NT, TILES, BK, EVEN_K, INTERPRET, DT, W)
     return accs
 
 
