@@ -445,6 +445,16 @@ def test_decode_fusion_in_every_gemv_form(triton_backend, monkeypatch, kind, act
     assert_rel_close(got.float().cpu(), ref.float(), 1e-5 if dtype == torch.float32 else 2e-2, what)
 
 
+def _kimi_decode_inputs(t, dtype, e, k=8):
+    """x at Kimi's hidden width, a top-k routing over e experts with dropped slots (ids outside [0, e), as under
+    expert parallelism; token 0 loses every third slot) and a shared output (CUDA)."""
+    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
+    w, ids = routing(t, e, k, device="cuda")
+    ids[0, ::3] = -1
+    ids[-1, 1] = e
+    return x, w, ids, torch.randn(t, 7168, device="cuda").to(dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -453,13 +463,8 @@ def test_gpu_decode_fusion_real_widths(t, dtype):
     last-arrival combine against the reference and the aligned path. The two paths tune their tiles separately
     (``DIRECT`` is in the autotuning key), so they agree bit for bit only when the tuning picks the same tiles:
     checked within tolerance here, bitwise on the CPU."""
-    e, k = 24, 8
-    gate, up, down = experts("int4_group", e, 7168, 2048, device="cuda")
-    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
-    w, ids = routing(t, e, k, device="cuda")
-    ids[0, ::3] = -1
-    ids[-1, 1] = e
-    shared_out = torch.randn(t, 7168, device="cuda").to(dtype)
+    gate, up, down = experts("int4_group", 24, 7168, 2048, device="cuda")
+    x, w, ids, shared_out = _kimi_decode_inputs(t, dtype, 24)
     outs = []
     for fusion in (True, True, False):
         out = poisoned_empty((t, 7168), dtype, "cuda")
@@ -627,13 +632,8 @@ def test_fragment_gemv_names_what_it_cannot_take(triton_backend):
 def test_gpu_fragment_gemv_real_widths(t, dtype):
     """Kimi's widths, top-8, the shared output and dropped slots, compiled (the MMA fragments, the PTX bit tricks,
     the split-K gate-up): against the reference, the plane GEMV, and itself (bitwise)."""
-    e, k = 24, 8
-    gate, up, down = _frag_experts(e, 7168, 2048, 32, dtype, "cuda", seed=5)
-    x = (torch.randn(t, 7168, device="cuda") * 0.5).to(dtype)
-    w, ids = routing(t, e, k, device="cuda")
-    ids[0, ::3] = -1
-    ids[-1, 1] = e
-    shared_out = torch.randn(t, 7168, device="cuda").to(dtype)
+    gate, up, down = _frag_experts(24, 7168, 2048, 32, dtype, "cuda", seed=5)
+    x, w, ids, shared_out = _kimi_decode_inputs(t, dtype, 24)
     outs = []
     for _ in range(2):
         out = poisoned_empty((t, 7168), dtype, "cuda")

@@ -20,6 +20,9 @@ expert ``topk_ids.flat[m]`` (ids outside [0, E) are dropped as ``moe_align`` dro
 
 The arrival counters (one per assignment and gate-up tile, one per token and down tile) are zeroed once per call
 and left zero by every launch.
+
+Opt-in: on the H200 at one Kimi token (384 experts, top-8) it took 80.7-81.3 µs against 74.8-75.0 for the plane
+GEMV, equal at 4 tokens (session 15; docs/moe.md "The MoE experts on MMA fragments").
 """
 import triton
 import triton.language as tl
