@@ -66,9 +66,10 @@ SWAP_MAX_M = 16
 
 
 # fragments="auto" runs the fragment kernel (fragments.py: mma.sync on fragments built in each thread's registers, no
-# shared memory) for 2..FRAG_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on the H200 (2f59a22,
-# bench gemm) 1.2-1.6x faster than the swapped kernel it replaced there at 2048 / 4096 x 7168, 0.84-2.04x tinygemm
-# (docs/moe.md "W4A16 at 2-16 tokens: MMA fragments in registers")
+# shared memory for the operands) for 2..FRAG_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on
+# the H200 (24b2d41, bench gemm) 1.1-1.9x faster than the swapped kernel it replaced there at 2048 / 4096 x 7168;
+# 1.06-2.24x tinygemm with kept counters (QuantLinear), 0.97-2.11x for a bare call (docs/moe.md "W4A16 at 2-16 tokens:
+# MMA fragments in registers")
 FRAG_MAX_M = 16
 
 
