@@ -609,6 +609,25 @@ def test_fragment_gemv_matches_reference(triton_backend, monkeypatch, hidden, in
         assert torch.equal(outs[0][0].cpu(), want), what
 
 
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=st.integers(1, 3), e=st.integers(1, 6), k=st.integers(1, 3), group=st.sampled_from([32, 64]),
+       hidden=st.sampled_from([64, 128, 192]), inter=st.sampled_from([32, 64, 96]), seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_fragment_gemv(triton_backend, t, e, k, group, hidden, inter, seed):
+    """Any token count, experts, top-k, group and width (multiples of 32, ragged against the tiles): the fragment
+    form equals the reference within bf16 rounding."""
+    k = min(k, e)
+    if hidden % group or inter % group:
+        group = 32
+    gate, up, down = _frag_experts(e, hidden, inter, group, torch.bfloat16, triton_backend, seed % 1000)
+    x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(seed)).to(triton_backend).to(torch.bfloat16)
+    w, ids = routing(t, e, k, seed, device=triton_backend)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="fragments")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group)
+    assert_rel_close(got.float().cpu(), ref.float(), 2e-2, f"fragments t={t} e={e} k={k} g{group} {hidden}x{inter}")
+
+
 def test_fragment_gemv_names_what_it_cannot_take(triton_backend):
     dev = triton_backend
     gate, up, down = _frag_experts(3, 128, 64, 32, torch.bfloat16, dev, seed=1)
