@@ -914,3 +914,56 @@ def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
         assert_all_written(lse, "lse")
         assert rel_err(out.float(), o_ref.float()) < tol_o, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, rtol=rtol_lse, atol=atol_lse), f"splits={splits}, config={config}"
+
+
+# ------------------------------------------------------------------------ fp8_dequant="fragments" (session 15)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), kind=st.sampled_from(KINDS[1:3]), page_size=st.sampled_from([16, 64]),
+       rows=st.sampled_from([(1, 16), (1, 5), (2, 8), (3, 4)]), num_splits=st.sampled_from([None, 1, 3]),
+       q_dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_fragment_dequant_matches_reference(triton_backend, data, kind, page_size, rows, num_splits, q_dtype):
+    """fp8_e4m3 pages (token or tensor scales) at 512 + 64 columns, ragged lengths, shared and shuffled pages, NaN in
+    every unused slot, speculative rows, split or not: the fragment kernel (q and P in fp16, the pages exact in
+    fp16) within the FP8 paths' tolerance of the reference, every output written."""
+    s_q, heads = rows
+    args, q, stored, out, lse = _drawn_case(data, triton_backend, kind, page_size, s_q, heads, q_dtype,
+                                            max_requests=3, max_len=90, d_latent=512, d_rope=64)
+    mla_decode(*args, num_splits=num_splits, out=out, lse=lse, fp8_dequant="fragments")
+    out, lse, o_r, lse_r = _check_outputs(out, lse, args, q, stored)
+    assert rel_err(out, o_r) < 1e-2, f"{kind} page {page_size} rows {rows} splits {num_splits}"
+    assert torch.allclose(lse, lse_r, atol=2e-2)
+
+
+def test_fragment_dequant_names_what_it_cannot_take(triton_backend):
+    lengths = [20]
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    kv, scales, _ = build_pages(lengths, table, 2, 16, "fp8_e4m3", None, 512, 64, seed=0, device=triton_backend)
+    base = (table.to(triton_backend), torch.tensor(lengths, dtype=torch.int32, device=triton_backend), 0.05)
+    q = torch.randn(1, 1, 17, 576, device=triton_backend).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="fragments.*16 query rows"):
+        mla_decode(q, kv, scales, *base, "fp8_e4m3", 512, fp8_dequant="fragments")
+    small, small_scales, _ = build_pages(lengths, table, 2, 16, "fp8_e4m3", None, 256, 64, seed=0,
+                                         device=triton_backend)
+    with pytest.raises(ValueError, match="fragments.*256 \\+ 64.*512 \\+ 64"):
+        mla_decode(q[..., :4, :320].contiguous(), small, small_scales, *base, "fp8_e4m3", 256,
+                   fp8_dequant="fragments")
+    ds, _, _ = build_pages(lengths, table, 2, 16, "fp8_ds_mla", None, 512, 64, seed=0, device=triton_backend)
+    with pytest.raises(ValueError, match="fragments.*fp8_e4m3"):
+        mla_decode(q[..., :4, :], ds, None, *base, "fp8_ds_mla", 512, fp8_dequant="fragments")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor_scale", [None, 0.05])
+@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097]), (8, 2, [100, 3000]), (5, 3, [77])])
+def test_fragment_dequant_matches_reference_gpu(tensor_scale, heads, s_q, lengths):
+    """fp8_dequant="fragments" compiled (the PTX conversions, the shuffles, the warp-wide MMAs) at real dims, split or
+    not: the reference's tolerances, and close to the TMA bitcast."""
+    args = _real_dim_args("fp8_e4m3", tensor_scale, heads, s_q, lengths, seed=5)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    for splits in (None, 1, 7):
+        out, lse = mla_decode(*args, num_splits=splits, fp8_dequant="fragments")
+        o_bc, _ = mla_decode(*args, num_splits=splits, fp8_dequant="bitcast")
+        assert_all_written(out, "out")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        assert rel_err(out.float(), o_bc.float()) < 1e-2

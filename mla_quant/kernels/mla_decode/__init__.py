@@ -25,7 +25,7 @@ __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_s
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
 # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant", "fp16 dot operands", "fp8 tensor-core dots")
-FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1")
+FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1", "fragments")
 # the kernel's FP8_MMA constexpr per choice: e4m3 score dots with q as two e4m3 terms (hi + lo/16, 3 and 4) or one
 # (q1: 1 and 2) per row scale; the PV dot in fp16 (odd) or e4m3 (even)
 FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2}
@@ -176,7 +176,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`); else "fp8mma" when q is bf16 / fp16 and batch ×
     max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
-    conversion). Only the Triton path of FP8 pages is affected.
+    conversion), or ``"fragments"`` (fp8_e4m3 pages, 512 + 64 columns, ≤ 16 query rows, page size a multiple of
+    16: ``mma.sync`` on fragments each thread builds in its registers, ``fragments.py``; opt-in, not yet run on a
+    GPU). Only the Triton path of FP8 pages is affected.
     ``combine`` (Triton path, with more than one KV split): the kernel that merges the splits' partials,
     ``"rows"`` or ``"tiles"`` (:func:`combine_splits`), or ``"auto"`` (default: rows up to ``ROWS_MAX_SPLITS``
     splits, tiles above). A merge in the decode kernel's epilogue (the last split program of each row block merges,
@@ -219,6 +221,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         fp8_dequant = _auto_fp8_dequant(kind, q, kv_data, bsz, max_len)
     fp8 = kind != "bf16"
+    if fp8 and fp8_dequant == "fragments":
+        return _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
+                                     num_splits, max_seq_len, out, lse, combine)
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
@@ -408,3 +413,58 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     _mla_decode_combine_tiles_kernel[(m_rows, bsz, d_latent // block_d)](
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
         SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4, **pdl)
+
+
+def _frag_problem(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
+    """Why ``fp8_dequant="fragments"`` cannot take this call (None: it can)."""
+    if kind != "fp8_e4m3":
+        return f"kind {kind!r}: the fragment kernel reads fp8_e4m3 pages"
+    if (d_latent, q.shape[-1] - d_latent) != (512, 64):
+        return f"{d_latent} + {q.shape[-1] - d_latent} columns: the fragment kernel is written for 512 + 64"
+    if q.shape[1] * q.shape[2] > 16:
+        return f"{q.shape[1]} query tokens x {q.shape[2]} heads: at most 16 query rows per request"
+    if kv_data.shape[1] % 16:
+        return f"page size {kv_data.shape[1]}: must be a multiple of 16 (a 16-token tile within one page)"
+    if kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4:
+        return "kv_data: pages must be 4-byte aligned (row stride, page stride, offset)"
+    return None
+
+
+def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent, num_splits,
+                          max_seq_len, out, lse, combine):
+    """``mla_decode(..., fp8_dequant="fragments")``: ``fragments._mla_frag_kernel`` per (split, request), then
+    :func:`combine_splits` (also for one split: the kernel writes partials)."""
+    from .fragments import _mla_frag_kernel
+
+    problem = _frag_problem(q, kv_data, kind, d_latent)
+    if problem is not None:
+        raise ValueError(f"fp8_dequant='fragments': {problem}")
+    bsz, s_q, heads, d = q.shape
+    m_rows = s_q * heads
+    if bsz == 0:
+        return out, lse
+    interpreted = triton_interpreted()
+    if num_splits is None:
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_data.shape[1]
+        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
+                                     per_sm=FRAG_PROGRAMS_PER_SM)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    words = kv_data.view(torch.int32)
+    scales = kv_scales.view(kv_scales.shape[0], -1) if kv_scales.numel() > 1 else kv_scales
+    stride_sp, stride_sr = (scales.stride(0), scales.stride(1)) if kv_scales.numel() > 1 else (0, 0)
+    o_part = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
+    _mla_frag_kernel[(num_splits, bsz)](
+        q, words, scales, block_table, seq_lens, o_part, lse_part, softmax_scale * math.log2(math.e), s_q, heads,
+        num_splits, q.stride(0), q.stride(1), q.stride(2), words.stride(0), words.stride(1), stride_sp, stride_sr,
+        block_table.stride(0), PAGE=kv_data.shape[1], INTERPRET=interpreted, num_warps=4)
+    global _LAST_LAUNCH
+    _LAST_LAUNCH = (num_splits, "fragments")
+    combine_splits(o_part, lse_part, out.view(bsz, m_rows, d_latent), lse.view(bsz, m_rows), combine)
+    return out, lse
+
+
+# fp8_dequant="fragments": programs per SM the split count plans for (161 registers x 128 threads: 3 fit)
+FRAG_PROGRAMS_PER_SM = 3

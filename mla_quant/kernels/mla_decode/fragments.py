@@ -1,0 +1,270 @@
+"""MLA decode over fp8_e4m3 pages at up to 16 query rows on ``mma.sync`` fragments built in registers
+(``mla_decode(..., fp8_dequant="fragments")``; opt-in, session 15; **not yet run on a GPU**: checked in the CPU
+interpreter against the reference and compiled for sm_90 — 161 registers, no spills, 455 SASS instructions per warp
+and 16-token tile, ~114 warp instructions per KV token against 171 for the TMA bitcast; docs/mla.md "FP8 pages on MMA
+fragments").
+
+The route is the W4A16 fragment kernel's (``w4a16_gemm/fragments.py``): 1-D tensors of one element per thread, each
+lane building its own operand fragments, the MMAs as inline PTX (``_mma``; ``_mma_emulated`` under the
+interpreter). The order of K inside an MMA is free as long as A and B agree, which gives the transposition of V that
+``tl.dot`` cannot do without staging bytes through shared memory.
+
+Program (split, request), 4 warps; warp w owns latent columns 128w .. 128w + 127 (and rope 16w .. 16w + 15) of the
+scores and latent columns 128w .. of the output. Per tile of 16 tokens (one page holds them: page size % 16 == 0):
+
+* scores S_w [16 rows, 16 tokens] = q[:, cols_w] · K[tokens, cols_w]^T: A = q (rows r, r + 8; held in registers
+  for the whole split, pre-scaled by the softmax scale in log2 units, fp16), B = K^T: lane (r, c) holds token r
+  (n-tile 0) and 8 + r (n-tile 1) at latent columns 128w + 32c + 4j .. + 3 (k-step j < 8; two 128-bit loads) and
+  rope columns 512 + 16w + 4c .. + 3 (k-step 8), each byte pair converted by ``cvt.rn.f16x2.e4m3x2``;
+* S = Σ_w S_w (a cross-warp sum through shared memory), times the token scales, masked (causal among the S_Q
+  query tokens, the end of the sequence);
+* online softmax on the accumulator layout: lane (r, c) holds rows r, r + 8 at tokens 2c, 2c + 1 of each n-tile;
+  row max and sum by two ``shfl.sync.bfly`` in the quad;
+* O_w [16 rows, 128 columns] += P · V[:, cols_w]: A = P straight from the S accumulators (tokens 2c, 2c + 1,
+  2c + 8, 2c + 9 are the lane's own), times the token scales, fp16; B = V: lane (r, c) holds columns 16r .. 16r + 15
+  of its four tokens (one 128-bit load each), PRMT pairs a column of two tokens, ``cvt.rn.f16x2.e4m3x2`` converts.
+  Output accumulator n-tile j: rows r / r + 8, columns 128w + 16 (2c) + j and 128w + 16 (2c + 1) + j.
+
+Partials per split as ``mla_decode``'s (o fp32 [B, splits, M, 512], lse log2 [B, splits, M]); ``combine_splits``
+merges them.
+"""
+import triton
+import triton.language as tl
+
+from ..w4a16_gemm.fragments import _mma, _mma_emulated, _stacked
+from ..w4a16_gemm.kernel import _ld4
+
+
+@triton.jit
+def _unstacked(x, COUNT: tl.constexpr):
+    """Inverse of ``_stacked``: the COUNT tensors joined into x, in order."""
+    parts = (x,)
+    for level in tl.static_range(COUNT.bit_length() - 1):
+        nxt = ()
+        for i in tl.static_range(len(parts)):
+            lo, hi = tl.split(parts[i])
+            nxt = nxt + (lo, hi)
+        parts = nxt
+    return parts   # level by level the splits come out in the order the joins took them
+
+
+@triton.jit
+def _e4m3_word(word, INTERPRET: tl.constexpr):
+    """A word's 4 e4m3 bytes: GPU two f16x2 pairs (bytes 0-1, 2-3); interpreter 4 fp32 values."""
+    if INTERPRET:
+        vals = ()
+        for i in tl.static_range(4):
+            v = (word >> (8 * i)) & 0xFF
+            s = tl.where((v >> 7) != 0, -1.0, 1.0)
+            e = (v >> 3) & 0xF
+            m = (v & 7).to(tl.float32)
+            mag = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * tl.exp2(e.to(tl.float32) - 7.0))
+            vals = vals + (s * mag,)
+        return vals
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, $2;\n\tcvt.rn.f16x2.e4m3x2 $0, lo;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $1, hi;\n\t}", "=r,=r,r", [word], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _v_pairs(wa, wb, INTERPRET: tl.constexpr):
+    """The 4 column pairs (token a, token b) of two words (4 columns each): GPU 4 f16x2 (PRMT + cvt); interpreter
+    4 tuples (a, b) in fp32."""
+    if INTERPRET:
+        va = _e4m3_word(wa, True)
+        vb = _e4m3_word(wb, True)
+        return (va[0], vb[0]), (va[1], vb[1]), (va[2], vb[2]), (va[3], vb[3])
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .b32 t0, t1;\n\t.reg .b16 l0, h0, l1, h1;\n\tprmt.b32 t0, $4, $5, 0x5140;\n\t"
+        "prmt.b32 t1, $4, $5, 0x7362;\n\tmov.b32 {l0, h0}, t0;\n\tmov.b32 {l1, h1}, t1;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $0, l0;\n\tcvt.rn.f16x2.e4m3x2 $1, h0;\n\tcvt.rn.f16x2.e4m3x2 $2, l1;\n\t"
+        "cvt.rn.f16x2.e4m3x2 $3, h1;\n\t}", "=r,=r,=r,=r,r,r", [wa, wb],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_pair(lo, hi, INTERPRET: tl.constexpr):
+    """Two fp32 values as one f16x2 (GPU) or as the fp16-rounded fp32 pair (interpreter)."""
+    if INTERPRET:
+        return lo.to(tl.float16).to(tl.float32), hi.to(tl.float16).to(tl.float32)
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _quad(x, MAX: tl.constexpr, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """Max (or sum) over the 4 lanes of each quad, in every lane."""
+    if INTERPRET:
+        y = tl.reshape(x, (W * 8, 4))
+        red = tl.max(y, axis=1) if MAX else tl.sum(y, axis=1)
+        return tl.reshape(tl.broadcast_to(red[:, None], (W * 8, 4)), (W * 32,))
+    op: tl.constexpr = "max.f32" if MAX else "add.f32"
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .f32 t;\n\tshfl.sync.bfly.b32 t, $1, 1, 0x1f, 0xffffffff;\n\t" + op + " $0, $1, t;\n\t"
+        "shfl.sync.bfly.b32 t, $0, 2, 0x1f, 0xffffffff;\n\t" + op + " $0, $0, t;\n\t}",
+        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma16(a, b, acc, W: tl.constexpr, INTERPRET: tl.constexpr):
+    """One m16n8k16 (f16 in, fp32 out). a: (row r k-lo, row r+8 k-lo, row r k-hi, row r+8 k-hi), b: (k-lo, k-hi)
+    as f16x2 (GPU) or fp32 pairs (interpreter)."""
+    if INTERPRET:
+        top = (a[0][0], a[0][1], a[2][0], a[2][1])
+        bot = (a[1][0], a[1][1], a[3][0], a[3][1])
+        bb = (b[0][0], b[0][1], b[1][0], b[1][1])
+        return _mma_emulated(top, bot, bb, acc, W)
+    return _mma(a[0], a[1], a[2], a[3], b[0], b[1], acc[0], acc[1], acc[2], acc[3], tl.float16)
+
+
+@triton.jit
+def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_scale_log2, S_Q, H, NUM_SPLITS,
+                     stride_qb, stride_qs, stride_qh, stride_kp, stride_kr, stride_sp, stride_sr, stride_bt,
+                     PAGE: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr = 4):
+    """q [B, S_Q, H, 576] (S_Q · H <= 16 rows); kv int32 words [pages, PAGE, 144] (the e4m3 bytes); sc fp32 token
+    scales [pages, PAGE] (strides 0 for one per-tensor scale); o fp32 [B, NUM_SPLITS, M, 512] partials, lse fp32
+    [B, NUM_SPLITS, M] (log2), M = S_Q · H."""
+    tl.static_assert(W == 4, "prototype: 4 warps (128 latent columns each)")
+    T: tl.constexpr = 32 * W
+    pid_split, b = tl.program_id(0), tl.program_id(1)
+    idx = tl.arange(0, T)
+    lane = idx % 32
+    w = idx // 32
+    r = lane // 4
+    c = lane % 4
+    M = S_Q * H
+    seq = tl.load(seq_ptr + b)
+    # rows r and r + 8: their query pointer and causal limit (tokens < limit)
+    row_lo, row_hi = r, r + 8
+    ok_lo, ok_hi = row_lo < M, row_hi < M
+    q_lo = q_ptr + b.to(tl.int64) * stride_qb + (row_lo // H) * stride_qs + (row_lo % H) * stride_qh
+    q_hi = q_ptr + b.to(tl.int64) * stride_qb + (row_hi // H) * stride_qs + (row_hi % H) * stride_qh
+    lim_lo = seq - S_Q + 1 + row_lo // H
+    lim_hi = seq - S_Q + 1 + row_hi // H
+    # q A-fragments of the warp's columns: k-step j < 8 latent 128w + 32c + 4j, k-step 8 rope 512 + 16w + 4c
+    qa = ()
+    for j in tl.static_range(9):
+        col = 128 * w + 32 * c + 4 * j if j < 8 else 512 + 16 * w + 4 * c
+        v = ()
+        for qp in tl.static_range(2):   # row r / r + 8
+            base = q_lo if qp == 0 else q_hi
+            okq = ok_lo if qp == 0 else ok_hi
+            x0 = tl.load(base + col, mask=okq, other=0.0).to(tl.float32) * sm_scale_log2   # scores in log2 units
+            x1 = tl.load(base + col + 1, mask=okq, other=0.0).to(tl.float32) * sm_scale_log2
+            x2 = tl.load(base + col + 2, mask=okq, other=0.0).to(tl.float32) * sm_scale_log2
+            x3 = tl.load(base + col + 3, mask=okq, other=0.0).to(tl.float32) * sm_scale_log2
+            v = v + (_f16_pair(x0, x1, INTERPRET), _f16_pair(x2, x3, INTERPRET))
+        qa = qa + ((v[0], v[2], v[1], v[3]),)     # (r k-lo, r+8 k-lo, r k-hi, r+8 k-hi)
+    # this split's tiles of 16 tokens
+    n_tiles = tl.cdiv(seq, 16)
+    per = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = pid_split * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+    zero = tl.zeros((T,), dtype=tl.float32)
+    m_lo = zero - float("inf")
+    m_hi = zero - float("inf")
+    l_lo = zero
+    l_hi = zero
+    acc = ()
+    for j in tl.static_range(64):
+        acc = acc + (zero,)
+    for tile in range(t_lo, t_hi):
+        t0 = tile * 16
+        # --- scores of this warp's columns: n-tile n = tokens t0 + 8n + r
+        s_part = ()
+        # PAGE % 16 == 0: the tile's 16 tokens share one page (one block-table read per tile)
+        page = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t0 // PAGE).to(tl.int64)
+        kv_page = kv_ptr + page * stride_kp
+        sc_page = sc_ptr + page * stride_sp
+        slot0 = t0 % PAGE
+        last = seq - 1 - t0          # tokens past the end re-read the last one (masked below)
+        for n in tl.static_range(2):
+            row = kv_page + (slot0 + tl.minimum(8 * n + r, last)) * stride_kr
+            lat_a = _ld4(row + 32 * w + 8 * c) if not INTERPRET else (
+                tl.load(row + 32 * w + 8 * c), tl.load(row + 32 * w + 8 * c + 1), tl.load(row + 32 * w + 8 * c + 2),
+                tl.load(row + 32 * w + 8 * c + 3))
+            lat_b = _ld4(row + 32 * w + 8 * c + 4) if not INTERPRET else (
+                tl.load(row + 32 * w + 8 * c + 4), tl.load(row + 32 * w + 8 * c + 5),
+                tl.load(row + 32 * w + 8 * c + 6), tl.load(row + 32 * w + 8 * c + 7))
+            rope = tl.load(row + 128 + 4 * w + c)
+            words = lat_a + lat_b + (rope,)
+            s4 = (zero, zero, zero, zero)
+            for j in tl.static_range(9):
+                kv = _e4m3_word(words[j], INTERPRET)
+                if INTERPRET:
+                    bb = ((kv[0], kv[1]), (kv[2], kv[3]))
+                else:
+                    bb = (kv[0], kv[1])
+                s4 = _mma16(qa[j], bb, s4, W, INTERPRET)
+            s_part = s_part + s4
+        # --- the four warps' partial scores summed (each warp gets the whole S)
+        total = tl.reshape(_stacked(s_part, 8), (W, 32, 8))
+        total = tl.reshape(tl.broadcast_to(tl.sum(total, axis=0)[None, :, :], (W, 32, 8)), (T, 2, 2, 2))
+        s = _unstacked(total, 8)
+        # lane's columns: tokens t0 + (2c, 2c+1) (n-tile 0: s[0..3]) and t0 + 8 + (2c, 2c+1) (n-tile 1: s[4..7])
+        toks = (t0 + 2 * c, t0 + 2 * c + 1, t0 + 8 + 2 * c, t0 + 9 + 2 * c)
+        scl = ()
+        vrow = ()
+        for i in tl.static_range(4):
+            slot = slot0 + tl.minimum(toks[i] - t0, last)
+            scl = scl + (tl.load(sc_page + slot * stride_sr),)
+            vrow = vrow + (kv_page + slot * stride_kr + 32 * w + 4 * r,)
+        # s index: n-tile n, q -> (row r: q 0, 1 / row r+8: q 2, 3), token (2c + q % 2) + 8n
+        sv = ()
+        for n in tl.static_range(2):
+            for qq in tl.static_range(4):
+                lim = lim_lo if qq < 2 else lim_hi
+                val = s[4 * n + qq] * scl[2 * n + qq % 2]
+                sv = sv + (tl.where(toks[2 * n + qq % 2] < lim, val, float("-inf")),)
+        # --- online softmax per row (r: sv 0, 1, 4, 5; r+8: sv 2, 3, 6, 7)
+        mx_lo = _quad(tl.maximum(tl.maximum(sv[0], sv[1]), tl.maximum(sv[4], sv[5])), True, W, INTERPRET)
+        mx_hi = _quad(tl.maximum(tl.maximum(sv[2], sv[3]), tl.maximum(sv[6], sv[7])), True, W, INTERPRET)
+        new_lo = tl.maximum(m_lo, mx_lo)
+        new_hi = tl.maximum(m_hi, mx_hi)
+        use_lo = tl.where(new_lo == float("-inf"), 0.0, new_lo)
+        use_hi = tl.where(new_hi == float("-inf"), 0.0, new_hi)
+        a_lo = tl.exp2(m_lo - use_lo)
+        a_hi = tl.exp2(m_hi - use_hi)
+        p = ()
+        for k in tl.static_range(8):
+            p = p + (tl.exp2(sv[k] - (use_lo if k % 4 < 2 else use_hi)),)
+        l_lo = l_lo * a_lo + _quad(p[0] + p[1] + p[4] + p[5], False, W, INTERPRET)
+        l_hi = l_hi * a_hi + _quad(p[2] + p[3] + p[6] + p[7], False, W, INTERPRET)
+        m_lo, m_hi = new_lo, new_hi
+        # P (A of PV), value scales folded in: k-lo = tokens 2c, 2c+1 (n-tile 0), k-hi = 8 + 2c, 9 + 2c
+        pa = (_f16_pair(p[0] * scl[0], p[1] * scl[1], INTERPRET), _f16_pair(p[2] * scl[0], p[3] * scl[1], INTERPRET),
+              _f16_pair(p[4] * scl[2], p[5] * scl[3], INTERPRET), _f16_pair(p[6] * scl[2], p[7] * scl[3], INTERPRET))
+        # --- V: lane r's 16 columns of its 4 tokens, paired across tokens (2c, 2c+1) and (2c+8, 2c+9)
+        vw = ()
+        for i in tl.static_range(4):
+            if INTERPRET:
+                vw = vw + ((tl.load(vrow[i]), tl.load(vrow[i] + 1), tl.load(vrow[i] + 2), tl.load(vrow[i] + 3)),)
+            else:
+                vw = vw + (_ld4(vrow[i]),)
+        new = ()
+        for qw in tl.static_range(4):              # word qw: n-tiles 4 qw .. 4 qw + 3
+            lo4 = _v_pairs(vw[0][qw], vw[1][qw], INTERPRET)
+            hi4 = _v_pairs(vw[2][qw], vw[3][qw], INTERPRET)
+            for jj in tl.static_range(4):
+                a4 = (acc[16 * qw + 4 * jj] * a_lo, acc[16 * qw + 4 * jj + 1] * a_lo,
+                      acc[16 * qw + 4 * jj + 2] * a_hi, acc[16 * qw + 4 * jj + 3] * a_hi)
+                new = new + _mma16(pa, (lo4[jj], hi4[jj]), a4, W, INTERPRET)
+        acc = new
+    # --- epilogue: o = acc / l, lse2 = m + log2 l (partials of this split)
+    e_lo = l_lo == 0.0
+    e_hi = l_hi == 0.0
+    d_lo = tl.where(e_lo, 1.0, l_lo)
+    d_hi = tl.where(e_hi, 1.0, l_hi)
+    base = (b * NUM_SPLITS + pid_split).to(tl.int64) * M
+    for j in tl.static_range(16):
+        col0 = 128 * w + 16 * (2 * c) + j
+        col1 = 128 * w + 16 * (2 * c + 1) + j
+        tl.store(o_ptr + (base + row_lo) * 512 + col0, acc[4 * j] / d_lo, mask=ok_lo)
+        tl.store(o_ptr + (base + row_lo) * 512 + col1, acc[4 * j + 1] / d_lo, mask=ok_lo)
+        tl.store(o_ptr + (base + row_hi) * 512 + col0, acc[4 * j + 2] / d_hi, mask=ok_hi)
+        tl.store(o_ptr + (base + row_hi) * 512 + col1, acc[4 * j + 3] / d_hi, mask=ok_hi)
+    first = (w == 0) & (c == 0)
+    tl.store(lse_ptr + base + row_lo, tl.where(e_lo, float("-inf"), m_lo + tl.log2(d_lo)), mask=first & ok_lo)
+    tl.store(lse_ptr + base + row_hi, tl.where(e_hi, float("-inf"), m_hi + tl.log2(d_hi)), mask=first & ok_hi)
+
+
