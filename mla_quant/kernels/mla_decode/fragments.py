@@ -1,6 +1,6 @@
 """MLA decode over fp8_e4m3 pages at up to 16 query rows on ``mma.sync`` fragments built in registers
 (``mla_decode(..., fp8_dequant="fragments")``; opt-in, session 15; **not yet run on a GPU**: checked in the CPU
-interpreter against the reference and compiled for sm_90 — 161 registers, no spills, 455 SASS instructions per warp
+interpreter against the reference and compiled for sm_90 — 163 registers, no spills, 455 SASS instructions per warp
 and 16-token tile, ~114 warp instructions per KV token against 171 for the TMA bitcast; docs/mla.md "FP8 pages on MMA
 fragments").
 
@@ -124,7 +124,7 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
     """q [B, S_Q, H, 576] (S_Q · H <= 16 rows); kv int32 words [pages, PAGE, 144] (the e4m3 bytes); sc fp32 token
     scales [pages, PAGE] (strides 0 for one per-tensor scale); o fp32 [B, NUM_SPLITS, M, 512] partials, lse fp32
     [B, NUM_SPLITS, M] (log2), M = S_Q · H."""
-    tl.static_assert(W == 4, "prototype: 4 warps (128 latent columns each)")
+    tl.static_assert(W == 4, "4 warps: 128 latent columns each")
     T: tl.constexpr = 32 * W
     pid_split, b = tl.program_id(0), tl.program_id(1)
     idx = tl.arange(0, T)
