@@ -934,6 +934,33 @@ def test_fragment_dequant_matches_reference(triton_backend, data, kind, page_siz
     assert torch.allclose(lse, lse_r, atol=2e-2)
 
 
+def test_fragment_dequant_32_token_tiles(triton_backend, monkeypatch):
+    """FRAG_TILE_TOKENS = 32 (two PV k-steps per softmax step): the same results as 16 within rounding, ragged tails,
+    speculative rows and splits; pages of 16 tokens are then refused by name."""
+    import mla_quant.kernels.mla_decode as D
+
+    lengths, page_size = [70, 33], 32
+    pages = [-(-n // page_size) for n in lengths]
+    table = torch.tensor([[3, 0, 5], [1, 4, -1]], dtype=torch.int32)
+    kv, scales, _ = build_pages(lengths, table, 6, page_size, "fp8_e4m3", None, 512, 64, seed=3, device=triton_backend)
+    q = torch.randn(2, 2, 8, 576, device=triton_backend).to(torch.bfloat16)
+    args = (q, kv, scales, table.to(triton_backend), torch.tensor(lengths, dtype=torch.int32, device=triton_backend),
+            0.05, "fp8_e4m3", 512)
+    o_r, lse_r = mla_decode_reference(*args)
+    o16, lse16 = mla_decode(*args, num_splits=2, fp8_dequant="fragments")
+    monkeypatch.setattr(D, "FRAG_TILE_TOKENS", 32)
+    o32, lse32 = mla_decode(*args, num_splits=2, fp8_dequant="fragments")
+    assert sum(pages) <= 6
+    assert rel_err(o32.float().cpu(), o_r.float().cpu()) < 1e-2 and torch.allclose(lse32, lse_r, atol=2e-2)
+    assert rel_err(o32.float().cpu(), o16.float().cpu()) < 1e-2 and torch.allclose(lse32, lse16, atol=1e-3)
+    small = build_pages([20], torch.tensor([[0, 1]], dtype=torch.int32), 2, 16, "fp8_e4m3", None, 512, 64, seed=0,
+                        device=triton_backend)
+    with pytest.raises(ValueError, match="fragments.*multiple of 32"):
+        mla_decode(q[:1, :1], small[0], small[1], torch.tensor([[0, 1]], dtype=torch.int32, device=triton_backend),
+                   torch.tensor([20], dtype=torch.int32, device=triton_backend), 0.05, "fp8_e4m3", 512,
+                   fp8_dequant="fragments")
+
+
 def test_fragment_dequant_names_what_it_cannot_take(triton_backend):
     lengths = [20]
     table = torch.tensor([[0, 1]], dtype=torch.int32)

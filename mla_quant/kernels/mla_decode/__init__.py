@@ -423,8 +423,9 @@ def _frag_problem(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: i
         return f"{d_latent} + {q.shape[-1] - d_latent} columns: the fragment kernel is written for 512 + 64"
     if q.shape[1] * q.shape[2] > 16:
         return f"{q.shape[1]} query tokens x {q.shape[2]} heads: at most 16 query rows per request"
-    if kv_data.shape[1] % 16:
-        return f"page size {kv_data.shape[1]}: must be a multiple of 16 (a 16-token tile within one page)"
+    if kv_data.shape[1] % FRAG_TILE_TOKENS:
+        return (f"page size {kv_data.shape[1]}: must be a multiple of {FRAG_TILE_TOKENS} (a tile of tokens within one "
+                "page)")
     if kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4:
         return "kv_data: pages must be 4-byte aligned (row stride, page stride, offset)"
     return None
@@ -459,12 +460,14 @@ def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_
     _mla_frag_kernel[(num_splits, bsz)](
         q, words, scales, block_table, seq_lens, o_part, lse_part, softmax_scale * math.log2(math.e), s_q, heads,
         num_splits, q.stride(0), q.stride(1), q.stride(2), words.stride(0), words.stride(1), stride_sp, stride_sr,
-        block_table.stride(0), PAGE=kv_data.shape[1], INTERPRET=interpreted, num_warps=4)
+        block_table.stride(0), PAGE=kv_data.shape[1], INTERPRET=interpreted, TILE=FRAG_TILE_TOKENS, num_warps=4)
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, "fragments")
     combine_splits(o_part, lse_part, out.view(bsz, m_rows, d_latent), lse.view(bsz, m_rows), combine)
     return out, lse
 
 
-# fp8_dequant="fragments": programs per SM the split count plans for (161 registers x 128 threads: 3 fit)
+# fp8_dequant="fragments": programs per SM the split count plans for (163 registers x 128 threads: 3 fit), and the
+# tokens per softmax step (16, or 32: the rescale, softmax and cross-warp sum per 32 tokens; not yet measured)
 FRAG_PROGRAMS_PER_SM = 3
+FRAG_TILE_TOKENS = 16

@@ -120,10 +120,10 @@ def _mma16(a, b, acc, W: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_scale_log2, S_Q, H, NUM_SPLITS,
                      stride_qb, stride_qs, stride_qh, stride_kp, stride_kr, stride_sp, stride_sr, stride_bt,
-                     PAGE: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr = 4):
+                     PAGE: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr = 4, TILE: tl.constexpr = 16):
     """q [B, S_Q, H, 576] (S_Q · H <= 16 rows); kv int32 words [pages, PAGE, 144] (the e4m3 bytes); sc fp32 token
     scales [pages, PAGE] (strides 0 for one per-tensor scale); o fp32 [B, NUM_SPLITS, M, 512] partials, lse fp32
-    [B, NUM_SPLITS, M] (log2), M = S_Q · H."""
+    [B, NUM_SPLITS, M] (log2), M = S_Q · H. TILE: tokens per softmax step (16 or 32; PAGE % TILE == 0)."""
     tl.static_assert(W == 4, "4 warps: 128 latent columns each")
     T: tl.constexpr = 32 * W
     pid_split, b = tl.program_id(0), tl.program_id(1)
@@ -155,8 +155,10 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
             x3 = tl.load(base + col + 3, mask=okq, other=0.0).to(tl.float32) * sm_scale_log2
             v = v + (_f16_pair(x0, x1, INTERPRET), _f16_pair(x2, x3, INTERPRET))
         qa = qa + ((v[0], v[2], v[1], v[3]),)     # (r k-lo, r+8 k-lo, r k-hi, r+8 k-hi)
-    # this split's tiles of 16 tokens
-    n_tiles = tl.cdiv(seq, 16)
+    # this split's tiles of TILE tokens (KS sub-tiles of 16: one k-step of the PV MMAs each)
+    KS: tl.constexpr = TILE // 16
+    COUNT: tl.constexpr = 8 * KS     # score values per lane and tile
+    n_tiles = tl.cdiv(seq, TILE)
     per = tl.cdiv(n_tiles, NUM_SPLITS)
     t_lo = pid_split * per
     t_hi = tl.minimum(t_lo + per, n_tiles)
@@ -169,56 +171,68 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
     for j in tl.static_range(64):
         acc = acc + (zero,)
     for tile in range(t_lo, t_hi):
-        t0 = tile * 16
-        # --- scores of this warp's columns: n-tile n = tokens t0 + 8n + r
-        s_part = ()
-        # PAGE % 16 == 0: the tile's 16 tokens share one page (one block-table read per tile)
+        t0 = tile * TILE
+        # PAGE % TILE == 0: the tile's tokens share one page (one block-table read per tile)
         page = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t0 // PAGE).to(tl.int64)
         kv_page = kv_ptr + page * stride_kp
         sc_page = sc_ptr + page * stride_sp
         slot0 = t0 % PAGE
         last = seq - 1 - t0          # tokens past the end re-read the last one (masked below)
-        for n in tl.static_range(2):
-            row = kv_page + (slot0 + tl.minimum(8 * n + r, last)) * stride_kr
-            lat_a = _ld4(row + 32 * w + 8 * c) if not INTERPRET else (
-                tl.load(row + 32 * w + 8 * c), tl.load(row + 32 * w + 8 * c + 1), tl.load(row + 32 * w + 8 * c + 2),
-                tl.load(row + 32 * w + 8 * c + 3))
-            lat_b = _ld4(row + 32 * w + 8 * c + 4) if not INTERPRET else (
-                tl.load(row + 32 * w + 8 * c + 4), tl.load(row + 32 * w + 8 * c + 5),
-                tl.load(row + 32 * w + 8 * c + 6), tl.load(row + 32 * w + 8 * c + 7))
-            rope = tl.load(row + 128 + 4 * w + c)
-            words = lat_a + lat_b + (rope,)
-            s4 = (zero, zero, zero, zero)
-            for j in tl.static_range(9):
-                kv = _e4m3_word(words[j], INTERPRET)
-                if INTERPRET:
-                    bb = ((kv[0], kv[1]), (kv[2], kv[3]))
-                else:
-                    bb = (kv[0], kv[1])
-                s4 = _mma16(qa[j], bb, s4, W, INTERPRET)
-            s_part = s_part + s4
+        # --- scores of this warp's columns: sub-tile u, n-tile n = tokens t0 + 16u + 8n + r
+        s_part = ()
+        for u in tl.static_range(KS):
+            for n in tl.static_range(2):
+                row = kv_page + (slot0 + tl.minimum(16 * u + 8 * n + r, last)) * stride_kr
+                lat_a = _ld4(row + 32 * w + 8 * c) if not INTERPRET else (
+                    tl.load(row + 32 * w + 8 * c), tl.load(row + 32 * w + 8 * c + 1),
+                    tl.load(row + 32 * w + 8 * c + 2), tl.load(row + 32 * w + 8 * c + 3))
+                lat_b = _ld4(row + 32 * w + 8 * c + 4) if not INTERPRET else (
+                    tl.load(row + 32 * w + 8 * c + 4), tl.load(row + 32 * w + 8 * c + 5),
+                    tl.load(row + 32 * w + 8 * c + 6), tl.load(row + 32 * w + 8 * c + 7))
+                rope = tl.load(row + 128 + 4 * w + c)
+                words = lat_a + lat_b + (rope,)
+                s4 = (zero, zero, zero, zero)
+                for j in tl.static_range(9):
+                    kv = _e4m3_word(words[j], INTERPRET)
+                    if INTERPRET:
+                        bb = ((kv[0], kv[1]), (kv[2], kv[3]))
+                    else:
+                        bb = (kv[0], kv[1])
+                    s4 = _mma16(qa[j], bb, s4, W, INTERPRET)
+                s_part = s_part + s4
         # --- the four warps' partial scores summed (each warp gets the whole S)
-        total = tl.reshape(_stacked(s_part, 8), (W, 32, 8))
-        total = tl.reshape(tl.broadcast_to(tl.sum(total, axis=0)[None, :, :], (W, 32, 8)), (T, 2, 2, 2))
-        s = _unstacked(total, 8)
-        # lane's columns: tokens t0 + (2c, 2c+1) (n-tile 0: s[0..3]) and t0 + 8 + (2c, 2c+1) (n-tile 1: s[4..7])
-        toks = (t0 + 2 * c, t0 + 2 * c + 1, t0 + 8 + 2 * c, t0 + 9 + 2 * c)
+        stacked = _stacked(s_part, COUNT)
+        total = tl.sum(tl.reshape(stacked, (W, 32, COUNT)), axis=0)
+        s = _unstacked(tl.reshape(tl.broadcast_to(total[None, :, :], (W, 32, COUNT)), stacked.shape), COUNT)
+        # lane's columns in sub-tile u: tokens t0 + 16u + (2c, 2c+1) (n-tile 0) and + 8 (n-tile 1)
+        toks = ()
         scl = ()
         vrow = ()
-        for i in tl.static_range(4):
-            slot = slot0 + tl.minimum(toks[i] - t0, last)
-            scl = scl + (tl.load(sc_page + slot * stride_sr),)
-            vrow = vrow + (kv_page + slot * stride_kr + 32 * w + 4 * r,)
-        # s index: n-tile n, q -> (row r: q 0, 1 / row r+8: q 2, 3), token (2c + q % 2) + 8n
+        for u in tl.static_range(KS):
+            for i in tl.static_range(4):
+                tk = t0 + 16 * u + 2 * c + (i % 2) + 8 * (i // 2)
+                slot = slot0 + tl.minimum(tk - t0, last)
+                toks = toks + (tk,)
+                scl = scl + (tl.load(sc_page + slot * stride_sr),)
+                vrow = vrow + (kv_page + slot * stride_kr + 32 * w + 4 * r,)
+        # s[8u + 4n + q]: sub-tile u, n-tile n, q -> (row r: q 0, 1 / row r+8: q 2, 3), token index 4u + 2n + q % 2
         sv = ()
-        for n in tl.static_range(2):
-            for qq in tl.static_range(4):
-                lim = lim_lo if qq < 2 else lim_hi
-                val = s[4 * n + qq] * scl[2 * n + qq % 2]
-                sv = sv + (tl.where(toks[2 * n + qq % 2] < lim, val, float("-inf")),)
-        # --- online softmax per row (r: sv 0, 1, 4, 5; r+8: sv 2, 3, 6, 7)
-        mx_lo = _quad(tl.maximum(tl.maximum(sv[0], sv[1]), tl.maximum(sv[4], sv[5])), True, W, INTERPRET)
-        mx_hi = _quad(tl.maximum(tl.maximum(sv[2], sv[3]), tl.maximum(sv[6], sv[7])), True, W, INTERPRET)
+        for u in tl.static_range(KS):
+            for n in tl.static_range(2):
+                for qq in tl.static_range(4):
+                    lim = lim_lo if qq < 2 else lim_hi
+                    val = s[8 * u + 4 * n + qq] * scl[4 * u + 2 * n + qq % 2]
+                    sv = sv + (tl.where(toks[4 * u + 2 * n + qq % 2] < lim, val, float("-inf")),)
+        # --- online softmax per row (r: the q < 2 entries; r+8: q >= 2)
+        mx_lo = sv[0]
+        mx_hi = sv[2]
+        for k in tl.static_range(COUNT):
+            if k % 4 < 2:
+                mx_lo = tl.maximum(mx_lo, sv[k])
+            else:
+                mx_hi = tl.maximum(mx_hi, sv[k])
+        mx_lo = _quad(mx_lo, True, W, INTERPRET)
+        mx_hi = _quad(mx_hi, True, W, INTERPRET)
         new_lo = tl.maximum(m_lo, mx_lo)
         new_hi = tl.maximum(m_hi, mx_hi)
         use_lo = tl.where(new_lo == float("-inf"), 0.0, new_lo)
@@ -226,29 +240,45 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
         a_lo = tl.exp2(m_lo - use_lo)
         a_hi = tl.exp2(m_hi - use_hi)
         p = ()
-        for k in tl.static_range(8):
-            p = p + (tl.exp2(sv[k] - (use_lo if k % 4 < 2 else use_hi)),)
-        l_lo = l_lo * a_lo + _quad(p[0] + p[1] + p[4] + p[5], False, W, INTERPRET)
-        l_hi = l_hi * a_hi + _quad(p[2] + p[3] + p[6] + p[7], False, W, INTERPRET)
-        m_lo, m_hi = new_lo, new_hi
-        # P (A of PV), value scales folded in: k-lo = tokens 2c, 2c+1 (n-tile 0), k-hi = 8 + 2c, 9 + 2c
-        pa = (_f16_pair(p[0] * scl[0], p[1] * scl[1], INTERPRET), _f16_pair(p[2] * scl[0], p[3] * scl[1], INTERPRET),
-              _f16_pair(p[4] * scl[2], p[5] * scl[3], INTERPRET), _f16_pair(p[6] * scl[2], p[7] * scl[3], INTERPRET))
-        # --- V: lane r's 16 columns of its 4 tokens, paired across tokens (2c, 2c+1) and (2c+8, 2c+9)
-        vw = ()
-        for i in tl.static_range(4):
-            if INTERPRET:
-                vw = vw + ((tl.load(vrow[i]), tl.load(vrow[i] + 1), tl.load(vrow[i] + 2), tl.load(vrow[i] + 3)),)
+        sum_lo = zero
+        sum_hi = zero
+        for k in tl.static_range(COUNT):
+            if k % 4 < 2:
+                pk = tl.exp2(sv[k] - use_lo)
+                sum_lo += pk
             else:
-                vw = vw + (_ld4(vrow[i]),)
+                pk = tl.exp2(sv[k] - use_hi)
+                sum_hi += pk
+            p = p + (pk,)
+        l_lo = l_lo * a_lo + _quad(sum_lo, False, W, INTERPRET)
+        l_hi = l_hi * a_hi + _quad(sum_hi, False, W, INTERPRET)
+        m_lo, m_hi = new_lo, new_hi
+        # P (A of PV) per sub-tile, value scales folded in: k-lo = tokens 2c, 2c+1 (n-tile 0), k-hi = 8 + 2c, 9 + 2c
+        pa = ()
+        vw = ()   # V: lane r's 16 columns of each token (one 128-bit load)
+        for u in tl.static_range(KS):
+            pa = pa + ((_f16_pair(p[8 * u] * scl[4 * u], p[8 * u + 1] * scl[4 * u + 1], INTERPRET),
+                        _f16_pair(p[8 * u + 2] * scl[4 * u], p[8 * u + 3] * scl[4 * u + 1], INTERPRET),
+                        _f16_pair(p[8 * u + 4] * scl[4 * u + 2], p[8 * u + 5] * scl[4 * u + 3], INTERPRET),
+                        _f16_pair(p[8 * u + 6] * scl[4 * u + 2], p[8 * u + 7] * scl[4 * u + 3], INTERPRET)),)
+            for i in tl.static_range(4):
+                vp = vrow[4 * u + i]
+                if INTERPRET:
+                    vw = vw + ((tl.load(vp), tl.load(vp + 1), tl.load(vp + 2), tl.load(vp + 3)),)
+                else:
+                    vw = vw + (_ld4(vp),)
         new = ()
         for qw in tl.static_range(4):              # word qw: n-tiles 4 qw .. 4 qw + 3
-            lo4 = _v_pairs(vw[0][qw], vw[1][qw], INTERPRET)
-            hi4 = _v_pairs(vw[2][qw], vw[3][qw], INTERPRET)
+            pairs = ()
+            for u in tl.static_range(KS):          # tokens (2c, 2c+1) and (2c+8, 2c+9) of sub-tile u, paired
+                pairs = pairs + ((_v_pairs(vw[4 * u][qw], vw[4 * u + 1][qw], INTERPRET),
+                                  _v_pairs(vw[4 * u + 2][qw], vw[4 * u + 3][qw], INTERPRET)),)
             for jj in tl.static_range(4):
                 a4 = (acc[16 * qw + 4 * jj] * a_lo, acc[16 * qw + 4 * jj + 1] * a_lo,
                       acc[16 * qw + 4 * jj + 2] * a_hi, acc[16 * qw + 4 * jj + 3] * a_hi)
-                new = new + _mma16(pa, (lo4[jj], hi4[jj]), a4, W, INTERPRET)
+                for u in tl.static_range(KS):
+                    a4 = _mma16(pa[u], (pairs[u][0][jj], pairs[u][1][jj]), a4, W, INTERPRET)
+                new = new + a4
         acc = new
     # --- epilogue: o = acc / l, lse2 = m + log2 l (partials of this split)
     e_lo = l_lo == 0.0
