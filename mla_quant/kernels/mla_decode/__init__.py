@@ -467,7 +467,7 @@ def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_
     return out, lse
 
 
-# fp8_dequant="fragments": programs per SM the split count plans for (163 registers x 128 threads: 3 fit), and the
+# fp8_dequant="fragments": programs per SM the split count plans for (164 registers x 128 threads: 3 fit), and the
 # tokens per softmax step (16, or 32: the rescale, softmax and cross-warp sum per 32 tokens; not yet measured)
 FRAG_PROGRAMS_PER_SM = 3
 FRAG_TILE_TOKENS = 16

@@ -1,7 +1,7 @@
 """MLA decode over fp8_e4m3 pages at up to 16 query rows on ``mma.sync`` fragments built in registers
 (``mla_decode(..., fp8_dequant="fragments")``; opt-in, session 15; **not yet run on a GPU**: checked in the CPU
-interpreter against the reference and compiled for sm_90 — 163 registers, no spills, 455 SASS instructions per warp
-and 16-token tile, ~114 warp instructions per KV token against 171 for the TMA bitcast; docs/mla.md "FP8 pages on MMA
+interpreter against the reference and compiled for sm_90 — 164 registers, no spills, 452 SASS instructions per warp
+and 16-token tile, ~113 warp instructions per KV token against 171 for the TMA bitcast; docs/mla.md "FP8 pages on MMA
 fragments").
 
 The route is the W4A16 fragment kernel's (``w4a16_gemm/fragments.py``): 1-D tensors of one element per thread, each
