@@ -29,6 +29,10 @@ FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp
 # the kernel's FP8_MMA constexpr per choice: e4m3 score dots with q as two e4m3 terms (hi + lo/16, 3 and 4) or one
 # (q1: 1 and 2) per row scale; the PV dot in fp16 (odd) or e4m3 (even)
 FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2}
+# fp8_dequant="fragments": programs per SM the split count plans for (164 registers x 128 threads: 3 fit), and the
+# tokens per softmax step (16, or 32: the rescale, softmax and cross-warp sum per 32 tokens; not yet measured)
+FRAG_PROGRAMS_PER_SM = 3
+FRAG_TILE_TOKENS = 16
 # "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
 # conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
@@ -111,6 +115,25 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
     return choose_num_splits(batch * triton.cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
 
 
+def _launch_splits(num_splits: int | None, q: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                   max_seq_len: int | None, kind: str, d_latent: int, interpreted: bool, per_sm: int | None) -> int:
+    """The KV splits of a launch: ``num_splits`` checked, or :func:`plan_num_splits` for ``max_seq_len`` (the block
+    table's capacity when not given) and the device's SMs (4 in the interpreter)."""
+    if num_splits is None:
+        bsz, s_q, heads, d = q.shape
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms, per_sm=per_sm)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    return num_splits
+
+
+def _word_aligned(kv_data: torch.Tensor) -> bool:
+    """Whether the pages can be read as 4-byte words (row stride, page stride and offset multiples of 4 bytes)."""
+    return not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
+
+
 def _check_config(config: dict) -> None:
     unknown = set(config) - {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD", "PREFETCH", "TMA", "num_warps", "num_stages"}
     if unknown or not {"BLOCK_M", "BLOCK_N", "QK_SPLIT_LOAD"} <= set(config):
@@ -138,7 +161,7 @@ def _page_views(kv_data: torch.Tensor, kv_scales: torch.Tensor | None, kind: str
         return lat, rope, (kv_scales if kv_scales is not None else kv_data), sc_strides
     # fp8_ds_mla: one uint8 row = [e4m3 latent | fp32 tile scales | bf16 rope]
     n_tiles = d_latent // DS_MLA_TILE
-    if kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4:
+    if not _word_aligned(kv_data):
         raise ValueError("kv_data: fp8_ds_mla pages must be 4-byte aligned (row stride, page stride, offset)")
     lat = kv_data.view(torch.float8_e4m3fn)[..., :d_latent]
     sc = kv_data.view(torch.float32)[..., d_latent // 4: d_latent // 4 + n_tiles]
@@ -239,8 +262,7 @@ def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: 
         return "bitcast"
     if q.dtype != torch.float32 and batch * max_len >= FP8_MMA_MIN_TOKENS:
         return "fp8mma"
-    aligned = not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
-    return "bitcast" if q.shape[1] * q.shape[2] >= BITCAST_MIN_ROWS and aligned else "convert"
+    return "bitcast" if q.shape[1] * q.shape[2] >= BITCAST_MIN_ROWS and _word_aligned(kv_data) else "convert"
 
 
 def tuned_config() -> str | None:
@@ -281,16 +303,11 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     tma_launch = None if config is not None or interpreted else _tma_launch(q, kv_data, kind, fp8_bitcast)
     if tma_launch is not None:
         config = tma_launch[0]
-    if num_splits is None:
-        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
-                                     per_sm=tma_launch[1] if tma_launch is not None else None)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    num_splits = _launch_splits(num_splits, q, block_table, page_size, max_seq_len, kind, d_latent, interpreted,
+                                tma_launch[1] if tma_launch is not None else None)
 
     lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
-    if fp8_bitcast and (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4):
+    if fp8_bitcast and not _word_aligned(kv_data):
         raise ValueError("kv_data: fp8_dequant='bitcast' reads 4-byte words: pages must be 4-byte aligned "
                          "(row stride, page stride, offset)")
     split = num_splits > 1
@@ -426,7 +443,7 @@ def _frag_problem(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: i
     if kv_data.shape[1] % FRAG_TILE_TOKENS:
         return (f"page size {kv_data.shape[1]}: must be a multiple of {FRAG_TILE_TOKENS} (a tile of tokens within one "
                 "page)")
-    if kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4:
+    if not _word_aligned(kv_data):
         return "kv_data: pages must be 4-byte aligned (row stride, page stride, offset)"
     return None
 
@@ -440,21 +457,16 @@ def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_
     problem = _frag_problem(q, kv_data, kind, d_latent)
     if problem is not None:
         raise ValueError(f"fp8_dequant='fragments': {problem}")
-    bsz, s_q, heads, d = q.shape
+    bsz, s_q, heads, _ = q.shape
     m_rows = s_q * heads
     if bsz == 0:
         return out, lse
     interpreted = triton_interpreted()
-    if num_splits is None:
-        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * kv_data.shape[1]
-        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
-                                     per_sm=FRAG_PROGRAMS_PER_SM)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    num_splits = _launch_splits(num_splits, q, block_table, kv_data.shape[1], max_seq_len, kind, d_latent,
+                                interpreted, FRAG_PROGRAMS_PER_SM)
     words = kv_data.view(torch.int32)
-    scales = kv_scales.view(kv_scales.shape[0], -1) if kv_scales.numel() > 1 else kv_scales
-    stride_sp, stride_sr = (scales.stride(0), scales.stride(1)) if kv_scales.numel() > 1 else (0, 0)
+    scales = kv_scales   # token scales [pages, page size], or one per-tensor scale read with strides 0
+    stride_sp, stride_sr = (scales.stride(0), scales.stride(1)) if scales.numel() > 1 else (0, 0)
     o_part = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
     _mla_frag_kernel[(num_splits, bsz)](
@@ -465,9 +477,3 @@ def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_
     _LAST_LAUNCH = (num_splits, "fragments")
     combine_splits(o_part, lse_part, out.view(bsz, m_rows, d_latent), lse.view(bsz, m_rows), combine)
     return out, lse
-
-
-# fp8_dequant="fragments": programs per SM the split count plans for (164 registers x 128 threads: 3 fit), and the
-# tokens per softmax step (16, or 32: the rescale, softmax and cross-warp sum per 32 tokens; not yet measured)
-FRAG_PROGRAMS_PER_SM = 3
-FRAG_TILE_TOKENS = 16
