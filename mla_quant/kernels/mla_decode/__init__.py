@@ -33,6 +33,7 @@ FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2
 # tokens per softmax step (16, or 32: the rescale, softmax and cross-warp sum per 32 tokens; not yet measured)
 FRAG_PROGRAMS_PER_SM = 3
 FRAG_TILE_TOKENS = 16
+FRAG_PREFETCH = True   # the next tile's K words and scales loaded before this tile's math (fragments._mla_frag_kernel)
 # "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
 # conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
@@ -472,7 +473,8 @@ def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_
     _mla_frag_kernel[(num_splits, bsz)](
         q, words, scales, block_table, seq_lens, o_part, lse_part, softmax_scale * math.log2(math.e), s_q, heads,
         num_splits, q.stride(0), q.stride(1), q.stride(2), words.stride(0), words.stride(1), stride_sp, stride_sr,
-        block_table.stride(0), PAGE=kv_data.shape[1], INTERPRET=interpreted, TILE=FRAG_TILE_TOKENS, num_warps=4)
+        block_table.stride(0), PAGE=kv_data.shape[1], INTERPRET=interpreted, TILE=FRAG_TILE_TOKENS,
+        PREFETCH=FRAG_PREFETCH, num_warps=4)
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, "fragments")
     combine_splits(o_part, lse_part, out.view(bsz, m_rows, d_latent), lse.view(bsz, m_rows), combine)

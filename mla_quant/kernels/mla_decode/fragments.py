@@ -118,12 +118,90 @@ def _mma16(a, b, acc, W: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _tile_page(bt_row, tile, n_tiles, TILE: tl.constexpr, PAGE: tl.constexpr):
+    """The page (int64) holding tile ``tile``, clamped to the sequence's last tile (page 0 for an empty sequence):
+    a prefetch past the end re-reads a page it does not use."""
+    t = tl.maximum(tl.minimum(tile, n_tiles - 1), 0)
+    return tl.load(bt_row + t * TILE // PAGE, mask=n_tiles > 0, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_loads(kv_ptr, sc_ptr, page, tile, n_tiles, seq, r, c, w, stride_kp, stride_kr, stride_sp, stride_sr,
+                TILE: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The K words and token scales of tile ``tile`` (clamped as in :func:`_tile_page`) that lane (r, c) of warp w
+    needs: words[9 (2u + n) + j] = k-step j of n-tile n in sub-tile u (tokens 16u + 8n + r: latent 128w + 32c + 4j
+    .. + 3 for j < 8, rope 512 + 16w + 4c .. + 3 for j = 8); scales[4u + i] = token 16u + 2c + i % 2 + 8 (i // 2)
+    (the lane's score columns). Tokens past the end re-read the last one."""
+    KS: tl.constexpr = TILE // 16
+    t0 = tl.maximum(tl.minimum(tile, n_tiles - 1), 0) * TILE
+    kv_page = kv_ptr + page * stride_kp
+    sc_page = sc_ptr + page * stride_sp
+    slot0 = t0 % PAGE
+    last = tl.maximum(seq - 1 - t0, 0)
+    words = ()
+    for u in tl.static_range(KS):
+        for n in tl.static_range(2):
+            row = kv_page + (slot0 + tl.minimum(16 * u + 8 * n + r, last)) * stride_kr
+            if INTERPRET:
+                lat = ()
+                for i in tl.static_range(8):
+                    lat = lat + (tl.load(row + 32 * w + 8 * c + i),)
+            else:
+                lat = _ld4(row + 32 * w + 8 * c) + _ld4(row + 32 * w + 8 * c + 4)
+            words = words + lat + (tl.load(row + 128 + 4 * w + c),)
+    scales = ()
+    for u in tl.static_range(KS):
+        for i in tl.static_range(4):
+            slot = slot0 + tl.minimum(16 * u + 2 * c + (i % 2) + 8 * (i // 2), last)
+            scales = scales + (tl.load(sc_page + slot * stride_sr),)
+    return words, scales
+
+
+@triton.jit
+def _v_loads(kv_ptr, page, tile, seq, r, c, w, stride_kp, stride_kr, TILE: tl.constexpr, PAGE: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """V of tile ``tile`` (in the sequence) for lane (r, c) of warp w: vw[4u + i] = latent columns 128w + 16r ..
+    + 15 (4 words) of token 16u + 2c + i % 2 + 8 (i // 2). The bytes K read: L1 hits."""
+    KS: tl.constexpr = TILE // 16
+    t0 = tile * TILE
+    kv_page = kv_ptr + page * stride_kp
+    slot0 = t0 % PAGE
+    last = seq - 1 - t0
+    vw = ()
+    for u in tl.static_range(KS):
+        for i in tl.static_range(4):
+            vp = kv_page + (slot0 + tl.minimum(16 * u + 2 * c + (i % 2) + 8 * (i // 2), last)) * stride_kr + 32 * w \
+                + 4 * r
+            if INTERPRET:
+                vw = vw + ((tl.load(vp), tl.load(vp + 1), tl.load(vp + 2), tl.load(vp + 3)),)
+            else:
+                vw = vw + (_ld4(vp),)
+    return vw
+
+
+@triton.jit
+def _stacked_flat(vals, COUNT: tl.constexpr):
+    """The COUNT (a power of two) tensors of ``vals`` joined so that ``tl.reshape(x, (T, COUNT))`` lists them in order:
+    each level joins i with i + half (``_stacked`` joins neighbours, which reverses the bits of the flat index)."""
+    out = vals
+    for level in tl.static_range(COUNT.bit_length() - 1):
+        pairs = ()
+        for i in tl.static_range(len(out) // 2):
+            pairs = pairs + (tl.join(out[i], out[i + len(out) // 2]),)
+        out = pairs
+    return out[0]
+
+
+@triton.jit
 def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_scale_log2, S_Q, H, NUM_SPLITS,
                      stride_qb, stride_qs, stride_qh, stride_kp, stride_kr, stride_sp, stride_sr, stride_bt,
-                     PAGE: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr = 4, TILE: tl.constexpr = 16):
+                     PAGE: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr = 4, TILE: tl.constexpr = 16,
+                     PREFETCH: tl.constexpr = True):
     """q [B, S_Q, H, 576] (S_Q · H <= 16 rows); kv int32 words [pages, PAGE, 144] (the e4m3 bytes); sc fp32 token
     scales [pages, PAGE] (strides 0 for one per-tensor scale); o fp32 [B, NUM_SPLITS, M, 512] partials, lse fp32
-    [B, NUM_SPLITS, M] (log2), M = S_Q · H. TILE: tokens per softmax step (16 or 32; PAGE % TILE == 0)."""
+    [B, NUM_SPLITS, M] (log2), M = S_Q · H. TILE: tokens per softmax step (16 or 32; PAGE % TILE == 0). PREFETCH:
+    the next tile's K words and scales are loaded before this tile's math (and the page of the one after), so
+    their latency overlaps it; otherwise they are loaded at the top of their own step."""
     tl.static_assert(W == 4, "4 warps: 128 latent columns each")
     T: tl.constexpr = 32 * W
     pid_split, b = tl.program_id(0), tl.program_id(1)
@@ -134,6 +212,7 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
     c = lane % 4
     M = S_Q * H
     seq = tl.load(seq_ptr + b)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     # rows r and r + 8: their query pointer and causal limit (tokens < limit)
     row_lo, row_hi = r, r + 8
     ok_lo, ok_hi = row_lo < M, row_hi < M
@@ -170,30 +249,31 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
     acc = ()
     for j in tl.static_range(64):
         acc = acc + (zero,)
+    # PAGE % TILE == 0: a tile's tokens share one page (one block-table read per tile, one tile ahead)
+    page = _tile_page(bt_row, t_lo, n_tiles, TILE, PAGE)
+    page_next = _tile_page(bt_row, t_lo + 1, n_tiles, TILE, PAGE)
+    if PREFETCH:
+        words_next, scl_next = _tile_loads(kv_ptr, sc_ptr, page, t_lo, n_tiles, seq, r, c, w, stride_kp, stride_kr,
+                                           stride_sp, stride_sr, TILE, PAGE, INTERPRET)
     for tile in range(t_lo, t_hi):
         t0 = tile * TILE
-        # PAGE % TILE == 0: the tile's tokens share one page (one block-table read per tile)
-        page = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + t0 // PAGE).to(tl.int64)
-        kv_page = kv_ptr + page * stride_kp
-        sc_page = sc_ptr + page * stride_sp
-        slot0 = t0 % PAGE
-        last = seq - 1 - t0          # tokens past the end re-read the last one (masked below)
+        if PREFETCH:   # this tile's bytes arrived during the last step; issue the next tile's now
+            words, scl = words_next, scl_next
+            words_next, scl_next = _tile_loads(kv_ptr, sc_ptr, page_next, tile + 1, n_tiles, seq, r, c, w, stride_kp,
+                                               stride_kr, stride_sp, stride_sr, TILE, PAGE, INTERPRET)
+        else:
+            words, scl = _tile_loads(kv_ptr, sc_ptr, page, tile, n_tiles, seq, r, c, w, stride_kp, stride_kr,
+                                     stride_sp, stride_sr, TILE, PAGE, INTERPRET)
+        vw = _v_loads(kv_ptr, page, tile, seq, r, c, w, stride_kp, stride_kr, TILE, PAGE, INTERPRET)
+        page = page_next
+        page_next = _tile_page(bt_row, tile + 2, n_tiles, TILE, PAGE)
         # --- scores of this warp's columns: sub-tile u, n-tile n = tokens t0 + 16u + 8n + r
         s_part = ()
         for u in tl.static_range(KS):
             for n in tl.static_range(2):
-                row = kv_page + (slot0 + tl.minimum(16 * u + 8 * n + r, last)) * stride_kr
-                lat_a = _ld4(row + 32 * w + 8 * c) if not INTERPRET else (
-                    tl.load(row + 32 * w + 8 * c), tl.load(row + 32 * w + 8 * c + 1),
-                    tl.load(row + 32 * w + 8 * c + 2), tl.load(row + 32 * w + 8 * c + 3))
-                lat_b = _ld4(row + 32 * w + 8 * c + 4) if not INTERPRET else (
-                    tl.load(row + 32 * w + 8 * c + 4), tl.load(row + 32 * w + 8 * c + 5),
-                    tl.load(row + 32 * w + 8 * c + 6), tl.load(row + 32 * w + 8 * c + 7))
-                rope = tl.load(row + 128 + 4 * w + c)
-                words = lat_a + lat_b + (rope,)
                 s4 = (zero, zero, zero, zero)
                 for j in tl.static_range(9):
-                    kv = _e4m3_word(words[j], INTERPRET)
+                    kv = _e4m3_word(words[9 * (2 * u + n) + j], INTERPRET)
                     if INTERPRET:
                         bb = ((kv[0], kv[1]), (kv[2], kv[3]))
                     else:
@@ -204,25 +284,15 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
         stacked = _stacked(s_part, COUNT)
         total = tl.sum(tl.reshape(stacked, (W, 32, COUNT)), axis=0)
         s = _unstacked(tl.reshape(tl.broadcast_to(total[None, :, :], (W, 32, COUNT)), stacked.shape), COUNT)
-        # lane's columns in sub-tile u: tokens t0 + 16u + (2c, 2c+1) (n-tile 0) and + 8 (n-tile 1)
-        toks = ()
-        scl = ()
-        vrow = ()
-        for u in tl.static_range(KS):
-            for i in tl.static_range(4):
-                tk = t0 + 16 * u + 2 * c + (i % 2) + 8 * (i // 2)
-                slot = slot0 + tl.minimum(tk - t0, last)
-                toks = toks + (tk,)
-                scl = scl + (tl.load(sc_page + slot * stride_sr),)
-                vrow = vrow + (kv_page + slot * stride_kr + 32 * w + 4 * r,)
-        # s[8u + 4n + q]: sub-tile u, n-tile n, q -> (row r: q 0, 1 / row r+8: q 2, 3), token index 4u + 2n + q % 2
+        # s[8u + 4n + q]: sub-tile u, n-tile n, q -> (row r: q 0, 1 / row r+8: q 2, 3), token 16u + 8n + 2c + q % 2
         sv = ()
         for u in tl.static_range(KS):
             for n in tl.static_range(2):
                 for qq in tl.static_range(4):
                     lim = lim_lo if qq < 2 else lim_hi
+                    tk = t0 + 16 * u + 8 * n + 2 * c + qq % 2
                     val = s[8 * u + 4 * n + qq] * scl[4 * u + 2 * n + qq % 2]
-                    sv = sv + (tl.where(toks[4 * u + 2 * n + qq % 2] < lim, val, float("-inf")),)
+                    sv = sv + (tl.where(tk < lim, val, float("-inf")),)
         # --- online softmax per row (r: the q < 2 entries; r+8: q >= 2)
         mx_lo = sv[0]
         mx_hi = sv[2]
@@ -255,18 +325,11 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
         m_lo, m_hi = new_lo, new_hi
         # P (A of PV) per sub-tile, value scales folded in: k-lo = tokens 2c, 2c+1 (n-tile 0), k-hi = 8 + 2c, 9 + 2c
         pa = ()
-        vw = ()   # V: lane r's 16 columns of each token (one 128-bit load)
         for u in tl.static_range(KS):
             pa = pa + ((_f16_pair(p[8 * u] * scl[4 * u], p[8 * u + 1] * scl[4 * u + 1], INTERPRET),
                         _f16_pair(p[8 * u + 2] * scl[4 * u], p[8 * u + 3] * scl[4 * u + 1], INTERPRET),
                         _f16_pair(p[8 * u + 4] * scl[4 * u + 2], p[8 * u + 5] * scl[4 * u + 3], INTERPRET),
                         _f16_pair(p[8 * u + 6] * scl[4 * u + 2], p[8 * u + 7] * scl[4 * u + 3], INTERPRET)),)
-            for i in tl.static_range(4):
-                vp = vrow[4 * u + i]
-                if INTERPRET:
-                    vw = vw + ((tl.load(vp), tl.load(vp + 1), tl.load(vp + 2), tl.load(vp + 3)),)
-                else:
-                    vw = vw + (_ld4(vp),)
         new = ()
         for qw in tl.static_range(4):              # word qw: n-tiles 4 qw .. 4 qw + 3
             pairs = ()
@@ -280,21 +343,25 @@ def _mla_frag_kernel(q_ptr, kv_ptr, sc_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, sm_
                     a4 = _mma16(pa[u], (pairs[u][0][jj], pairs[u][1][jj]), a4, W, INTERPRET)
                 new = new + a4
         acc = new
-    # --- epilogue: o = acc / l, lse2 = m + log2 l (partials of this split)
+    # --- epilogue: o = acc / l, lse2 = m + log2 l (partials of this split). n-tile j of the lane holds columns
+    # 128w + 32c + j (acc[4j], acc[4j + 2]) and + 16 (acc[4j + 1], acc[4j + 3]): a row's 32 columns 128w + 32c ..
+    # are the lane's own, stored as one contiguous run (vector stores)
     e_lo = l_lo == 0.0
     e_hi = l_hi == 0.0
     d_lo = tl.where(e_lo, 1.0, l_lo)
     d_hi = tl.where(e_hi, 1.0, l_hi)
     base = (b * NUM_SPLITS + pid_split).to(tl.int64) * M
-    for j in tl.static_range(16):
-        col0 = 128 * w + 16 * (2 * c) + j
-        col1 = 128 * w + 16 * (2 * c + 1) + j
-        tl.store(o_ptr + (base + row_lo) * 512 + col0, acc[4 * j] / d_lo, mask=ok_lo)
-        tl.store(o_ptr + (base + row_lo) * 512 + col1, acc[4 * j + 1] / d_lo, mask=ok_lo)
-        tl.store(o_ptr + (base + row_hi) * 512 + col0, acc[4 * j + 2] / d_hi, mask=ok_hi)
-        tl.store(o_ptr + (base + row_hi) * 512 + col1, acc[4 * j + 3] / d_hi, mask=ok_hi)
+    run = tl.arange(0, 32)[None, :]
+    for half in tl.static_range(2):   # row r (acc[4j], acc[4j + 1]) / row r + 8 (acc[4j + 2], acc[4j + 3])
+        vals = ()
+        for j in tl.static_range(32):
+            vals = vals + (acc[4 * (j % 16) + 2 * half + j // 16],)
+        d = d_lo if half == 0 else d_hi
+        row = row_lo if half == 0 else row_hi
+        ok = ok_lo if half == 0 else ok_hi
+        out = tl.reshape(_stacked_flat(vals, 32), (T, 32)) / d[:, None]
+        offs = (base + row) * 512 + 128 * w + 32 * c
+        tl.store(o_ptr + offs[:, None] + run, out, mask=ok[:, None])
     first = (w == 0) & (c == 0)
     tl.store(lse_ptr + base + row_lo, tl.where(e_lo, float("-inf"), m_lo + tl.log2(d_lo)), mask=first & ok_lo)
     tl.store(lse_ptr + base + row_hi, tl.where(e_hi, float("-inf"), m_hi + tl.log2(d_hi)), mask=first & ok_hi)
-
-
