@@ -44,26 +44,19 @@ def staged_before_mma(ttgir: str) -> int:
 
 
 def fragment_layouts() -> dict:
-    """Compile the fragment kernels for sm_90 — ``w4a16_gemm/fragments.py`` at 2, 8 and 16 tokens (every launch tile)
-    and ``mla_decode/fragments.py`` (key "MLA fp8"):
+    """Compile the fragment kernel for sm_90 — ``w4a16_gemm/fragments.py`` at 2, 8 and 16 tokens (every launch tile):
     per kernel the layouts of its MMA operands (each must hold one element per thread, lanes in order, for the
     warp-wide ``mma.sync`` to see the fragments it was given), the count of MMA ops, the data moves between threads
     before the last MMA and the shared memory (Triton 3.9's store coalescing lays the split-K epilogue out through
     shared memory; 3.6 does not)."""
-    with collect_compiled(("_w4a16_frag_kernel", "_mla_frag_kernel")) as (_, compiled):
-        from mla_quant.kernels.mla_decode import mla_decode
+    with collect_compiled(("_w4a16_frag_kernel",)) as (_, compiled):
         from mla_quant.kernels.w4a16_gemm import w4a16_gemm
 
         packed, scale = torch.zeros(2048, HIDDEN // 8, dtype=torch.int32), torch.ones(2048, HIDDEN // 32,
                                                                                       dtype=torch.bfloat16)
         for m in (2, 8, 16):
             w4a16_gemm(torch.randn(m, HIDDEN, dtype=torch.bfloat16), packed, scale, 32, fragments=True)
-        # the FP8 MLA decode on fragments (mla_decode/fragments.py): 16 heads, fp8_e4m3 pages of 64 tokens
-        pages = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)
-        mla_decode(torch.randn(1, 1, 16, 576, dtype=torch.bfloat16), pages, torch.ones(4, 64),
-                   torch.arange(4, dtype=torch.int32)[None], torch.tensor([256], dtype=torch.int32), 0.1,
-                   "fp8_e4m3", 512, fp8_dequant="fragments", validate=False)
-    return {(f"NT{kw['NT']} BK{kw['BK']} W{kw['W']}" if name == "_w4a16_frag_kernel" else "MLA fp8"): {
+    return {f"NT{kw['NT']} BK{kw['BK']} W{kw['W']}": {
         "layouts": mma_layouts(kernel.asm["ttgir"]), "num_warps": kw["num_warps"],
         "mma_ops": sum("mma.sync" in line for line in kernel.asm["ttgir"].splitlines()),
         "staged_before_mma": staged_before_mma(kernel.asm["ttgir"]),

@@ -24,8 +24,7 @@ import re
 import subprocess
 import sys
 
-CASES = (("bf16", "auto"), ("fp8_e4m3", "auto"), ("fp8_e4m3", "fp8mma"), ("fp8_e4m3", "convert"),
-         ("fp8_e4m3", "fragments"))
+CASES = (("bf16", "auto"), ("fp8_e4m3", "auto"), ("fp8_e4m3", "fp8mma"), ("fp8_e4m3", "convert"))
 SHAPE = (64, 4096, 16)  # batch, ctx, heads
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats",
             "MemoryWorkloadAnalysis", "SourceCounters")
@@ -127,7 +126,7 @@ def run_all(folder: str, only: list[str] | None) -> dict:
         if only and not any(o in name for o in only):
             continue
         rep = os.path.join(folder, name)
-        cmd = ["ncu", "-k", "regex:_mla_(decode|frag)_kernel", "--launch-skip", "2", "--launch-count", "1", "-f", "-o", rep]
+        cmd = ["ncu", "-k", "regex:_mla_decode_kernel", "--launch-skip", "2", "--launch-count", "1", "-f", "-o", rep]
         for s in SECTIONS:
             cmd += ["--section", s]
         cmd += [sys.executable, "-m", "benchmarks.ncu_mla_decode", "--case", kind, dequant, str(batch), str(ctx),

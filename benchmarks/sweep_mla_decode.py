@@ -13,10 +13,9 @@ config), and the launcher's choice with plain launches instead of programmatic d
 ``_pdl.ENABLED`` False) or with the split kernel and the merge launched so too (``pdl_all``: ``_pdl.SKIP``
 empty), and with bf16 split partials (``PARTIAL_DTYPE``) at the launcher's split count and at 5 and 6. Reports
 µs (median of the rounds, min, max) and the fraction of the copy bandwidth measured in the same run.
-``--kind fp8_e4m3`` sweeps FP8 pages (per-token scales) with ``--fp8-dequant``'s own candidates instead; for
-``--fp8-dequant fragments`` (no ``config``) the candidates are ``FRAG_SETTINGS``, the fragment launcher's tile of
-tokens and programs per SM, beside the TMA bitcast (``fp8_bitcast``). ``--peer-bf16`` adds the BF16 launcher on
-BF16 pages of the same shape (``bf16_auto``), the peer of the FP8 goals, timed in the same rounds.
+``--kind fp8_e4m3`` sweeps FP8 pages (per-token scales) with ``--fp8-dequant``'s own candidates instead.
+``--peer-bf16`` adds the BF16 launcher on BF16 pages of the same shape (``bf16_auto``), the peer of the FP8 goals,
+timed in the same rounds (results/sweep_mla_frag_h200.json timed a removed fp8_dequant="fragments" so).
 ``no_tma_launch``: the launcher with ``TMA_LAUNCH`` off (the autotuner and its own split count, as before session
 11). ``--only`` keeps the settings whose name contains one of the substrings.
 """
@@ -54,12 +53,6 @@ CONFIGS = {
 }
 
 
-# fp8_dequant="fragments": tokens per softmax step x programs per SM the split count plans for x the next tile's
-# loads issued before this tile's math (sm_90, Triton 3.6: 168 / 196 registers at 16 tokens without / with the
-# prefetch, 3 / 2 programs of 128 threads per SM; 205 / 242 at 32 tokens, 2)
-FRAG_SETTINGS = tuple({"FRAG_TILE_TOKENS": t, "FRAG_PROGRAMS_PER_SM": p, "FRAG_PREFETCH": f}
-                      for t in (16, 32) for p in (2, 3) for f in (True, False))
-
 # the row merge (mla_decode.ROWS_BLOCK_R query rows per program, ROWS_WARPS) besides the launcher's 4 rows, 4 warps:
 # at 4 splits x 64 requests x 16 heads, 8 rows are 128 programs (about one per SM), each reading 64 KB of partials
 MERGES = tuple({"ROWS_BLOCK_R": r, "ROWS_WARPS": w} for r, w in ((2, 4), (8, 4), (8, 8), (2, 2)))
@@ -89,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--ctx", type=int, default=4096)
         ap.add_argument("--rounds", type=int, default=5, help="round-robin timing passes over the settings")
         ap.add_argument("--kind", choices=("bf16", "fp8_e4m3"), default="bf16")
-        ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16", "bitcast", "fragments"),
-                        default="fp8mma")
+        ap.add_argument("--fp8-dequant", choices=("fp8mma", "fp16", "bitcast"), default="fp8mma")
         ap.add_argument("--peer-bf16", action="store_true", help="also time BF16 pages of the shape (bf16_auto)")
         ap.add_argument("--only", nargs="*", help="time only the settings whose name contains one of these")
         ap.add_argument("--splits", default=",".join(map(str, SPLITS)),
@@ -124,12 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     planned, tuned = last_launch()
     fns = {"default": decode()}
     for s in (int(v) for v in args.splits.split(",") if v):
-        for c in CONFIGS.get(kind if kind == "bf16" else dequant, ()):
+        for c in CONFIGS[kind if kind == "bf16" else dequant]:
             fns[json.dumps({"splits": s, **_config(c)})] = decode(s, _config(c))
-    if dequant == "fragments":
-        for setting in FRAG_SETTINGS:
-            fns[json.dumps(setting)] = _patched(decode(), setting)
-        fns["fp8_bitcast"] = decode(fp8_dequant="bitcast")
     for merge in MERGES:   # the launcher's split and config, the row merge's rows per program and warps
         fns[json.dumps(merge)] = _patched(decode(), merge)
     fns["no_tma_launch"] = _patched(decode(), {"TMA_LAUNCH": False})

@@ -25,15 +25,10 @@ __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_s
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
 # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant", "fp16 dot operands", "fp8 tensor-core dots")
-FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1", "fragments")
+FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1")
 # the kernel's FP8_MMA constexpr per choice: e4m3 score dots with q as two e4m3 terms (hi + lo/16, 3 and 4) or one
 # (q1: 1 and 2) per row scale; the PV dot in fp16 (odd) or e4m3 (even)
 FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2}
-# fp8_dequant="fragments": programs per SM the split count plans for (164 registers x 128 threads: 3 fit), and the
-# tokens per softmax step (16, or 32: the rescale, softmax and cross-warp sum per 32 tokens; not yet measured)
-FRAG_PROGRAMS_PER_SM = 3
-FRAG_TILE_TOKENS = 16
-FRAG_PREFETCH = True   # the next tile's K words and scales loaded before this tile's math (fragments._mla_frag_kernel)
 # "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
 # conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
@@ -200,9 +195,8 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`); else "fp8mma" when q is bf16 / fp16 and batch ×
     max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
-    conversion), or ``"fragments"`` (fp8_e4m3 pages, 512 + 64 columns, ≤ 16 query rows, page size a multiple of
-    16: ``mma.sync`` on fragments each thread builds in its registers, ``fragments.py``; opt-in, not yet run on a
-    GPU). Only the Triton path of FP8 pages is affected.
+    conversion). Only the Triton path of FP8 pages is affected. (A kernel on ``mma.sync`` fragments built in
+    registers, ``"fragments"``, measured 2-2.8x slower than the bitcast and was removed: docs/mla.md.)
     ``combine`` (Triton path, with more than one KV split): the kernel that merges the splits' partials,
     ``"rows"`` or ``"tiles"`` (:func:`combine_splits`), or ``"auto"`` (default: rows up to ``ROWS_MAX_SPLITS``
     splits, tiles above). A merge in the decode kernel's epilogue (the last split program of each row block merges,
@@ -245,9 +239,6 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         fp8_dequant = _auto_fp8_dequant(kind, q, kv_data, bsz, max_len)
     fp8 = kind != "bf16"
-    if fp8 and fp8_dequant == "fragments":
-        return _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
-                                     num_splits, max_seq_len, out, lse, combine)
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
@@ -432,50 +423,3 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
         SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4, **pdl)
 
-
-def _frag_problem(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
-    """Why ``fp8_dequant="fragments"`` cannot take this call (None: it can)."""
-    if kind != "fp8_e4m3":
-        return f"kind {kind!r}: the fragment kernel reads fp8_e4m3 pages"
-    if (d_latent, q.shape[-1] - d_latent) != (512, 64):
-        return f"{d_latent} + {q.shape[-1] - d_latent} columns: the fragment kernel is written for 512 + 64"
-    if q.shape[1] * q.shape[2] > 16:
-        return f"{q.shape[1]} query tokens x {q.shape[2]} heads: at most 16 query rows per request"
-    if kv_data.shape[1] % FRAG_TILE_TOKENS:
-        return (f"page size {kv_data.shape[1]}: must be a multiple of {FRAG_TILE_TOKENS} (a tile of tokens within one "
-                "page)")
-    if not _word_aligned(kv_data):
-        return "kv_data: pages must be 4-byte aligned (row stride, page stride, offset)"
-    return None
-
-
-def _mla_decode_fragments(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent, num_splits,
-                          max_seq_len, out, lse, combine):
-    """``mla_decode(..., fp8_dequant="fragments")``: ``fragments._mla_frag_kernel`` per (split, request), then
-    :func:`combine_splits` (also for one split: the kernel writes partials)."""
-    from .fragments import _mla_frag_kernel
-
-    problem = _frag_problem(q, kv_data, kind, d_latent)
-    if problem is not None:
-        raise ValueError(f"fp8_dequant='fragments': {problem}")
-    bsz, s_q, heads, _ = q.shape
-    m_rows = s_q * heads
-    if bsz == 0:
-        return out, lse
-    interpreted = triton_interpreted()
-    num_splits = _launch_splits(num_splits, q, block_table, kv_data.shape[1], max_seq_len, kind, d_latent,
-                                interpreted, FRAG_PROGRAMS_PER_SM)
-    words = kv_data.view(torch.int32)
-    scales = kv_scales   # token scales [pages, page size], or one per-tensor scale read with strides 0
-    stride_sp, stride_sr = (scales.stride(0), scales.stride(1)) if scales.numel() > 1 else (0, 0)
-    o_part = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
-    _mla_frag_kernel[(num_splits, bsz)](
-        q, words, scales, block_table, seq_lens, o_part, lse_part, softmax_scale * math.log2(math.e), s_q, heads,
-        num_splits, q.stride(0), q.stride(1), q.stride(2), words.stride(0), words.stride(1), stride_sp, stride_sr,
-        block_table.stride(0), PAGE=kv_data.shape[1], INTERPRET=interpreted, TILE=FRAG_TILE_TOKENS,
-        PREFETCH=FRAG_PREFETCH, num_warps=4)
-    global _LAST_LAUNCH
-    _LAST_LAUNCH = (num_splits, "fragments")
-    combine_splits(o_part, lse_part, out.view(bsz, m_rows, d_latent), lse.view(bsz, m_rows), combine)
-    return out, lse
