@@ -284,7 +284,7 @@ def _rows(results: dict, plan: Plan, budget: int) -> list[dict]:
                 us = res["us"]
                 row = case(BENCH, key, us, bytes=res["bytes"], peer=label,
                            peer_median_us=peer_res.get("us") if peer_res else None,
-                           cuda_graph=res["cuda_graph"], tokens_per_s=round(b / (us * 1e-6), 1), **extra,
+                           cuda_graph=res["cuda_graph"], tokens_per_s=float(f"{b / (us * 1e-6):.4g}"), **extra,
                            **{k: res[k] for k in ("layer_us", "projected_61_layer_ms") if k in res})
             rows.append(row)
     return rows

@@ -186,6 +186,9 @@ class QuantLinear(nn.Module):
         launch): a plain attribute, not a buffer, so it is neither saved, sharded nor counted as weight bytes. Made
         on first use outside a CUDA-graph capture; a call inside a capture that finds none gets None (the GEMM then
         zeroes its own inside the graph: memory made during a capture is not zeroed until the graph runs)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # "cuda" means the current device, as tensors place it
+            device = torch.device("cuda", torch.cuda.current_device())
         kept = self.__dict__.get("_split_k_counters")
         if kept is not None and kept.device == device and kept.numel() >= self.out_features:
             return kept

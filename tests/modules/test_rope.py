@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from mla_quant.modules import RotaryEmbedding, YarnScaling
 from mla_quant.modules.rope import apply_rotary, rope_inv_freq, softmax_scale, yarn_find_correction_range
 
-CONFIGS = Path("/work/shared/reference/configs")
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"   # the published config.json files, copied
 KIMI_F64 = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 

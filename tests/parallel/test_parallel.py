@@ -1,6 +1,6 @@
 """Tensor and expert parallelism: TP, EP and TP+EP logits equal the single-process logits (fp32, relative
-error < 1e-4) for tiny Kimi K2.6 (INT4 experts, FP8 everything else) and GLM 5.2 (FP8 checkpoint formats,
-DSA) configs, through the plain forward and through prefill + decode over the paged cache; each rank holds
+error < 1e-4; < 1e-3 through the bf16 pages, see TOL_PAGED) for tiny Kimi K2.6 (INT4 experts, FP8 everything
+else) and GLM 5.2 (FP8 checkpoint formats, DSA) configs, through the plain forward and through prefill + decode over the paged cache; each rank holds
 1/world of the sharded bytes; load_sharded reads only its slices; bad splits raise clear errors.
 
 The processes run on gloo (CPU, forked) — or NCCL on ``cuda:rank`` with ``MLA_QUANT_DIST_BACKEND=nccl``
@@ -17,6 +17,11 @@ from mla_quant.models.saving import save_pretrained
 from tests.parallel import dist_scenarios as S
 
 TOL = 1e-4
+# Prefill + decode through the paged cache rounds every cached latent to bf16, so a ~1e-7 change of the summation order
+# (what TP's all-reduce is) flips the rounding of a few stored values: in one process, embeddings scaled by
+# 1 + 1e-7 * randn moved these logits by 6e-6 - 2.3e-4 (plain forward: 1e-6), and TP read 3.9e-5 on the CI machine's
+# CPU and 1.7e-4 on the H200 host's. A sharding bug moves them by O(1).
+TOL_PAGED = 1e-3
 WORLD2 = ([f"{k}:modes" for k in S.KINDS] + ["kimi:ep_local", "kimi:load_tp_ep", "glm:load_tp", "kimi:quantize",
                                               "errors"])
 WORLD4 = [f"{k}:modes" for k in S.KINDS] + ["glm:tp_dp_ep"]
@@ -64,7 +69,7 @@ def _check_mode(ranks: list[dict], scenario: str, mode: str, world: int) -> None
     for r, res in enumerate(_results(ranks, scenario)):
         got = res[mode]
         assert got["plain"] < TOL, f"rank {r} {scenario} {mode}: plain logits rel err {got['plain']:.2e}"
-        assert got["paged"] < TOL, f"rank {r} {scenario} {mode}: prefill+decode logits rel err {got['paged']:.2e}"
+        assert got["paged"] < TOL_PAGED, f"rank {r} {scenario} {mode}: prefill+decode logits rel err {got['paged']:.2e}"
         b = got["bytes"]
         assert b["split_full"] % world == 0
         assert b["held"] == b["expected"], f"rank {r} {scenario} {mode}: holds {b['held']} bytes, expected {b}"
