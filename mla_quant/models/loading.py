@@ -158,7 +158,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     if unexpected:
         raise CheckpointError(f"unexpected key {unexpected[0]!r} in the checkpoint"
                               + (f" (and {len(unexpected) - 1} more: {unexpected[1:4]})" if len(unexpected) > 1
-                                 else "") + f"; the model has no such tensor")
+                                 else "") + "; the model has no such tensor")
     missing = sorted(set(expected) - set(to_model.values()))
     if missing:
         names = [keymap.to_checkpoint(m) for m in missing]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mla_quant.modules import RotaryEmbedding, YarnScaling
-from mla_quant.modules.rope import apply_rotary, rope_inv_freq, softmax_scale, yarn_find_correction_range
+from mla_quant.modules.rope import rope_inv_freq, softmax_scale, yarn_find_correction_range
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"   # the published config.json files, copied
 KIMI_F64 = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
