@@ -12,7 +12,7 @@
 # also measured at 16k and 32k; that table is appended to glm_fidelity.md and its log to glm_fidelity.log.
 # Usage: bash benchmarks/fidelity_glm_session.sh        (TRAIN_S, FID_S: the stages' budgets in seconds)
 # CPU smoke of the same pipeline (< 30 s):
-#   SMOKE=1 OUT=/tmp/fidglm PYTHON=/work/venv/bin/python bash benchmarks/fidelity_glm_session.sh
+#   SMOKE=1 OUT=/tmp/fidglm PYTHON=.venv/bin/python bash benchmarks/fidelity_glm_session.sh
 set -uo pipefail
 PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/out}

@@ -7,7 +7,7 @@
 #   fidelity.log, fidelity.json,     KL / top-1 / NLL per format and context, KL against position
 #   fidelity.md, fidelity.png        the table for docs/fidelity.md and its plot (if matplotlib is there)
 # Usage: bash benchmarks/fidelity_session.sh        (TRAIN_S, QAT_S, FID_S: the stages' budgets in seconds)
-# CPU smoke of the same pipeline:  SMOKE=1 OUT=/tmp/fid PYTHON=/work/venv/bin/python bash benchmarks/fidelity_session.sh
+# CPU smoke of the same pipeline:  SMOKE=1 OUT=/tmp/fid PYTHON=.venv/bin/python bash benchmarks/fidelity_session.sh
 set -uo pipefail
 PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/out}
