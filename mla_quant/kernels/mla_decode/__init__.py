@@ -196,7 +196,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
     conversion). Only the Triton path of FP8 pages is affected. (A kernel on ``mma.sync`` fragments built in
-    registers, ``"fragments"``, measured 2-2.8x slower than the bitcast and was removed: docs/mla.md.)
+    registers, ``"fragments"``, measured 1.4-2x the bitcast's time and was removed: docs/mla.md.)
     ``combine`` (Triton path, with more than one KV split): the kernel that merges the splits' partials,
     ``"rows"`` or ``"tiles"`` (:func:`combine_splits`), or ``"auto"`` (default: rows up to ``ROWS_MAX_SPLITS``
     splits, tiles above). A merge in the decode kernel's epilogue (the last split program of each row block merges,
