@@ -44,7 +44,7 @@ def staged_before_mma(ttgir: str) -> int:
 
 
 def fragment_layouts() -> dict:
-    """Compile the fragment kernel for sm_90 — ``w4a16_gemm/fragments.py`` at 2, 8 and 16 tokens (every launch tile):
+    """Compile the fragment kernel (``w4a16_gemm/fragments.py``) for sm_90 at 2, 8 and 16 tokens (every launch tile):
     per kernel the layouts of its MMA operands (each must hold one element per thread, lanes in order, for the
     warp-wide ``mma.sync`` to see the fragments it was given), the count of MMA ops, the data moves between threads
     before the last MMA and the shared memory (Triton 3.9's store coalescing lays the split-K epilogue out through
@@ -60,7 +60,7 @@ def fragment_layouts() -> dict:
         "layouts": mma_layouts(kernel.asm["ttgir"]), "num_warps": kw["num_warps"],
         "mma_ops": sum("mma.sync" in line for line in kernel.asm["ttgir"].splitlines()),
         "staged_before_mma": staged_before_mma(kernel.asm["ttgir"]),
-        "shared": kernel.metadata.shared} for name, kw, kernel in compiled}
+        "shared": kernel.metadata.shared} for _, kw, kernel in compiled}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -914,4 +914,3 @@ def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
         assert_all_written(lse, "lse")
         assert rel_err(out.float(), o_ref.float()) < tol_o, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, rtol=rtol_lse, atol=atol_lse), f"splits={splits}, config={config}"
-

@@ -111,20 +111,6 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
     return choose_num_splits(batch * triton.cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
 
 
-def _launch_splits(num_splits: int | None, q: torch.Tensor, block_table: torch.Tensor, page_size: int,
-                   max_seq_len: int | None, kind: str, d_latent: int, interpreted: bool, per_sm: int | None) -> int:
-    """The KV splits of a launch: ``num_splits`` checked, or :func:`plan_num_splits` for ``max_seq_len`` (the block
-    table's capacity when not given) and the device's SMs (4 in the interpreter)."""
-    if num_splits is None:
-        bsz, s_q, heads, d = q.shape
-        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms, per_sm=per_sm)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
-    return num_splits
-
-
 def _word_aligned(kv_data: torch.Tensor) -> bool:
     """Whether the pages can be read as 4-byte words (row stride, page stride and offset multiples of 4 bytes)."""
     return not (kv_data.stride(0) % 4 or kv_data.stride(1) % 4 or kv_data.storage_offset() % 4)
@@ -295,8 +281,13 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     tma_launch = None if config is not None or interpreted else _tma_launch(q, kv_data, kind, fp8_bitcast)
     if tma_launch is not None:
         config = tma_launch[0]
-    num_splits = _launch_splits(num_splits, q, block_table, page_size, max_seq_len, kind, d_latent, interpreted,
-                                tma_launch[1] if tma_launch is not None else None)
+    if num_splits is None:
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
+                                     per_sm=tma_launch[1] if tma_launch is not None else None)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
 
     lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
     if fp8_bitcast and not _word_aligned(kv_data):
@@ -422,4 +413,3 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     _mla_decode_combine_tiles_kernel[(m_rows, bsz, d_latent // block_d)](
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
         SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4, **pdl)
-
