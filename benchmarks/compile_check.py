@@ -153,7 +153,7 @@ def install_fake_hopper(log: CompileLog, ptxas: bool = True) -> None:
         if importlib.util.find_spec(f"mla_quant.kernels.{op}.kernel"):
             importlib.import_module(f"mla_quant.kernels.{op}.kernel")
     patches = {"use_triton": lambda *tensors: True, "triton_interpreted": lambda: False,
-               "num_sms": lambda device=None: HOPPER_SMS,
+               "num_sms": lambda device=None: HOPPER_SMS, "_is_hopper": lambda device=None: True,
                "pdl_launch": lambda device=None, op=None: {"PDL": 2 if _pdl.EARLY else 1, "launch_pdl": True}}
     for name, module in list(sys.modules.items()):
         if name == kernels_pkg.__name__ or name.startswith(kernels_pkg.__name__ + "."):
@@ -305,7 +305,7 @@ def cases_topk() -> Iterator[Case]:
 
 
 def cases_fp8_gemm() -> Iterator[Case]:
-    from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, default_config, fp8_gemm
+    from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, WS_CANDIDATES, default_config, fp8_gemm, ws_default_config
     n, k = 512, 1024
     b, b_scale = torch.zeros(n, k, dtype=FP8), torch.ones(n // 128, k // 128)
     for m in (1, 16, 100):
@@ -317,6 +317,10 @@ def cases_fp8_gemm() -> Iterator[Case]:
             for config in (default_config(m), *(TMA_CANDIDATES if m == 100 else ())):
                 yield (f"M={m} out={_dt(out_dtype)} tma {config}",
                        partial(fp8_gemm, a, a_scale, b, b_scale, (128, 128), out_dtype, config=config, variant="tma"))
+            # the warp-specialized Gluon variant, likewise
+            for config in (ws_default_config(m, n), *(WS_CANDIDATES if m == 100 else ())):
+                yield (f"M={m} out={_dt(out_dtype)} ws {config}",
+                       partial(fp8_gemm, a, a_scale, b, b_scale, (128, 128), out_dtype, config=config, variant="ws"))
 
 
 def cases_w4a16_gemm() -> Iterator[Case]:

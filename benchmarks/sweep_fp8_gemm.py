@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, fp8_gemm
+from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, WS_CANDIDATES, fp8_gemm
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 
 from .common import L2_BYTES, Context, graph_us, meta, sweep_args
@@ -35,6 +35,9 @@ def settings(only: str = "") -> list[tuple[str, dict]]:
     for cfg in TMA_CANDIDATES:
         label = "tma " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
         rows.append((label, {"variant": "tma", "config": dict(cfg)}))
+    for cfg in WS_CANDIDATES:
+        label = "ws " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
+        rows.append((label, {"variant": "ws", "config": dict(cfg)}))
     keep = [w.strip() for w in only.split(",") if w.strip()]
     return [r for r in rows if not keep or r[0] == "auto" or any(w in r[0] for w in keep)]
 

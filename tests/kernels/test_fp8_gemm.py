@@ -5,7 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, default_config, fp8_gemm, fp8_gemm_reference
+from mla_quant.kernels.fp8_gemm import (TMA_CANDIDATES, WS_CANDIDATES, default_config, fp8_gemm, fp8_gemm_reference,
+                                       ws_default_config)
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8_reference, block_quant_fp8_reference
 from mla_quant.testing import assert_rel_close, odd_sizes, poisoned_empty, realistic_tensor
 from tests.conftest import FP8_MMA_REL_TOL
@@ -170,6 +171,39 @@ def test_tma_variant_on_real_and_odd_shapes(m, n, k):
         out = poisoned_empty((m, n), torch.bfloat16, "cuda")
         c = fp8_gemm(a, a_s, b, b_s, out=out, config=config, variant="tma")
         assert_rel_close(c.float(), ref, 1e-2, f"M={m} {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the warp-specialized Gluon kernel is written for sm_90")
+@pytest.mark.parametrize("m", [1, 63, 1000, 8192])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (1000, 2048), (7168, 128)])  # one K block; a ragged column tile
+def test_ws_variant_on_real_and_odd_shapes(m, n, k):
+    a, a_s, b, b_s = _operands(m, n, k, device="cuda", seed=m)
+    ref = fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32)
+    for config in (ws_default_config(m, n), *WS_CANDIDATES):
+        out = poisoned_empty((m, n), torch.bfloat16, "cuda")
+        c = fp8_gemm(a, a_s, b, b_s, out=out, config=config, variant="ws")
+        assert_rel_close(c.float(), ref, 1e-2, f"M={m} {config}")
+    # fp32 out: only the tensor cores' in-block accumulation and the summation order differ from the reference
+    c32 = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32, variant="ws")
+    assert_rel_close(c32, ref, 1e-3, f"M={m} fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the warp-specialized Gluon kernel is written for sm_90")
+def test_ws_variant_applies_each_k_blocks_scales():
+    # ones times ones: every K block's product is exactly 128, so C is exactly Σ_kb 128 · a_s[m, kb] · b_s[n, kb]
+    m, n, k = 300, 256, 384
+    a = torch.ones(m, k, device="cuda").to(FP8)
+    b = torch.ones(n, k, device="cuda").to(FP8)
+    a_s = torch.arange(1, 1 + m * 3, dtype=torch.float32, device="cuda").reshape(m, 3) / 64
+    b_s = torch.tensor([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0]], device="cuda")
+    expected = 128 * (a_s[:, None, :] * b_s.repeat_interleave(128, 0)[None, :, :]).sum(-1)
+    for config in WS_CANDIDATES:
+        c = fp8_gemm(a, a_s, b, b_s, (128, 128), torch.float32, config=config, variant="ws")
+        assert torch.equal(c, expected), config
 
 
 @pytest.mark.gpu

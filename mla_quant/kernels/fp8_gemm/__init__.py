@@ -17,7 +17,12 @@ from .reference import fp8_gemm_reference
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable kernel's; SPLIT_K optional
 TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
-VARIANTS = ("auto", "portable", "tma")
+# the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
+# / by TMA from shared memory where the output allows it)
+WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE")
+VARIANTS = ("auto", "portable", "tma", "ws")
+WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts}
+                      for bn, st, ts in ((128, 4, 1), (128, 5, 1), (128, 6, 1), (128, 5, 0), (64, 8, 1)))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
 # group (two programs per SM: 4 stages of 24 KB each)
@@ -27,7 +32,7 @@ TMA_CANDIDATES = tuple(
                              (128, 128, 8, 5, 1), (128, 64, 4, 4, 0)))
 
 __all__ = ["fp8_gemm", "fp8_gemm_reference", "default_config", "CONFIG_KEYS", "TMA_CONFIG_KEYS", "TMA_CANDIDATES",
-           "VARIANTS"]
+           "VARIANTS", "WS_CONFIG_KEYS", "WS_CANDIDATES", "ws_default_config"]
 
 
 def default_config(m: int) -> dict:
@@ -37,6 +42,12 @@ def default_config(m: int) -> dict:
     (``benchmarks/results/sweep_fp8_gemm_h200.json``: 0.63-0.88x ``_scaled_mm``, 1.10-1.35x bf16; the 128 × 128
     persistent tile, the first default, 0.59-0.79x)."""
     return {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "PERSISTENT": 0}
+
+
+def ws_default_config(m: int, n: int) -> dict:
+    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 5 stages of 32 KB, the output
+    stored by TMA where it can be. (128 × 64 tiles took 1.3-1.5x the time at every shape of the first H200 sweep.)"""
+    return {"BN": 128, "GROUP_M": 8, "STAGES": 5, "TMA_STORE": 1}
 
 
 def _tma_ok(a, b) -> bool:
@@ -104,6 +115,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     interpreted = triton_interpreted()
     if variant == "auto":
         variant = "tma" if m > 64 and not interpreted and _tma_ok(a, b) and _is_hopper(a.device) else "portable"
+    if variant == "ws":
+        return _launch_ws(a, a_scale, b, b_scale, c, block, config)
     if variant == "tma":
         return _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted)
     from .kernel import _fp8_gemm_kernel, fp8_gemm_autotuned, split_k, workspace_bounds
@@ -156,4 +169,42 @@ def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.
         BN=cfg["BN"], GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg["PERSISTENT"]), STAGES=cfg["num_stages"],
         INTERPRET=interpreted,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return c
+
+
+def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
+    """The warp-specialized Gluon kernel (``kernel_ws.py``): Hopper only, TMA-aligned a and b, bn >= BN."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernel_ws import _fp8_gemm_ws_kernel
+
+    if not (_is_hopper(a.device) and not triton_interpreted()):
+        raise ValueError("variant: 'ws' is a Gluon kernel for Hopper (sm_90) GPUs; the interpreter cannot run it")
+    if not _tma_ok(a, b):
+        raise ValueError("variant: 'ws' needs a and b with 16-byte aligned data and row strides")
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = {**ws_default_config(m, n), **(config or {})}
+    unknown = set(cfg) - set(WS_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {WS_CONFIG_KEYS}")
+    bn_s, bk = int(block[0]), int(block[1])
+    if bk != 128 or cfg["BN"] not in (64, 128) or bn_s % cfg["BN"]:
+        raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128) dividing bn; got block {block}, "
+                         f"BN {cfg['BN']}")
+    a_layout = gl.NVMMASharedLayout.get_default_for([128, bk], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([cfg["BN"], bk], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(a, [128, bk], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk], b_layout)
+    # 16-bit outputs with TMA-aligned rows leave through shared memory by TMA (64 rows per consumer warp group)
+    tma_store = c.element_size() == 2 and cfg["TMA_STORE"] and _tma_ok(c, c)
+    c_gl = gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16
+    c_desc = (TensorDescriptor.from_tensor(c, [64, cfg["BN"]], gl.NVMMASharedLayout.get_default_for([64, cfg["BN"]], c_gl))
+              if tma_store else None)
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, cfg["BN"])
+    _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
+        a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,
+        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), PRODUCER_REGS=40,
+        CONSUMER_REGS=232, num_warps=4)
     return c

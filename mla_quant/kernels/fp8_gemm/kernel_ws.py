@@ -1,0 +1,136 @@
+"""Warp-specialized Hopper variant of the block-scaled FP8 GEMM (Gluon): DeepGEMM's layout, written out by hand.
+
+One persistent program per SM walks the output tiles (grouped order). Its warps split into three partitions:
+
+* **producer** (one warp, few registers): TMA copies of the A tile [BM, BK] and the B tile [BN, BK] of each K
+  block into a ring of ``STAGES`` shared-memory slots. ``ready[s]`` completes when slot s holds its bytes;
+  the producer waits on ``empty[s]`` before refilling s. It runs ahead across tile boundaries.
+* **two consumer warp groups** (four warps each; rows [0, BM/2) and [BM/2, BM) of the tile): per K block one
+  async wgmma of their A half against the B tile into a fresh fp32 product, wait, arrive on ``empty[s]``
+  (each group arrives once: ``empty`` counts two), then *promote*: ``acc += product · a_scale[row] ·
+  b_scale``. The other group's wgmma runs on the tensor cores meanwhile, so the promotion's FFMAs (which
+  make ptxas serialize the wgmma chain of a single group, kernel_tma.py) overlap the other group's MMA.
+
+Phases: slot s is used for the k-th time (k = 0, 1, ...) at ring position ``it = k·STAGES + s`` (``it``
+counts K blocks over all of a program's tiles); ``ready`` flips to parity ``k & 1`` when filled, ``empty``
+to ``k & 1`` when both groups have released it. A fresh barrier counts as having completed parity 1, so the
+producer's first pass (waiting for parity ``(k & 1) ^ 1`` = 1) does not block.
+
+a: e4m3 [M, K] in [BM, BK] TMA tiles; a_scale fp32 [M, K/BK]; b: e4m3 [N, K] in [BN, BK] tiles; b_scale fp32
+[⌈N/BN_S⌉, K/BK] with BN <= BN_S (one weight scale per tile and K block); c [M, N] (row stride ``stride_cm``);
+K % BK == 0. Rows and columns past M and N read zeros (TMA) and are not stored.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+
+@gluon.jit
+def _tile_coords(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
+    """Linear tile id -> (pid_m, pid_n), GROUP_M row tiles per column (weight tiles reused from L2)."""
+    per_group = GROUP_M * grid_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = gl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    n_kb = K // BK
+    grid_m = gl.cdiv(M, BM)
+    grid_n = gl.cdiv(N, BN)
+    it = 0
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+        for kb in range(n_kb):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
+              HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Rows [HALF·BM/2, (HALF+1)·BM/2) of every tile of this program (one warp group)."""
+    HM: gl.constexpr = BM // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    n_kb = K // BK
+    grid_m = gl.cdiv(M, BM)
+    grid_n = gl.cdiv(N, BN)
+    zero = gl.zeros([HM, BN], gl.float32, mma)
+    it = 0
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+        rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
+        a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
+        b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
+        # the scales of K block kb are loaded during block kb - 1 (an L2 round trip outlasts one block's MMA)
+        a_s_next = gl.load(a_s_ptrs)
+        b_s_next = gl.load(b_s_ptr)
+        acc = zero
+        for kb in range(n_kb):
+            scale = a_s_next * b_s_next
+            kn = gl.minimum(kb + 1, n_kb - 1)
+            a_s_next = gl.load(a_s_ptrs + kn)
+            b_s_next = gl.load(b_s_ptr + kn)
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(s).slice(HALF * HM, HM, dim=0)
+            b = b_bufs.index(s).permute((1, 0))  # [BK, BN], K-major as fp8 wgmma needs
+            prod = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+            prod, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(prod, a, b))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += prod * scale[:, None]
+            it += 1
+        if TMA_STORE:
+            # the previous tile's store has read c_smem; this one drains while the next tile's MMAs run
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [pid_m * BM + HALF * HM, pid_n * BN], c_smem)
+        else:
+            rn = pid_n * BN + gl.arange(0, BN, cols_l)
+            mask = (rm < M)[:, None] & (rn < N)[None, :]
+            gl.store(c_ptr + rm[:, None].to(gl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=mask)
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
+                        BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
+    if TMA_STORE:  # one output staging buffer per consumer warp group
+        c_smem0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c_smem1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_smem0 = a_bufs
+        c_smem1 = a_bufs
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
+                     0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
+                     1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
