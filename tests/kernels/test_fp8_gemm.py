@@ -108,6 +108,24 @@ def test_tma_variant_bad_inputs(triton_backend):
         fp8_gemm(a, a_s, misaligned, b_s, variant="tma")
 
 
+def test_ws_variant_bad_inputs(triton_backend):
+    a, a_s, b, b_s = _operands(130, 20, 256, device=triton_backend)
+    if triton_backend != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+        with pytest.raises(ValueError, match="'ws' is a Gluon kernel for Hopper"):
+            fp8_gemm(a, a_s, b, b_s, variant="ws")
+        return
+    with pytest.raises(ValueError, match="config: unknown keys"):
+        fp8_gemm(a, a_s, b, b_s, config={"BM": 64}, variant="ws")
+    with pytest.raises(ValueError, match="BN in"):
+        fp8_gemm(a, a_s, b, b_s, config={"BN": 256}, variant="ws")
+    misaligned = torch.empty(20 * 256 + 1, dtype=FP8, device=triton_backend)[1:].view(20, 256)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8_gemm(a, a_s, misaligned, b_s, variant="ws")
+    a64, a64_s, b64, b64_s = _operands(130, 20, 256, (128, 64), triton_backend)
+    with pytest.raises(ValueError, match="bk = 128"):
+        fp8_gemm(a64, a64_s, b64, b64_s, (128, 64), variant="ws")
+
+
 def test_reference_is_the_sum_of_scaled_block_products():
     a, a_s, b, b_s = _operands(5, 130, 256)
     c = fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32)
@@ -207,9 +225,14 @@ def test_ws_variant_applies_each_k_blocks_scales():
 
 
 @pytest.mark.gpu
-def test_auto_variant_is_tma_on_hopper_past_64_tokens():
+def test_auto_variant_is_ws_on_hopper_past_64_tokens():
     a, a_s, b, b_s = _operands(256, 384, 1024, device="cuda")
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
     assert torch.equal(c, fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32,
-                                   variant="tma" if torch.cuda.get_device_capability()[0] == 9 else "portable"))
+                                   variant="ws" if torch.cuda.get_device_capability()[0] == 9 else "portable"))
+    # a pinned configuration of the tma kernel keeps auto on the tma kernel
+    if torch.cuda.get_device_capability()[0] == 9:
+        cfg = default_config(256)
+        assert torch.equal(fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32, config=cfg),
+                           fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32, config=cfg, variant="tma"))
     assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)

@@ -1,9 +1,13 @@
 """Block-scaled FP8 GEMM (W8A8, the prefill path of FP8 checkpoints): e4m3 activations with per-token 1×bk
 scales (from ``fp8_quant.act_quant_fp8``) times e4m3 weights with bn×bk block scales (``weight_scale_inv``),
 fp32 accumulation per scale block, bf16 out. Reference in ``reference.py``; kernels in ``kernel.py`` (portable:
-pointer loads, autotuned; the interpreter runs it) and ``kernel_tma.py`` (Hopper: TMA descriptors, optional
-optional persistent grid; configuration from ``default_config``)."""
+pointer loads, autotuned; the interpreter runs it), ``kernel_tma.py`` (Hopper: TMA descriptors, optional
+persistent grid; configuration from ``default_config``) and ``kernel_ws.py`` (Hopper, Gluon: warp-specialized,
+a TMA producer warp and two consumer warp groups; configuration from ``ws_default_config``)."""
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 import triton
@@ -45,9 +49,30 @@ def default_config(m: int) -> dict:
 
 
 def ws_default_config(m: int, n: int) -> dict:
-    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 5 stages of 32 KB, the output
-    stored by TMA where it can be. (128 × 64 tiles took 1.3-1.5x the time at every shape of the first H200 sweep.)"""
-    return {"BN": 128, "GROUP_M": 8, "STAGES": 5, "TMA_STORE": 1}
+    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 4 stages of 32 KB, the output
+    stored by TMA where it can be. H200 sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within
+    2 % at the other two); TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x."""
+    return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_available() -> bool:
+    """Triton's Gluon front end (the "ws" kernel) ships with Triton 3.5 and later."""
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None
+    except ImportError:
+        return False
+
+
+def _auto_variant(m, a, b, block, config, interpreted) -> str:
+    """``variant="auto"``: on Hopper past 64 tokens with TMA-aligned operands "ws" (bk = 128 and bn a multiple of
+    128, no configuration of another variant pinned), else "tma"; "portable" otherwise (and under the
+    interpreter). H200 sweep of 518d14e (results/sweep_fp8_gemm_ws_h200.json): "ws" took 0.78-0.97x the time of
+    "tma"'s default at all 9 prefill shapes."""
+    if m <= 64 or interpreted or not _tma_ok(a, b) or not _is_hopper(a.device):
+        return "portable"
+    ws_ok = int(block[1]) == 128 and int(block[0]) % 128 == 0 and _gluon_available()
+    return "ws" if ws_ok and set(config or {}) <= set(WS_CONFIG_KEYS) else "tma"
 
 
 def _tma_ok(a, b) -> bool:
@@ -93,10 +118,12 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     Returns C: [M, N] ``out_dtype`` (written into ``out`` if given: contiguous, that shape and dtype).
     ``config`` (keys of ``CONFIG_KEYS``; for the portable kernel optionally ``SPLIT_K``, else ``kernel.split_k``
     of the config: K splits while the tiles give fewer than ~2 programs per SM; for ``variant="tma"`` optionally
-    ``PERSISTENT``)
-    pins a kernel configuration instead of the autotuned (portable) or ``default_config`` (tma) one.
+    ``PERSISTENT``; for ``variant="ws"`` the keys of ``WS_CONFIG_KEYS``)
+    pins a kernel configuration instead of the autotuned (portable) or default (``default_config``,
+    ``ws_default_config``) one.
     ``variant``: "portable" (``kernel.py``), "tma" (``kernel_tma.py``: TMA-aligned a and b, CUDA sm_90 or the
-    interpreter), or "auto": "tma" on Hopper for M > 64 when a and b are TMA-aligned, else "portable".
+    interpreter), "ws" (``kernel_ws.py``: TMA-aligned a and b, bk = 128, CUDA sm_90 only), or "auto": on Hopper
+    for M > 64 with TMA-aligned a and b "ws" (else "tma" where ws does not apply), else "portable".
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: {variant!r}, expected one of {VARIANTS}")
@@ -114,7 +141,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
         return c
     interpreted = triton_interpreted()
     if variant == "auto":
-        variant = "tma" if m > 64 and not interpreted and _tma_ok(a, b) and _is_hopper(a.device) else "portable"
+        variant = _auto_variant(m, a, b, block, config, interpreted)
     if variant == "ws":
         return _launch_ws(a, a_scale, b, b_scale, c, block, config)
     if variant == "tma":
