@@ -222,17 +222,24 @@ def test_ws_variant_applies_each_k_blocks_scales():
     for config in WS_CANDIDATES:
         c = fp8_gemm(a, a_s, b, b_s, (128, 128), torch.float32, config=config, variant="ws")
         assert torch.equal(c, expected), config
+    # bf16 out through the TMA-store epilogue: the exact values rounded once
+    c = fp8_gemm(a, a_s, b, b_s, (128, 128), torch.bfloat16, variant="ws")
+    assert torch.equal(c, expected.to(torch.bfloat16))
 
 
 @pytest.mark.gpu
 def test_auto_variant_is_ws_on_hopper_past_64_tokens():
-    a, a_s, b, b_s = _operands(256, 384, 1024, device="cuda")
+    a, a_s, b, b_s = _operands(1000, 2304, 1024, device="cuda")  # 8 x 18 tiles of 128 x 128: the SMs are filled
     c = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
     assert torch.equal(c, fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32,
                                    variant="ws" if torch.cuda.get_device_capability()[0] == 9 else "portable"))
     # a pinned configuration of the tma kernel keeps auto on the tma kernel
     if torch.cuda.get_device_capability()[0] == 9:
-        cfg = default_config(256)
+        cfg = default_config(1000)
         assert torch.equal(fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32, config=cfg),
                            fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32, config=cfg, variant="tma"))
+        # too few 128 x 128 tiles to fill the SMs (2 x 3): the tma kernel's smaller tiles
+        small = _operands(256, 384, 1024, device="cuda")
+        assert torch.equal(fp8_gemm(*small, out_dtype=torch.float32),
+                           fp8_gemm(*small, out_dtype=torch.float32, variant="tma"))
     assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)

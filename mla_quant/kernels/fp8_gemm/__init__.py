@@ -65,13 +65,16 @@ def _gluon_available() -> bool:
 
 
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
-    """``variant="auto"``: on Hopper past 64 tokens with TMA-aligned operands "ws" (bk = 128 and bn a multiple of
-    128, no configuration of another variant pinned), else "tma"; "portable" otherwise (and under the
-    interpreter). H200 sweep of 518d14e (results/sweep_fp8_gemm_ws_h200.json): "ws" took 0.78-0.97x the time of
-    "tma"'s default at all 9 prefill shapes."""
+    """``variant="auto"``: on Hopper past 64 tokens with TMA-aligned operands "ws" when its 128 × 128 tiles fill
+    ~90 % of the SMs or more (bk = 128, bn a multiple of 128, no configuration of another variant pinned), else
+    "tma"; "portable" otherwise (and under the interpreter). H200: "ws" took 0.78-0.97x the time of "tma"'s default
+    at all 9 prefill shapes of the sweep of 518d14e (128-1536 tiles; results/sweep_fp8_gemm_ws_h200.json), but
+    1.23x at 512 x 2048 x 7168 (64 tiles: half the SMs idle; bench gemm of 15dad33)."""
     if m <= 64 or interpreted or not _tma_ok(a, b) or not _is_hopper(a.device):
         return "portable"
-    ws_ok = int(block[1]) == 128 and int(block[0]) % 128 == 0 and _gluon_available()
+    n = b.shape[0]
+    fills = triton.cdiv(m, 128) * triton.cdiv(n, 128) >= 0.9 * num_sms(a.device)
+    ws_ok = fills and int(block[1]) == 128 and int(block[0]) % 128 == 0 and _gluon_available()
     return "ws" if ws_ok and set(config or {}) <= set(WS_CONFIG_KEYS) else "tma"
 
 
@@ -123,7 +126,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     ``ws_default_config``) one.
     ``variant``: "portable" (``kernel.py``), "tma" (``kernel_tma.py``: TMA-aligned a and b, CUDA sm_90 or the
     interpreter), "ws" (``kernel_ws.py``: TMA-aligned a and b, bk = 128, CUDA sm_90 only), or "auto": on Hopper
-    for M > 64 with TMA-aligned a and b "ws" (else "tma" where ws does not apply), else "portable".
+    for M > 64 with TMA-aligned a and b "ws" where its tiles fill the SMs (else "tma"), else "portable".
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: {variant!r}, expected one of {VARIANTS}")
@@ -235,3 +238,4 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
         GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), PRODUCER_REGS=40,
         CONSUMER_REGS=232, num_warps=4)
     return c
+

@@ -19,6 +19,18 @@ producer's first pass (waiting for parity ``(k & 1) ^ 1`` = 1) does not block.
 a: e4m3 [M, K] in [BM, BK] TMA tiles; a_scale fp32 [M, K/BK]; b: e4m3 [N, K] in [BN, BK] tiles; b_scale fp32
 [⌈N/BN_S⌉, K/BK] with BN <= BN_S (one weight scale per tile and K block); c [M, N] (row stride ``stride_cm``);
 K % BK == 0. Rows and columns past M and N read zeros (TMA) and are not stored.
+
+Measured (H200, results/sweep_fp8_gemm_ws_h200.json): loading each K block's scales one block ahead and storing
+the output through shared memory by TMA (``TMA_STORE``; each group's store drains while its next tile's MMAs
+run) took the kernel from 0.96-1.29x to 1.15-1.42x the bf16 cuBLAS rate; 128 x 64 tiles were 1.2-1.5x slower.
+Tried and left out:
+
+* two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
+  (the producer's warp group is padded to four), so ptxas caps every thread at 168 registers — the accumulator
+  and two products (192) spill, and ptxas serializes the wgmmas (C7514), also with the K loop unrolled by two;
+* 128 x 256 tiles (a quarter fewer operand bytes per FLOP) with the producer's work folded into the first
+  consumer group, so that 8 warps get 255 registers: correct, but 720 B of spills in the K loop and 2-4x the time
+  of this kernel at all 9 sweep shapes.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
