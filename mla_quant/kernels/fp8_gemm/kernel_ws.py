@@ -22,7 +22,8 @@ K % BK == 0. Rows and columns past M and N read zeros (TMA) and are not stored.
 
 Measured (H200, results/sweep_fp8_gemm_ws_h200.json): loading each K block's scales one block ahead and storing
 the output through shared memory by TMA (``TMA_STORE``; each group's store drains while its next tile's MMAs
-run) took the kernel from 0.96-1.29x to 1.15-1.42x the bf16 cuBLAS rate; 128 x 64 tiles were 1.2-1.5x slower.
+run) took the kernel's best setting per shape from 0.94-1.31x the bf16 cuBLAS speed to 1.15-1.41x (0.77-0.94x
+``torch._scaled_mm``); 128 x 64 tiles were 1.2-1.5x slower.
 Tried and left out:
 
 * two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
