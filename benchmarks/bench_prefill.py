@@ -8,6 +8,11 @@ tokens, compute-bound; decode: 1 / 16 / 64 tokens, weight-bandwidth-bound). The 
 int4_g32 and the other way round (``speedup_vs_peer`` > 1: this format is faster). Expected: FP8 wins
 prefill (INT4 dequantizes in the main loop of a compute-bound GEMM; Cloudflare's GLM 5.2 prefill
 10,160 tok/s in FP8 against 8,660 in INT4), INT4 wins decode (half the bytes of FP8).
+
+The stack's eight calls are timed as one CUDA-graph replay (``graph_us``; ``graph`` in the row says whether the
+capture worked). Timed eagerly (before session 17) the FP8 rows measured the host's launch overhead: one token
+took 960-1770 µs in three runs (its 497 MB of weights read once: 117 µs; bf16's 994 MB: 290 µs, near its 234),
+and the 2048-token FP8 row read 2186 µs in one run and 3310 in another on the same kernels.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 from mla_quant.formats import BF16, FP8Block, Int4Group
 from mla_quant.modules import QuantLinear
 
-from .common import Context, case, median_us
+from .common import Context, case, graph_us
 
 # (name, in_features, out_features) of one Kimi K2.6 dense layer (layer 0)
 KIMI_DENSE_LAYER = (("q_a_proj", 7168, 1536), ("q_b_proj", 1536, 12288), ("kv_a_proj_with_mqa", 7168, 576),
@@ -55,8 +60,8 @@ def run(ctx: Context) -> list[dict]:
                         lin(x)
 
                 with torch.no_grad():
-                    times[name, t] = median_us(forward)
-                meta[name, t] = {"phase": phase, "weight_bytes": nbytes}
+                    times[name, t], captured = graph_us(forward)
+                meta[name, t] = {"phase": phase, "weight_bytes": nbytes, "graph": captured}
         del stack
         torch.cuda.empty_cache()
     rows = []
@@ -66,5 +71,6 @@ def run(ctx: Context) -> list[dict]:
                                      "stack": "kimi_k26_dense_layer"}, us,
                          bytes=meta[name, t]["weight_bytes"] + 2 * t * n_act, flops=2 * t * n_weights,
                          peer=peer, peer_median_us=times.get((peer, t)) if peer else None,
-                         tokens_per_s=round(t / (us * 1e-6), 1), bf16_us=round(times["bf16", t], 3)))
+                         tokens_per_s=round(t / (us * 1e-6), 1), bf16_us=round(times["bf16", t], 3),
+                         graph=meta[name, t]["graph"]))
     return rows
