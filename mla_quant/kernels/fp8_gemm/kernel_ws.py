@@ -18,7 +18,9 @@ producer's first pass (waiting for parity ``(k & 1) ^ 1`` = 1) does not block.
 
 a: e4m3 [M, K] in [BM, BK] TMA tiles; a_scale fp32 [M, K/BK]; b: e4m3 [N, K] in [BN, BK] tiles; b_scale fp32
 [⌈N/BN_S⌉, K/BK] with BN <= BN_S (one weight scale per tile and K block); c [M, N] (row stride ``stride_cm``);
-K % BK == 0. Rows and columns past M and N read zeros (TMA) and are not stored.
+K % BK == 0. Rows and columns past M and N read zeros (TMA) and are not stored. The Triton interpreter does not run
+Gluon: the GPU tests (tests/kernels/test_fp8_gemm.py, "ws") check it against the reference, with Triton 3.6 (the
+H200's); ``benchmarks.compile_check fp8_gemm`` compiles it for sm_90 with 3.6 and 3.9.
 
 Measured (H200, results/sweep_fp8_gemm_ws_h200.json): loading each K block's scales one block ahead and storing
 the output through shared memory by TMA (``TMA_STORE``; each group's store drains while its next tile's MMAs
@@ -37,6 +39,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+# Gluon renamed the TMA copies after Triton 3.6 (async_copy_global_to_shared -> async_load, async_copy_shared_to_global
+# -> async_store; the old names raise in 3.9): the same builtins under either name
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -62,8 +69,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], ready.index(s), b_bufs.index(s))
+            _tma_load(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
+            _tma_load(b_desc, [pid_n * BN, kb * BK], ready.index(s), b_bufs.index(s))
             it += 1
 
 
@@ -109,7 +116,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
             tma.store_wait(pendings=0)
             c_smem.store(acc.to(c_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [pid_m * BM + HALF * HM, pid_n * BN], c_smem)
+            _tma_store(c_desc, [pid_m * BM + HALF * HM, pid_n * BN], c_smem)
         else:
             rn = pid_n * BN + gl.arange(0, BN, cols_l)
             mask = (rm < M)[:, None] & (rn < N)[None, :]
