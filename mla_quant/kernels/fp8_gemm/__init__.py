@@ -23,11 +23,10 @@ CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable
 TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
 # / by TMA from shared memory where the output allows it)
-WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "SPLIT_K")
+WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE")
 VARIANTS = ("auto", "portable", "tma", "ws")
-WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, "SPLIT_K": sk}
-                      for bn, st, ts, sk in ((128, 4, 1, 1), (128, 5, 1, 1), (128, 6, 1, 1), (128, 5, 0, 1),
-                                             (64, 8, 1, 1), (128, 4, 1, 2), (128, 4, 1, 4)))
+WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts}
+                      for bn, st, ts in ((128, 4, 1), (128, 5, 1), (128, 6, 1), (128, 5, 0), (64, 8, 1)))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
 # group (two programs per SM: 4 stages of 24 KB each)
@@ -37,7 +36,7 @@ TMA_CANDIDATES = tuple(
                              (128, 128, 8, 5, 1), (128, 64, 4, 4, 0)))
 
 __all__ = ["fp8_gemm", "fp8_gemm_reference", "default_config", "CONFIG_KEYS", "TMA_CONFIG_KEYS", "TMA_CANDIDATES",
-           "VARIANTS", "WS_CONFIG_KEYS", "WS_CANDIDATES", "ws_default_config", "ws_split_k"]
+           "VARIANTS", "WS_CONFIG_KEYS", "WS_CANDIDATES", "ws_default_config"]
 
 
 def default_config(m: int) -> dict:
@@ -77,14 +76,6 @@ def _auto_variant(m, a, b, block, config, interpreted) -> str:
     fills = triton.cdiv(m, 128) * triton.cdiv(n, 128) >= 0.9 * num_sms(a.device)
     ws_ok = fills and int(block[1]) == 128 and int(block[0]) % 128 == 0 and _gluon_available()
     return "ws" if ws_ok and set(config or {}) <= set(WS_CONFIG_KEYS) else "tma"
-
-
-def ws_split_k(tiles: int, n_kb: int, sms: int) -> int:
-    """The "ws" variant's K splits when ``SPLIT_K`` is not pinned: 1 while the tiles fill ~90 % of the SMs, else as
-    many as bring the work units to about one per SM (each split at least 4 K blocks)."""
-    if tiles >= 0.9 * sms:
-        return 1
-    return max(1, min(round(sms / tiles), n_kb // 4))
 
 
 def _tma_ok(a, b) -> bool:
@@ -242,13 +233,9 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     c_desc = (TensorDescriptor.from_tensor(c, [64, cfg["BN"]], gl.NVMMASharedLayout.get_default_for([64, cfg["BN"]], c_gl))
               if tma_store else None)
     tiles = triton.cdiv(m, 128) * triton.cdiv(n, cfg["BN"])
-    split = int(cfg.get("SPLIT_K") or ws_split_k(tiles, k // bk, num_sms(a.device)))
-    if not 1 <= split <= k // bk:
-        raise ValueError(f"config: SPLIT_K {split} not in [1, K/bk = {k // bk}]")
-    part, count = split_k_workspace(m, n, split, 2 * tiles, a.device)  # counters: one per tile half
-    _fp8_gemm_ws_kernel[(min(tiles * split, num_sms(a.device)),)](
-        a_desc, a_scale, b_desc, b_scale, c, c_desc, part, count, m, n, k, c.stride(0), BN_S=bn_s, BM=128,
-        BN=cfg["BN"], BK=bk, GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store),
-        SPLIT_K=split, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4)
+    _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
+        a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,
+        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), PRODUCER_REGS=40,
+        CONSUMER_REGS=232, num_warps=4)
     return c
 

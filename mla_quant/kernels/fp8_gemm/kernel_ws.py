@@ -40,11 +40,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-# Gluon renamed builtins after Triton 3.6 (async_copy_global_to_shared -> async_load, async_copy_shared_to_global ->
-# async_store, thread_barrier -> barrier; the old TMA names raise in 3.9): the same builtins under either name
+# Gluon renamed the TMA copies after Triton 3.6 (async_copy_global_to_shared -> async_load, async_copy_shared_to_global
+# -> async_store; the old names raise in 3.9): the same builtins under either name
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the partition's threads (3.9: gl.barrier)
 
 
 @gluon.jit
@@ -57,29 +56,16 @@ def _tile_coords(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _unit(u, tiles, n_kb, SPLIT_K: gl.constexpr):
-    """Work unit u -> (tile, split, first K block, end K block): the SPLIT_K splits of a tile are units
-    tile, tile + tiles, ... (so they run side by side), each over ⌈n_kb / SPLIT_K⌉ K blocks (the last ones fewer,
-    possibly none)."""
-    tile = u % tiles
-    split = u // tiles
-    per = gl.cdiv(n_kb, SPLIT_K)
-    kb0 = gl.minimum(split * per, n_kb)
-    return tile, split, kb0, gl.minimum(kb0 + per, n_kb)
-
-
-@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+              STAGES: gl.constexpr):
     n_kb = K // BK
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
     it = 0
-    for u in range(gl.program_id(0), grid_m * grid_n * SPLIT_K, gl.num_programs(0)):
-        tile, split, kb0, kb1 = _unit(u, grid_m * grid_n, n_kb, SPLIT_K)
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
-        for kb in range(kb0, kb1):
+        for kb in range(n_kb):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -89,14 +75,10 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, part_ptr, count_ptr,
-              M, N, K, stride_cm,
+def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
               HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SPLIT_K: gl.constexpr):
-    """Rows [HALF·BM/2, (HALF+1)·BM/2) of every work unit of this program (one warp group). With SPLIT_K > 1 a
-    unit's partial goes to ``part`` [SPLIT_K, M, N] fp32 and the last of the tile half's SPLIT_K groups to arrive
-    at its counter (``count`` [2 · tiles] int32, zero, reset to zero by that group) sums the partials in split
-    order and stores the tile half (deterministic, as ``_gemm_utils.reduce_arrivals``)."""
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Rows [HALF·BM/2, (HALF+1)·BM/2) of every tile of this program (one warp group)."""
     HM: gl.constexpr = BM // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -106,17 +88,16 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
     grid_n = gl.cdiv(N, BN)
     zero = gl.zeros([HM, BN], gl.float32, mma)
     it = 0
-    for u in range(gl.program_id(0), grid_m * grid_n * SPLIT_K, gl.num_programs(0)):
-        tile, split, kb0, kb1 = _unit(u, grid_m * grid_n, n_kb, SPLIT_K)
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
         rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
         # the scales of K block kb are loaded during block kb - 1 (an L2 round trip outlasts one block's MMA)
-        a_s_next = gl.load(a_s_ptrs + gl.minimum(kb0, n_kb - 1))
-        b_s_next = gl.load(b_s_ptr + gl.minimum(kb0, n_kb - 1))
+        a_s_next = gl.load(a_s_ptrs)
+        b_s_next = gl.load(b_s_ptr)
         acc = zero
-        for kb in range(kb0, kb1):
+        for kb in range(n_kb):
             scale = a_s_next * b_s_next
             kn = gl.minimum(kb + 1, n_kb - 1)
             a_s_next = gl.load(a_s_ptrs + kn)
@@ -130,40 +111,26 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
             mbarrier.arrive(empty.index(s), count=1)
             acc += prod * scale[:, None]
             it += 1
-        rn = pid_n * BN + gl.arange(0, BN, cols_l)
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        last = True
-        if SPLIT_K > 1:
-            offs = rm[:, None].to(gl.int64) * N + rn[None, :]
-            gl.store(part_ptr + (split * M).to(gl.int64) * N + offs, acc, mask=mask)
-            _barrier()  # every thread's partial is written before the release below
-            count = count_ptr + 2 * tile + HALF
-            last = gl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1
-            if last:
-                acc = zero
-                for j in range(SPLIT_K):
-                    acc += gl.load(part_ptr + (j * M).to(gl.int64) * N + offs, mask=mask, other=0.0,
-                                   cache_modifier=".cg")
-                gl.atomic_xchg(count, 0)
-        if last:
-            if TMA_STORE:
-                # the previous tile's store has read c_smem; this one drains while the next tile's MMAs run
-                tma.store_wait(pendings=0)
-                c_smem.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                _tma_store(c_desc, [pid_m * BM + HALF * HM, pid_n * BN], c_smem)
-            else:
-                gl.store(c_ptr + rm[:, None].to(gl.int64) * stride_cm + rn[None, :],
-                         acc.to(c_ptr.dtype.element_ty), mask=mask)
+        if TMA_STORE:
+            # the previous tile's store has read c_smem; this one drains while the next tile's MMAs run
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [pid_m * BM + HALF * HM, pid_n * BN], c_smem)
+        else:
+            rn = pid_n * BN + gl.arange(0, BN, cols_l)
+            mask = (rm < M)[:, None] & (rn < N)[None, :]
+            gl.store(c_ptr + rm[:, None].to(gl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=mask)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, part_ptr, count_ptr, M, N, K, stride_cm,
+def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                        SPLIT_K: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -178,11 +145,11 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, part_ptr,
         c_smem0 = a_bufs
         c_smem1 = a_bufs
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, part_ptr, count_ptr,
-                     M, N, K, stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, part_ptr, count_ptr,
-                     M, N, K, stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, SPLIT_K)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, SPLIT_K)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
+                     0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
+                     1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
