@@ -24,7 +24,7 @@ from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 
 from .common import L2_BYTES, Context, graph_us, meta, sweep_args
 
-NK = ((4096, 7168), (7168, 2048), (24576, 1536))  # Kimi/GLM widths: q_b-like, o_proj-like, wide q_b
+NK = ((4096, 7168), (7168, 2048), (24576, 1536), (2048, 7168))  # Kimi/GLM widths: q_b-, o_proj-like, wide q_b, expert
 MS = (8192, 2048, 512)
 
 

@@ -33,7 +33,10 @@ Tried and left out:
   and two products (192) spill, and ptxas serializes the wgmmas (C7514), also with the K loop unrolled by two;
 * 128 x 256 tiles (a quarter fewer operand bytes per FLOP) with the producer's work folded into the first
   consumer group, so that 8 warps get 255 registers: correct, but 720 B of spills in the K loop and 2-4x the time
-  of this kernel at all 9 sweep shapes.
+  of this kernel at all 9 sweep shapes;
+* split-K (a tile's K splits side by side, fp32 partials summed in split order by the last arriving group, for
+  shapes whose tiles leave SMs idle): correct, but at 512 x 2048 x 7168 (64 tiles) 2 splits took 26.6 µs against
+  25.0 for kernel_tma.py's smaller tiles, and 2-4 splits were 1.4-4x slower elsewhere (the partials' round trip).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
