@@ -67,7 +67,7 @@ def _gluon_available() -> bool:
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
     """``variant="auto"``: on Hopper past 64 tokens with TMA-aligned operands "ws" when its 128 × 128 tiles fill
     ~90 % of the SMs or more (bk = 128, bn a multiple of 128, no configuration of another variant pinned), else
-    "tma"; "portable" otherwise (and under the interpreter). H200: "ws" took 0.78-0.97x the time of "tma"'s default
+    "tma"; "portable" otherwise (and under the interpreter). H200: "ws" took 0.79-0.97x the time of "tma"'s default
     at all 9 prefill shapes of the sweep of 518d14e (128-1536 tiles; results/sweep_fp8_gemm_ws_h200.json), but
     1.23x at 512 x 2048 x 7168 (64 tiles: half the SMs idle; bench gemm of 15dad33)."""
     if m <= 64 or interpreted or not _tma_ok(a, b) or not _is_hopper(a.device):
