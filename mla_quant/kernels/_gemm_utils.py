@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import next_power_of_2
+
 
 @triton.jit
 def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
@@ -198,7 +200,7 @@ def load_k(ptrs, mask, EVEN: tl.constexpr):
 def m_bucket(m: int) -> int:
     """Autotuning key for the token count: 1, then powers of two up to 8192 (configs are kept per bucket,
     so a prefill with 1000 or 1024 tokens reuses one tuning)."""
-    return 1 if m <= 1 else min(8192, triton.next_power_of_2(m))
+    return 1 if m <= 1 else min(8192, next_power_of_2(m))
 
 
 def num_sms(device: torch.device) -> int:

@@ -10,11 +10,11 @@ import functools
 import importlib.util
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
+from .._host import cdiv
 from ..fp8_quant import FP8
 from .reference import fp8_gemm_reference
 
@@ -73,7 +73,7 @@ def _auto_variant(m, a, b, block, config, interpreted) -> str:
     if m <= 64 or interpreted or not _tma_ok(a, b) or not _is_hopper(a.device):
         return "portable"
     n = b.shape[0]
-    fills = triton.cdiv(m, 128) * triton.cdiv(n, 128) >= 0.9 * num_sms(a.device)
+    fills = cdiv(m, 128) * cdiv(n, 128) >= 0.9 * num_sms(a.device)
     ws_ok = fills and int(block[1]) == 128 and int(block[0]) % 128 == 0 and _gluon_available()
     return "ws" if ws_ok and set(config or {}) <= set(WS_CONFIG_KEYS) else "tma"
 
@@ -106,8 +106,8 @@ def _check(a, a_scale, b, b_scale, block, out_dtype) -> tuple[int, int, int]:
     check_divisible("K", k, bk, "the block width bk")
     if tuple(a_scale.shape) != (m, k // bk):
         raise ValueError(f"a_scale: shape {tuple(a_scale.shape)}, expected {(m, k // bk)}")
-    if tuple(b_scale.shape) != (triton.cdiv(n, bn), k // bk):
-        raise ValueError(f"b_scale: shape {tuple(b_scale.shape)}, expected {(triton.cdiv(n, bn), k // bk)}")
+    if tuple(b_scale.shape) != (cdiv(n, bn), k // bk):
+        raise ValueError(f"b_scale: shape {tuple(b_scale.shape)}, expected {(cdiv(n, bn), k // bk)}")
     return m, n, k
 
 
@@ -157,7 +157,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     if config is not None:
         config = dict(config)
         split = config.pop("SPLIT_K", None) or split_k(m, n, k, config["BM"], config["BN"], bk, sms)
-        max_split, max_tiles = split, triton.cdiv(m, config["BM"]) * triton.cdiv(n, config["BN"])
+        max_split, max_tiles = split, cdiv(m, config["BM"]) * cdiv(n, config["BN"])
     else:
         max_split, max_tiles = workspace_bounds(m, n, k, bk, sms)
     part, count = split_k_workspace(m, n, max_split, max_tiles, a.device)
@@ -166,7 +166,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     common = dict(BN_S=int(block[0]), BK=bk, INTERPRET=interpreted)
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
+        return (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if config is None:
         fp8_gemm_autotuned[grid](*args, **common)
@@ -192,7 +192,7 @@ def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.
     bn_s, bk = int(block[0]), int(block[1])
     a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], bk])
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk])
-    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
     programs = min(tiles, num_sms(a.device)) if cfg["PERSISTENT"] else tiles
     _fp8_gemm_tma_kernel[(programs,)](
         a_desc, a_scale, b_desc, b_scale, c, m, n, k, c.stride(0), programs, BN_S=bn_s, BK=bk, BM=cfg["BM"],
@@ -232,7 +232,7 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     c_gl = gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16
     c_desc = (TensorDescriptor.from_tensor(c, [64, cfg["BN"]], gl.NVMMASharedLayout.get_default_for([64, cfg["BN"]], c_gl))
               if tma_store else None)
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n, cfg["BN"])
+    tiles = cdiv(m, 128) * cdiv(n, cfg["BN"])
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,
         GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), PRODUCER_REGS=40,

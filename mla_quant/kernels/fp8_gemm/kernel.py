@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._gemm_utils import autotune_bench, grouped_tile, m_bucket, split_k_for, store_split_k
+from .._host import cdiv
 
 
 @triton.jit
@@ -78,14 +79,14 @@ def _prune(configs, named_args, **kwargs):
 def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
     """K splits for a BM × BN tiling: while the tiles give fewer than ~2 programs per SM (each split keeps ≥ 2 K
     blocks); 1 at prefill sizes."""
-    return split_k_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, 2 * sms)
+    return split_k_for(cdiv(m, bm) * cdiv(n, bn), k // bk, 2 * sms)
 
 
 def workspace_bounds(m: int, n: int, k: int, bk: int, sms: int) -> tuple[int, int]:
     """(largest SPLIT_K, most output tiles) over the configs the autotuner may pick for M tokens."""
     cfgs = _prune(_configs(), {"M_BUCKET": m_bucket(m)})
     splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], bk, sms) for c in cfgs]
-    tiles = [triton.cdiv(m, c.kwargs["BM"]) * triton.cdiv(n, c.kwargs["BN"]) for c in cfgs]
+    tiles = [cdiv(m, c.kwargs["BM"]) * cdiv(n, c.kwargs["BN"]) for c in cfgs]
     return max(splits), max(tiles)
 
 

@@ -6,10 +6,10 @@ reference of the same signature (``reference.py``). See docs/formats.md for the 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from .reference import (
     FP8,
     FP8_MAX,
@@ -66,7 +66,7 @@ def act_quant_fp8(
     scale = torch.empty(*x.shape[:-1], x.shape[-1] // group_size, dtype=torch.float32, device=x.device)
     n_groups = x.numel() // group_size
     if n_groups:
-        _act_quant_fp8_kernel[(triton.cdiv(n_groups, cfg["BLOCK_G"]),)](
+        _act_quant_fp8_kernel[(cdiv(n_groups, cfg["BLOCK_G"]),)](
             x, q, scale, n_groups, GROUP=group_size, UE8M0=ue8m0, **cfg)
     return q, scale
 
@@ -111,7 +111,7 @@ def block_quant_fp8(
     from .kernel import _block_quant_fp8_kernel
 
     n, k = w.shape
-    nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    nb, kb = cdiv(n, bn), cdiv(k, bk)
     q = torch.empty((n, k), dtype=FP8, device=w.device)
     scale = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     grid = _block_grid(nb, kb, cfg["K_FAST"])
@@ -140,7 +140,7 @@ def block_dequant_fp8(
     check_same_device(q=q, scale_inv=scale_inv)
     bn, bk = _check_block(block)
     n, k = q.shape
-    nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    nb, kb = cdiv(n, bn), cdiv(k, bk)
     if tuple(scale_inv.shape) != (nb, kb):
         raise ValueError(f"scale_inv: shape {tuple(scale_inv.shape)} does not match q {tuple(q.shape)} "
                          f"with block {block} (expected {(nb, kb)})")
@@ -177,7 +177,7 @@ def kv_quant_fp8(
             raise ValueError("scale: must be positive")
     t, d = x.shape
     d_head = 1 << (max(d, 1).bit_length() - 1)
-    d_tail = triton.next_power_of_2(max(d - d_head, 1))
+    d_tail = next_power_of_2(max(d - d_head, 1))
     # ~2k values per program (4 rows of 576 with 2 warps) on a persistent grid of 8 programs per SM, loads 3 deep:
     # 0.818 of copy in the H200 sweep of 8b4c3e0 (one tile per program: 0.802; 8 rows / 4 warps: 0.68-0.74)
     cfg = launch_config(config, {"BLOCK_T": max(1, 2048 // d_head), "num_warps": 2, "STAGES": 3,
@@ -188,7 +188,7 @@ def kv_quant_fp8(
 
     q = torch.empty((t, d), dtype=FP8, device=x.device)
     s = torch.empty(t, dtype=torch.float32, device=x.device) if scale is None else scale.reshape(1)
-    tiles = triton.cdiv(t, cfg["BLOCK_T"])
+    tiles = cdiv(t, cfg["BLOCK_T"])
     if cfg["STAGES"]:
         tiles = persistent_programs(tiles, cfg, x.device)
     else:

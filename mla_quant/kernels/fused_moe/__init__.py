@@ -12,11 +12,11 @@ The CPU path is the per-expert reference (``reference.py``) of the same signatur
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from .._pdl import pdl_launch
 from ..fp8_quant import FP8, act_quant_fp8, act_quant_fp8_reference
 from ..int4_quant import GROUP_SIZES
@@ -262,12 +262,12 @@ def fused_moe(
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
                        w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0))
         if interpret:
-            grid = (programs, triton.cdiv(n, interp_bn))
+            grid = (programs, cdiv(n, interp_bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
                                    BLOCK_K=interp_bk, EVEN_K=k % interp_bk == 0,
                                    PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile)
         else:
-            grid = lambda meta: (programs, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+            grid = lambda meta: (programs, cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             tuned[grid](*launch_args, GATED=gated, **consts, **extra, **pdl)
 
     # The interpreter rounds fp32 -> e4m3 wrongly (DESIGN.md): there the activation rounding runs in torch.
@@ -294,9 +294,9 @@ def fused_moe(
         # may pick (its BLOCK_N is autotuned); the gate-up launch zeroes them (COUNTERS per program m), the down
         # launch leaves them zero.
         min_bn = interp_bn if interpret else min(c.kwargs["BLOCK_N"] for c in tuned.configs)
-        counters = torch.empty(tokens * triton.cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
+        counters = torch.empty(tokens * cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
         combine = (counters, result, shared)
-        zero_block = triton.next_power_of_2(triton.cdiv(counters.numel(), num_assignments))
+        zero_block = next_power_of_2(cdiv(counters.numel(), num_assignments))
         gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block)
     else:
         gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
@@ -306,8 +306,8 @@ def fused_moe(
              HAS_SHARED=shared_out is not None)
         return result
     gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+    block_h = min(1024, next_power_of_2(hidden))
+    _moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
         y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),
         TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
     return result
@@ -356,7 +356,7 @@ def _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, 
 
     def plan(which: str, rows: int, k: int):
         bk, per_sm, warps, prefetch = frag.MOE_FRAG_INTERPRETER if interpret else frag.MOE_FRAG_TILES[which]
-        tiles = triton.cdiv(rows, 16 * warps)
+        tiles = cdiv(rows, 16 * warps)
         split = frag_split(rows * assignments, k, 16 * warps, bk, sms, per_sm)
         return tiles, split, dict(GROUP=group_size, BK=bk, EVEN_K=k % bk == 0, INTERPRET=interpret, W=warps,
                                   TOP_K=top_k, PREFETCH=prefetch, num_warps=warps, **pdl)

@@ -8,10 +8,10 @@ negative slots are skipped. See ``reference.py`` for the quantization rule.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from .reference import indexer_k_append_reference, quantize_indexer_keys_reference
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,10 +57,10 @@ def indexer_k_append(k: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch
 
     if t == 0:
         return None
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_t = max(1, min(64, 4096 // block_d))
     fp8 = k_cache.dtype == FP8
-    _indexer_k_append_kernel[(triton.cdiv(t, block_t),)](
+    _indexer_k_append_kernel[(cdiv(t, block_t),)](
         k, slot_mapping, k_cache, k_scale if fp8 else k_cache, t, d, k.stride(0),
         FP8=fp8, UE8M0=ue8m0, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return None

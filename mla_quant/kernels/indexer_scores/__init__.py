@@ -11,10 +11,10 @@ the block table in tokens). Math: ``reference.py``.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from .._pdl import pdl_launch
 from ..indexer_k_append import check_key_pages
 from ..topk import RADIX_BITS, RADIX_MAX_ROWS, radix_topk_from, topk_indices
@@ -157,10 +157,10 @@ def _launch(q, weights, k_cache, k_scale, block_table, req_ids, positions, n, hi
         dot = 0
     else:
         dot = 1 if {q.dtype, k_cache.dtype} <= {FP8, torch.bfloat16} else 2
-    block_h = max(16, triton.next_power_of_2(h))
+    block_h = max(16, next_power_of_2(h))
     block_n, warps = (DECODE_BLOCK_N, DECODE_WARPS) if t <= DECODE_TOKENS else (BLOCK_N, WARPS)
     block_n = 64 if interpreted else block_n
-    grid = (t, triton.cdiv(n, block_n))
+    grid = (t, cdiv(n, block_n))
     _indexer_scores_kernel[grid](
         q, weights, k_cache, k_scale if k_scale is not None else weights, block_table, req_ids, positions, out,
         hist if hist is not None else out, h, n, q.stride(0), q.stride(1), weights.stride(0),

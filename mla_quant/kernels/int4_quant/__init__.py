@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
+from .._host import cdiv
 from ..fp8_quant import launch_config, persistent_programs
 from .reference import (
     QMAX,
@@ -77,7 +77,7 @@ def int4_quantize(
     n, k = w.shape
     packed = torch.empty((n, k // 8), dtype=torch.int32, device=w.device)
     scale = torch.empty((n, k // group_size), dtype=scale_dtype, device=w.device)
-    nb, kb = triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"])
+    nb, kb = cdiv(n, cfg["BN"]), cdiv(k, cfg["BK"])
     grid = (kb, nb) if cfg["K_FAST"] else (nb, kb)
     if cfg["STAGES"]:
         grid = (persistent_programs(nb * kb, cfg, w.device),)
@@ -116,6 +116,6 @@ def int4_dequantize(
 
     out = torch.empty((n, k), dtype=out_dtype, device=packed.device)
     if n and k:
-        grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(k, cfg["BK"]))
+        grid = (cdiv(n, cfg["BN"]), cdiv(k, cfg["BK"]))
         _int4_dequant_kernel[grid[::-1] if cfg["K_FAST"] else grid](packed, scale, out, n, k, GROUP=group_size, **cfg)
     return out

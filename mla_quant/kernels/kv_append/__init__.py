@@ -8,10 +8,10 @@ Slots must be distinct within one call.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from ..kv_layout import DS_MLA_TILE, KV_KINDS, check_kv_pages
 from .reference import kv_append_reference
 
@@ -63,13 +63,13 @@ def kv_append(rows: torch.Tensor, slot_mapping: torch.Tensor, data: torch.Tensor
     from .kernel import _kv_append_kernel
 
     d_rope = d - d_latent
-    block_l = triton.next_power_of_2(d_latent)
+    block_l = next_power_of_2(d_latent)
     if kind == "fp8_ds_mla":
         block_l = max(block_l, DS_MLA_TILE)
-    block_r = triton.next_power_of_2(d_rope)
+    block_r = next_power_of_2(d_rope)
     fit = max(1, min(64, 4096 // (block_l + block_r)))
     block_t = 1 << (fit.bit_length() - 1)  # rows per program: a power of two, ~4k elements per tile
-    _kv_append_kernel[(triton.cdiv(t, block_t),)](
+    _kv_append_kernel[(cdiv(t, block_t),)](
         rows, slot_mapping, data, scales if scales is not None else data, t, rows.stride(0), num_slots,
         D_LATENT=d_latent, D_ROPE=d_rope, WIDTH=data.shape[-1], KIND=KV_KINDS.index(kind),
         PER_TOKEN=scale == "token", TILE=DS_MLA_TILE, BLOCK_T=block_t, BLOCK_L=block_l, BLOCK_R=block_r,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from .._outputs import output_buffer
 from .._pdl import pdl_launch
 from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
@@ -108,7 +108,7 @@ def plan_num_splits(batch: int, s_q: int, heads: int, max_len: int, kind: str, d
     row_bytes = kv_row_width(kind, d_latent, d_rope) * kv_data_dtype(kind).itemsize + (4 if kind == "fp8_e4m3" else 0)
     min_tokens = max(128, block_m * d_latent * 8 // row_bytes)
     slots = num_sms * (per_sm or (2 if block_m <= 32 else 1))
-    return choose_num_splits(batch * triton.cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
+    return choose_num_splits(batch * cdiv(s_q * heads, block_m), max_len, min_tokens, slots)
 
 
 def _word_aligned(kv_data: torch.Tensor) -> bool:
@@ -314,7 +314,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
                 **pdl_launch(q.device, "mla_decode"))
 
     def grid(m):
-        return (triton.cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
+        return (cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
 
     if config is None and interpreted:
         config = dict(BLOCK_M=_block_m(m_rows), BLOCK_N=16, QK_SPLIT_LOAD=False)
@@ -398,12 +398,12 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     from .kernel import _mla_decode_combine_kernel, _mla_decode_combine_tiles_kernel
 
     bsz, num_splits, m_rows, d_latent = o_part.shape
-    splits_p2 = triton.next_power_of_2(num_splits)
+    splits_p2 = next_power_of_2(num_splits)
     if kernel == "auto":
         kernel = "rows" if num_splits <= ROWS_MAX_SPLITS else "tiles"
     pdl = pdl_launch(o_part.device, "mla_decode_merge")
     if kernel == "rows":
-        _mla_decode_combine_kernel[(triton.cdiv(m_rows, ROWS_BLOCK_R), bsz)](
+        _mla_decode_combine_kernel[(cdiv(m_rows, ROWS_BLOCK_R), bsz)](
             o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=ROWS_BLOCK_R,
             SPLITS_P2=splits_p2, num_warps=ROWS_WARPS, **pdl)
         return

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import cdiv, next_power_of_2
 from .._outputs import output_buffer
 from .reference import mla_prefill_reference
 
@@ -105,11 +105,11 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     args = (q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, softmax_scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), heads)
-    meta = dict(D1=d1, D2=d2, D2P=max(16, triton.next_power_of_2(d2)), DV=d_v, DVP=max(16, triton.next_power_of_2(d_v)),
+    meta = dict(D1=d1, D2=d2, D2P=max(16, next_power_of_2(d2)), DV=d_v, DVP=max(16, next_power_of_2(d_v)),
                 CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=interpreted)
 
     def grid(m):
-        return (triton.cdiv(max_seqlen_q, m["BLOCK_M"]), heads, bsz)
+        return (cdiv(max_seqlen_q, m["BLOCK_M"]), heads, bsz)
 
     if interpreted:
         _mla_prefill_kernel[grid](*args, **meta, BLOCK_M=16, BLOCK_N=16)

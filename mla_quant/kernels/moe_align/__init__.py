@@ -7,10 +7,10 @@ docs/moe.md. Small batches (all assignments in one program) run one Triton kerne
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import use_triton
 from .._checks import check_tensor
+from .._host import next_power_of_2
 from .reference import align_capacity, moe_align_reference
 
 MAX_ASSIGNMENTS = 8192  # one program sorts this many (token, slot) pairs
@@ -46,11 +46,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     # at least 16 lanes everywhere: no degenerate one-element sorts or histograms
-    block_a = max(16, triton.next_power_of_2(num_assignments))
-    block_e = max(16, triton.next_power_of_2(num_experts + 1))
+    block_a = max(16, next_power_of_2(num_assignments))
+    block_e = max(16, next_power_of_2(num_experts + 1))
     _moe_align_kernel[(1,)](
         topk_ids.contiguous(), sorted_ids, expert_ids, num_padded, num_assignments, num_experts, cap,
-        BLOCK_M=block_m, BLOCK_A=block_a, BLOCK_E=block_e, BLOCK_FILL=min(1024, max(16, triton.next_power_of_2(cap))),
+        BLOCK_M=block_m, BLOCK_A=block_a, BLOCK_E=block_e, BLOCK_FILL=min(1024, max(16, next_power_of_2(cap))),
         BLOCK_B=max(16, 8192 // block_e), num_warps=max(4, min(16, block_a // 256)))
     return sorted_ids, expert_ids, num_padded
 

@@ -9,10 +9,10 @@ token's slot is not the one its table gives. See ``reference.py`` for the exact 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import use_triton
 from .._checks import check_same_device, check_tensor
+from .._host import next_power_of_2
 from .reference import page_tag_verify_reference
 
 INDEX = (torch.int32, torch.int64)
@@ -71,7 +71,7 @@ def page_tag_verify(block_table: torch.Tensor, seq_lens: torch.Tensor, recorded_
     first_bad = torch.empty(b, dtype=torch.int32, device=block_table.device)
     if b:
         check_slots = cu_seqlens_q is not None
-        block_p = min(1024, max(16, triton.next_power_of_2(p)))
+        block_p = min(1024, max(16, next_power_of_2(p)))
         _page_tag_verify_kernel[(b,)](
             block_table, seq_lens, recorded_tags, page_tags,
             cu_seqlens_q if check_slots else seq_lens, slot_mapping if check_slots else seq_lens,

@@ -15,11 +15,11 @@ GPU (decode at small batch); splits are merged by their log-sum-exp.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from .._gemm_utils import num_sms
+from .._host import cdiv, next_power_of_2
 from .._pdl import pdl_launch
 from ..kv_layout import check_kv_pages
 from .reference import gather_kv_rows, sparse_mla_decode_reference
@@ -81,8 +81,8 @@ def _check_inputs(q_nope, q_pe, kv_data, kv_scales, kind, block_table, seq_lens,
 
 def _num_splits(t: int, head_blocks: int, k: int, block_n: int, device: torch.device) -> int:
     """Enough splits of the top-k list for about two waves of programs (each split ≥ one block of rows)."""
-    want = triton.cdiv(2 * num_sms(device), max(t * head_blocks, 1))
-    return max(1, min(want, triton.cdiv(k, block_n)))
+    want = cdiv(2 * num_sms(device), max(t * head_blocks, 1))
+    return max(1, min(want, cdiv(k, block_n)))
 
 
 def _min_rows(head_blocks: int) -> int:
@@ -117,11 +117,11 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
     interpreted = triton_interpreted()
     dot_bf16 = q_nope.dtype != torch.float32 and not interpreted
     block_h = 16 if h <= 16 else 32
-    head_blocks = triton.cdiv(h, block_h)
+    head_blocks = cdiv(h, block_h)
     splits = min(num_splits or _num_splits(t, head_blocks, k, _min_rows(head_blocks), q_nope.device), MAX_SPLITS)
-    block_n = 16 if interpreted or triton.cdiv(k, splits) < 32 else 32   # rows per step
-    chunk = triton.cdiv(triton.cdiv(k, splits), block_n) * block_n
-    splits = triton.cdiv(k, chunk)
+    block_n = 16 if interpreted or cdiv(k, splits) < 32 else 32   # rows per step
+    chunk = cdiv(cdiv(k, splits), block_n) * block_n
+    splits = cdiv(k, chunk)
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     indices = indices.contiguous()
@@ -153,7 +153,7 @@ def sparse_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_data: torch.T
         SINGLE=splits == 1, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=4 if interpreted else KERNEL_WARPS,
         **pdl_launch(q_nope.device, "sparse_mla_decode" if head_blocks == 1 else "sparse_mla_decode_wide"))
     if splits > 1:
-        block_s = triton.next_power_of_2(splits)
+        block_s = next_power_of_2(splits)
         block_d = min(d_latent, max(16, COMBINE_PARTIALS // block_s))
         _combine_splits_kernel[(t, h, d_latent // block_d)](
             o_buf, l_buf, out, lse, h, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),

@@ -43,11 +43,11 @@ per 64k row (its per-element histogram work, docs/dsa.md), torch.topk's by ~1 µ
 from __future__ import annotations
 
 import torch
-import triton
 
 from .._backend import use_triton
 from .._checks import check_tensor
 from .._gemm_utils import num_sms
+from .._host import cdiv, next_power_of_2
 from .._pdl import pdl_launch
 from .kernel import CAND_ROUNDS, rounds, work_ints
 from .reference import topk_indices_reference
@@ -110,7 +110,7 @@ def radix_block(rows: int, n: int, device: torch.device) -> int:
     """Columns per radix tile: 1024, or 256 when 1024-column tiles would give fewer than ~4 programs per SM (one
     row of 64k: 256 programs of 256 columns instead of 64 of 1024 — each round is then mostly latency, and a
     program's histogram work shrinks with its tile)."""
-    return 1024 if rows * triton.cdiv(n, 1024) >= 4 * num_sms(device) else 256
+    return 1024 if rows * cdiv(n, 1024) >= 4 * num_sms(device) else 256
 
 
 def radix_topk_from(scores: torch.Tensor, k: int, work: torch.Tensor, rounds_done: int,
@@ -155,11 +155,11 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
 
     finish = finish or default_finish(radix_bits)
     block = block or radix_block(rows, n, scores.device)
-    tiles = triton.cdiv(n, block)
+    tiles = cdiv(n, block)
     if chunks is None:                           # about four programs per SM over all rows
-        chunks = triton.cdiv(4 * num_sms(scores.device), rows)
-    tiles_per_chunk = triton.cdiv(tiles, max(1, min(chunks, tiles)))
-    grid = (rows, triton.cdiv(tiles, tiles_per_chunk))
+        chunks = cdiv(4 * num_sms(scores.device), rows)
+    tiles_per_chunk = cdiv(tiles, max(1, min(chunks, tiles)))
+    grid = (rows, cdiv(tiles, tiles_per_chunk))
     digits = rounds(radix_bits)
     width = work_ints(radix_bits)
     pdl = pdl_launch(scores.device, "topk")
@@ -175,7 +175,7 @@ def _radix_topk(scores: torch.Tensor, k: int, block: int | None = None, chunks: 
                                    RADIX=radix_bits, NR=len(digits), BLOCK=block, WORK=width, num_warps=4, **pdl)
         return out
     cand = torch.empty(rows, 2, n, dtype=torch.int32, device=scores.device)   # per row: keys, then columns
-    finish_args = dict(ROUNDS=CAND_ROUNDS, RADIX=radix_bits, WORK=width, WORK_P2=triton.next_power_of_2(width),
+    finish_args = dict(ROUNDS=CAND_ROUNDS, RADIX=radix_bits, WORK=width, WORK_P2=next_power_of_2(width),
                        CAND_BLOCK=cand_block, WARP_SEARCH=warp_search)
     _radix_compact_kernel[grid](scores, scores.stride(0), work, out, out.stride(0), cand, n, kk, tiles_per_chunk,
                                 NR=len(digits), BLOCK=block, FUSED=fused_finish, **finish_args,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
+from .._host import cdiv
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
@@ -110,11 +110,11 @@ def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
 
     (m, k), n = x2.shape, y.shape[1]
     split, (mt, bk, warps, _) = frag_plan(n, k, m, num_sms(x2.device), interpreted)
-    tiles = triton.cdiv(n, 16 * mt * warps)
+    tiles = cdiv(n, 16 * mt * warps)
     part, count = split_k_workspace(m, n, split, tiles, x2.device, counters)
     _w4a16_frag_kernel[(tiles, split)](
         x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
-        GROUP=group_size, MT=mt, NT=triton.cdiv(m, 8), BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0,
+        GROUP=group_size, MT=mt, NT=cdiv(m, 8), BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0,
         X_VEC=x2.data_ptr() % 16 == 0 and (m == 1 or (x2.stride(0) * x2.element_size()) % 16 == 0),
         INTERPRET=interpreted, W=warps, num_warps=warps)
     return y
@@ -250,7 +250,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                              f"compile on the GPU (the 16-row tile dots one nibble plane, BK/8: use BK >= 128)")
         split = cfg.pop("SPLIT_K", None) or (planes1_split(n, k, bn, bk, sms) if planes1
                                              else split_k(m, n, k, bm, bn, bk, sms))
-        max_split, max_tiles = split, triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        max_split, max_tiles = split, cdiv(m, bm) * cdiv(n, bn)
     else:
         cfg = None
         max_split, max_tiles = workspace_bounds(m, n, k, group_size, sms, fast_dequant, planes1)
@@ -266,7 +266,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
             m_bucket(m), sms)
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), meta["SPLIT_K"])
+        return (cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]), meta["SPLIT_K"])
 
     if cfg is None:
         tuned = (w4a16_gemv_planes1_autotuned if planes1 else w4a16_gemv_planes_autotuned if planes
@@ -285,8 +285,8 @@ def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
     (m, k), n = x2.shape, y.shape[1]
     bn, bk, warps, stages = SWAP_TILE
     split = swap_split(k, bk)
-    part, count = split_k_workspace(m, n, split, triton.cdiv(n, bn), x2.device, counters)
-    _w4a16_swap_kernel[(triton.cdiv(n, bn), split)](
+    part, count = split_k_workspace(m, n, split, cdiv(n, bn), x2.device, counters)
+    _w4a16_swap_kernel[(cdiv(n, bn), split)](
         x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
         GROUP=group_size, BM=16, BN=bn, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERPRET=interpreted,
         num_warps=warps, num_stages=stages)

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, autotune_bench, grouped_tile, int4_codes,
                            int4_plane_gemv_step, load_k, m_bucket, plane_offsets, split_k_for, store_split_k)
+from .._host import cdiv
 
 
 @triton.jit
@@ -363,7 +364,7 @@ def planes1_split(n: int, k: int, bn: int, bk: int, sms: int, per_sm: int = 4) -
     """Split-K of the one-launch plane GEMV: double while the grid stays within ~``per_sm`` programs per SM and
     every split keeps at least one K block (a split of one or two long K blocks keeps all its words in flight at
     once). The last program of a tile sums the partials in split order (deterministic)."""
-    tiles, iters = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    tiles, iters = cdiv(n, bn), cdiv(k, bk)
     split = 1
     while split * 2 <= iters and tiles * split * 2 <= per_sm * sms:
         split *= 2
@@ -404,8 +405,8 @@ def _prune(configs, named_args, **kwargs):
 def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
     """Split the K loop until there are ~4 programs per SM for a GEMV / small batch (memory-bound: more
     loads in flight) and ~2 for the tiled path."""
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    return split_k_for(tiles, triton.cdiv(k, bk), (4 if bm <= 16 else 2) * sms)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    return split_k_for(tiles, cdiv(k, bk), (4 if bm <= 16 else 2) * sms)
 
 
 def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: int = 0,
@@ -417,7 +418,7 @@ def workspace_bounds(m: int, n: int, k: int, group: int, sms: int, fast: int = 0
     else:
         cfgs = _prune(_configs(fast), {"M_BUCKET": m_bucket(m), "GROUP": group})
         splits = [split_k(m, n, k, c.kwargs["BM"], c.kwargs["BN"], c.kwargs["BK"], sms) for c in cfgs]
-    tiles = [triton.cdiv(m, c.kwargs["BM"]) * triton.cdiv(n, c.kwargs["BN"]) for c in cfgs]
+    tiles = [cdiv(m, c.kwargs["BM"]) * cdiv(n, c.kwargs["BN"]) for c in cfgs]
     return max(splits), max(tiles)
 
 
@@ -460,7 +461,7 @@ def swap_split(k: int, bk: int) -> int:
     """Split-K of the swapped kernel: the largest power of two <= SWAP_MAX_SPLIT that leaves every split at least
     one K block (at 2048 x 7168, 4-8 splits were 1.2-1.7x slower than 16, and 32-64 splits of smaller blocks
     1.3-1.7x slower: results/sweep_w4a16_swap_h200.json)."""
-    iters, split = triton.cdiv(k, bk), 1
+    iters, split = cdiv(k, bk), 1
     while split * 2 <= min(SWAP_MAX_SPLIT, iters):
         split *= 2
     return split
