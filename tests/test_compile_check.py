@@ -86,3 +86,13 @@ def test_fragment_kernel_mma_operands_hold_one_element_per_thread_on_sm90():
                           "order = [0]}>")
         assert kernel["layouts"] == [one_per_thread], (tile, kernel)
         assert kernel["mma_ops"] > 0 and kernel["staged_before_mma"] == 0, (tile, kernel)
+
+
+@pytest.mark.slow
+def test_host_overhead_times_each_launcher_without_a_gpu():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "fp8_linear", "--calls", "5"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("fp8_linear"))
+    assert 0 < float(line.split()[1]) < 1e5, line
