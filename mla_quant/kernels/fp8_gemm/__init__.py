@@ -48,7 +48,7 @@ def default_config(m: int) -> dict:
     return {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "PERSISTENT": 0}
 
 
-def ws_default_config(m: int, n: int) -> dict:
+def ws_default_config(m: int) -> dict:
     """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 4 stages of 32 KB, the output
     stored by TMA where it can be. H200 sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within
     2 % at the other two); TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x."""
@@ -215,7 +215,7 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
         raise ValueError("variant: 'ws' needs a and b with 16-byte aligned data and row strides")
     m, k = a.shape
     n = b.shape[0]
-    cfg = {**ws_default_config(m, n), **(config or {})}
+    cfg = {**ws_default_config(m), **(config or {})}
     unknown = set(cfg) - set(WS_CONFIG_KEYS)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {WS_CONFIG_KEYS}")
@@ -229,9 +229,11 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk], b_layout)
     # 16-bit outputs with TMA-aligned rows leave through shared memory by TMA (64 rows per consumer warp group)
     tma_store = c.element_size() == 2 and cfg["TMA_STORE"] and _tma_ok(c, c)
-    c_gl = gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16
-    c_desc = (TensorDescriptor.from_tensor(c, [64, cfg["BN"]], gl.NVMMASharedLayout.get_default_for([64, cfg["BN"]], c_gl))
-              if tma_store else None)
+    c_desc = None
+    if tma_store:
+        c_gl = gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16
+        c_desc = TensorDescriptor.from_tensor(c, [64, cfg["BN"]],
+                                              gl.NVMMASharedLayout.get_default_for([64, cfg["BN"]], c_gl))
     tiles = cdiv(m, 128) * cdiv(n, cfg["BN"])
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,
