@@ -176,19 +176,26 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     return c
 
 
+def _tma_variant_config(variant: str, a, b, defaults: dict, config: dict | None, keys: tuple) -> dict:
+    """The TMA variants' shared checks: a and b TMA-aligned, pinned ``config`` keys among ``keys``; returns
+    ``config`` over ``defaults``."""
+    if not _tma_ok(a, b):
+        raise ValueError(f"variant: '{variant}' needs a and b with 16-byte aligned data and row strides")
+    cfg = {**defaults, **(config or {})}
+    unknown = set(cfg) - set(keys)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {keys}")
+    return cfg
+
+
 def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .kernel_tma import _fp8_gemm_tma_kernel
 
-    if not _tma_ok(a, b):
-        raise ValueError("variant: 'tma' needs a and b with 16-byte aligned data and row strides")
     m, k = a.shape
     n = b.shape[0]
-    cfg = {**default_config(m), **(config or {})}
-    unknown = set(cfg) - set(TMA_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {TMA_CONFIG_KEYS}")
+    cfg = _tma_variant_config("tma", a, b, default_config(m), config, TMA_CONFIG_KEYS)
     bn_s, bk = int(block[0]), int(block[1])
     a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], bk])
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk])
@@ -211,14 +218,9 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
 
     if not (_is_hopper(a.device) and not triton_interpreted()):
         raise ValueError("variant: 'ws' is a Gluon kernel for Hopper (sm_90) GPUs; the interpreter cannot run it")
-    if not _tma_ok(a, b):
-        raise ValueError("variant: 'ws' needs a and b with 16-byte aligned data and row strides")
     m, k = a.shape
     n = b.shape[0]
-    cfg = {**ws_default_config(m), **(config or {})}
-    unknown = set(cfg) - set(WS_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {WS_CONFIG_KEYS}")
+    cfg = _tma_variant_config("ws", a, b, ws_default_config(m), config, WS_CONFIG_KEYS)
     bn_s, bk = int(block[0]), int(block[1])
     if bk != 128 or cfg["BN"] not in (64, 128) or bn_s % cfg["BN"]:
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128) dividing bn; got block {block}, "
