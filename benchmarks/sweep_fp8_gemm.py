@@ -6,10 +6,11 @@
 For every shape (M in ``--ms`` × the (N, K) of ``NK``) it times, with ``bench_gemm``'s method (one call per
 weight set, enough sets to overflow L2, all captured in one CUDA graph: ``common.graph_us``), the peers
 cuBLAS bf16 (``x @ W.T``) and ``torch._scaled_mm`` (per-tensor fp8), then ``fp8_gemm``'s default
-(``variant="auto"``), the portable kernel (autotuned) and each ``TMA_CANDIDATES`` configuration of the
-Hopper variant. Prints µs, TFLOP/s and the ratios to the peers (goal, issue 6: ≥ 0.7× _scaled_mm and ≥ 1.4×
-bf16), then the best setting per shape, and writes them as JSON to ``--out``. After ``--budget-s`` the
-remaining settings are listed as skipped (the shapes go large-M first so the goal shapes come early).
+(``variant="auto"``), the portable kernel (autotuned) and each ``TMA_CANDIDATES`` / ``WS_CANDIDATES``
+configuration of the Hopper variants. Prints µs, TFLOP/s and the ratios to the peers (goal, issue 6: ≥ 0.7×
+_scaled_mm and ≥ 1.4× bf16), then the best setting per shape, and writes them as JSON to ``--out``. After
+``--budget-s`` the remaining settings are listed as skipped (the shapes go large-M first so the goal shapes come
+early).
 ``--only``: time just the settings whose label contains one of these comma-separated substrings (and "auto").
 """
 from __future__ import annotations
@@ -32,12 +33,10 @@ def settings(only: str = "") -> list[tuple[str, dict]]:
     """(label, fp8_gemm keyword arguments) in the order timed; ``only``: comma-separated label substrings to keep
     (with "auto"; empty: all)."""
     rows = [("auto", {}), ("portable", {"variant": "portable"})]
-    for cfg in TMA_CANDIDATES:
-        label = "tma " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
-        rows.append((label, {"variant": "tma", "config": dict(cfg)}))
-    for cfg in WS_CANDIDATES:
-        label = "ws " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
-        rows.append((label, {"variant": "ws", "config": dict(cfg)}))
+    for variant, candidates in (("tma", TMA_CANDIDATES), ("ws", WS_CANDIDATES)):
+        for cfg in candidates:
+            label = variant + " " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "GROUP_M")
+            rows.append((label, {"variant": variant, "config": dict(cfg)}))
     keep = [w.strip() for w in only.split(",") if w.strip()]
     return [r for r in rows if not keep or r[0] == "auto" or any(w in r[0] for w in keep)]
 

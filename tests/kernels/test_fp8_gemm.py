@@ -20,6 +20,8 @@ def _operands(m, n, k, block=(128, 128), device="cpu", seed=0):
     return [t.to(device) for t in (a, a_s, b, b_s)]
 
 
+SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                          reason="the warp-specialized Gluon kernel is written for sm_90")
 CFG = {"BM": 32, "BN": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
 
@@ -192,8 +194,7 @@ def test_tma_variant_on_real_and_odd_shapes(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the warp-specialized Gluon kernel is written for sm_90")
+@SM90
 @pytest.mark.parametrize("m", [1, 63, 1000, 8192])
 @pytest.mark.parametrize("n,k", [(4096, 7168), (1000, 2048), (7168, 128)])  # one K block; a ragged column tile
 def test_ws_variant_on_real_and_odd_shapes(m, n, k):
@@ -209,8 +210,7 @@ def test_ws_variant_on_real_and_odd_shapes(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the warp-specialized Gluon kernel is written for sm_90")
+@SM90
 def test_ws_variant_applies_each_k_blocks_scales():
     # ones times ones: every K block's product is exactly 128, so C is exactly Σ_kb 128 · a_s[m, kb] · b_s[n, kb]
     m, n, k = 300, 256, 384

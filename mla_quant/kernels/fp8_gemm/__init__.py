@@ -239,7 +239,6 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     tiles = cdiv(m, 128) * cdiv(n, cfg["BN"])
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,
-        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), PRODUCER_REGS=40,
-        CONSUMER_REGS=232, num_warps=4)
+        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), num_warps=4)
     return c
 

@@ -43,19 +43,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .._gemm_utils import grouped_tile  # a @triton.jit helper: Gluon kernels may call it
+
+# registers per thread after setmaxnreg: the TMA warp's (padded) warp group, each consumer warp group
+PRODUCER_REGS = gl.constexpr(40)
+CONSUMER_REGS = gl.constexpr(232)
+
 # Gluon renamed the TMA copies after Triton 3.6 (async_copy_global_to_shared -> async_load, async_copy_shared_to_global
 # -> async_store; the old names raise in 3.9): the same builtins under either name
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-@gluon.jit
-def _tile_coords(tile, grid_m, grid_n, GROUP_M: gl.constexpr):
-    """Linear tile id -> (pid_m, pid_n), GROUP_M row tiles per column (weight tiles reused from L2)."""
-    per_group = GROUP_M * grid_n
-    first_m = (tile // per_group) * GROUP_M
-    rows = gl.minimum(grid_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
 
 
 @gluon.jit
@@ -67,7 +64,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
     grid_n = gl.cdiv(N, BN)
     it = 0
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         for kb in range(n_kb):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -92,7 +89,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
     zero = gl.zeros([HM, BN], gl.float32, mma)
     it = 0
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
@@ -132,8 +129,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
 @gluon.jit
 def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
