@@ -549,6 +549,22 @@ def test_bad_scales_and_options():
                    "fp8_e4m3", 128)
 
 
+def test_gluon_dequant_names_what_it_cannot_run(triton_backend):
+    """fp8_dequant="gluon" (a Gluon kernel for Hopper) raises naming the reason instead of running something else:
+    under the interpreter, for fp8_ds_mla pages, and at dims other than 512 + 64."""
+    q, data, s, table, seq = (t.to(triton_backend) for t in _small_case("fp8_e4m3"))
+    with pytest.raises(ValueError, match="gluon.*512 \\+ 64"):
+        mla_decode(q.bfloat16(), data, s, table, seq, 0.1, "fp8_e4m3", 128, fp8_dequant="gluon")
+    from mla_quant.kernels.mla_decode import gluon_fits
+    q576 = torch.randn(1, 1, 16, 576, dtype=torch.bfloat16)
+    pages = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)
+    assert "interpreter" in gluon_fits(q576, pages, "fp8_e4m3", 512)
+    assert "fp8_e4m3" in gluon_fits(q576, pages, "fp8_ds_mla", 512)
+    assert "query rows" in gluon_fits(torch.randn(1, 2, 16, 576, dtype=torch.bfloat16), pages, "fp8_e4m3", 512)
+    assert "q dtype" in gluon_fits(q576.float(), pages, "fp8_e4m3", 512)
+    assert "64-token tiles" in gluon_fits(q576, torch.zeros(4, 32, 576, dtype=torch.float8_e4m3fn), "fp8_e4m3", 512)
+
+
 def test_kernel_rejects_bad_split_count_and_dims(triton_backend):
     dev = triton_backend
     q, data, s, table, seq = (t.to(dev) if t is not None else None for t in _small_case())
@@ -765,7 +781,7 @@ def test_bitcast_dequant_fp16_queries_gpu(kind, tensor_scale):
 
 
 def test_auto_fp8_dequant_rule(monkeypatch):
-    """"auto": the TMA bitcast (FP8_TMA_CONFIG) for fp8_e4m3 pages TMA can read, bf16 q and ≤ 16 query rows; else
+    """"auto": the Gluon kernel where it fits (Hopper); the TMA bitcast (FP8_TMA_CONFIG) for fp8_e4m3 pages TMA can read, bf16 q and ≤ 16 query rows; else
     fp8mma for fp8_e4m3 pages and bf16/fp16 q at ≥ FP8_MMA_MIN_TOKENS cached tokens (batch × max_len); else the
     bitcast for fp8_e4m3 pages, ≥ BITCAST_MIN_ROWS query rows and 4-byte aligned pages; else the conversion."""
     import mla_quant.kernels.mla_decode as md
@@ -797,6 +813,18 @@ def test_auto_fp8_dequant_rule(monkeypatch):
     assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, few) == "convert"
     monkeypatch.setattr(md, "TMA_LAUNCH", False)
     assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, few) == "convert"
+    # on a Hopper GPU with Gluon: the Gluon kernel wherever gluon_fits (fp8_e4m3, 16-bit q, ≤ 16 rows, 512 + 64,
+    # pages TMA reads in 64-token tiles); the rules above elsewhere
+    monkeypatch.setattr(md, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(md, "_gluon_available", lambda: True)
+    monkeypatch.setattr(md, "triton_interpreted", lambda: False)
+    for rows, dtype, s_q in ((16, bf16, 1), (16, torch.float16, 1), (8, bf16, 2), (1, bf16, 1)):
+        assert _auto_fp8_dequant("fp8_e4m3", q(rows, dtype, s_q), pages, 1, few) == "gluon"
+    assert _auto_fp8_dequant("fp8_e4m3", q(32), pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16, torch.float32), pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_ds_mla", q(16), pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, few, d_latent=256) == "convert"
 
 
 # ------------------------------------------------------------------- fp8 tensor-core dots (fp8mma)
@@ -914,3 +942,62 @@ def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
         assert_all_written(lse, "lse")
         assert rel_err(out.float(), o_ref.float()) < tol_o, f"splits={splits}, config={config}"
         assert torch.allclose(lse, lse_ref, rtol=rtol_lse, atol=atol_lse), f"splits={splits}, config={config}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps, stages", [(4, 2), (8, 2), (8, 3)])
+@pytest.mark.parametrize("tensor_scale", [None, 0.05])
+@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 64, 1000, 4097]), (16, 1, [130 * 64 + 5]),
+                                                 (8, 2, [100, 3000]), (5, 3, [3, 640]), (1, 1, [77])])
+def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, tensor_scale, heads, s_q, lengths):
+    """fp8_dequant="gluon" (kernel_gluon.py) on the H200 at real dims, NaN in every unused slot, bf16 and fp16
+    queries, splits chosen and forced (one split, 7, more splits than tiles), 4 and 8 warps, 2 and 3 tile slots:
+    the reference's tolerances, and close to the bitcast; the V operand's permuted columns land where they belong
+    (a per-column check)."""
+    import mla_quant.kernels.mla_decode as md
+    from mla_quant.kernels.mla_decode import gluon_fits
+
+    monkeypatch.setattr(md, "GLUON_WARPS", warps)
+    monkeypatch.setattr(md, "GLUON_STAGES", stages)
+    if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
+                  torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
+        pytest.skip("needs a Hopper GPU with Gluon")
+    args = _real_dim_args("fp8_e4m3", tensor_scale, heads, s_q, lengths, seed=3)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    o_bit, _ = mla_decode(*args, fp8_dequant="bitcast")
+    for splits in (None, 1, 7, 300):
+        out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
+        lse = poisoned_empty(lse_ref.shape, device="cuda")
+        mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)
+        assert_all_written(out, "out")
+        assert_all_written(lse, "lse")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        per_col = ((out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2)) / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
+        assert per_col.max() < 3e-2, f"splits={splits}: worst column {int(per_col.argmax())}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        assert rel_err(out.float(), o_bit.float()) < 1e-2
+    q16 = args[0].half()
+    o16, lse16 = mla_decode(q16, *args[1:], fp8_dequant="gluon")
+    o16_ref, lse16_ref = mla_decode_reference(q16, *args[1:])
+    assert rel_err(o16.float(), o16_ref.float()) < 1e-2 and torch.allclose(lse16, lse16_ref, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gluon_dequant_extreme_scales_gpu():
+    """Per-token scales spanning 2^-40 .. 2^20 in one request, and a request whose tokens are all zero (scale 0):
+    the p'·v form keeps p' ≤ 1 in fp16 whatever the scales; matches the reference."""
+    from mla_quant.kernels.mla_decode import gluon_fits
+
+    if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
+                  torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
+        pytest.skip("needs a Hopper GPU with Gluon")
+    q, kv, scales, table, seq_lens, _, kind, d_latent = _real_dim_args("fp8_e4m3", None, 16, 1, [700, 300], seed=5)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scales.copy_(torch.exp2(torch.randint(-40, 21, scales.shape, device="cuda", generator=g).float()))
+    kv[table[1, :5].long()] = torch.zeros((), dtype=kv.dtype, device="cuda")  # request 1: all-zero rows
+    scales[table[1, :5].long()] = 0.0
+    args = (q, kv, scales, table, seq_lens, 0.02, kind, d_latent)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    out, lse = mla_decode(*args, fp8_dequant="gluon")
+    assert rel_err(out.float(), o_ref.float()) < 1e-2
+    assert torch.allclose(lse, lse_ref, atol=2e-2, rtol=1e-4)

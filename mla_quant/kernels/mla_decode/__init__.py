@@ -25,7 +25,7 @@ __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_s
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
 # how FP8 tiles become dot operands (docs/mla.md, "FP8 fast dequant", "fp16 dot operands", "fp8 tensor-core dots")
-FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1")
+FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_q1", "fp8mma_pv_q1", "gluon")
 # the kernel's FP8_MMA constexpr per choice: e4m3 score dots with q as two e4m3 terms (hi + lo/16, 3 and 4) or one
 # (q1: 1 and 2) per row scale; the PV dot in fp16 (odd) or e4m3 (even)
 FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2}
@@ -177,8 +177,10 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     fp16 queries only, fp32 queries keep the conversion), ``"fp8mma"`` (fp8_e4m3 pages: the score dots take the
     e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
     the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
-    others: docs/mla.md, "fp8 tensor-core dots") or ``"auto"`` (default: for fp8_e4m3 pages the bitcast where it
-    takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`); else "fp8mma" when q is bf16 / fp16 and batch ×
+    others: docs/mla.md, "fp8 tensor-core dots"), ``"gluon"`` (fp8_e4m3 pages of 512 + 64, 16-bit q, at most 16 query
+    rows, a Hopper GPU: kernel_gluon.py, mma.sync in fp16 on the e4m3 bytes read from TMA-staged tiles; raises
+    naming the reason where :func:`gluon_fits` says it cannot run) or ``"auto"`` (default: for fp8_e4m3 pages
+    "gluon" wherever it fits; else the bitcast where it takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`); else "fp8mma" when q is bf16 / fp16 and batch ×
     max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
     conversion). Only the Triton path of FP8 pages is affected. (A kernel on ``mma.sync`` fragments built in
@@ -223,19 +225,25 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         raise ValueError(f"d_latent, d_rope: the Triton kernel needs powers of two ≥ 16, got {d_latent}, {d_rope}")
     if fp8_dequant == "auto":
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        fp8_dequant = _auto_fp8_dequant(kind, q, kv_data, bsz, max_len)
+        fp8_dequant = _auto_fp8_dequant(kind, q, kv_data, bsz, max_len, d_latent)
     fp8 = kind != "bf16"
+    if fp8_dequant == "gluon" and kind != "bf16":
+        return _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
+                                 num_splits, max_seq_len, out, lse, combine)
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
                               FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine)
 
 
-def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: int, max_len: int) -> str:
+def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: int, max_len: int,
+                      d_latent: int = 512) -> str:
     """What ``fp8_dequant="auto"`` runs for one call (see :func:`mla_decode`): q [B, S, H, D], ``batch`` requests of
     at most ``max_len`` cached tokens."""
     if kind != "fp8_e4m3":
         return "convert"
+    if gluon_fits(q, kv_data, kind, d_latent) is None:
+        return "gluon"
     if _tma_launch(q, kv_data, kind, fp8_bitcast=True) is not None:
         return "bitcast"
     if q.dtype != torch.float32 and batch * max_len >= FP8_MMA_MIN_TOKENS:
@@ -329,6 +337,97 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse
+
+
+# fp8_dequant="gluon" (kernel_gluon.py): 64-token tiles, a ring of GLUON_STAGES TMA slots (37 KB each)
+GLUON_BLOCK_N, GLUON_STAGES, GLUON_WARPS = 64, 2, 4
+
+
+def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
+    """Why ``fp8_dequant="gluon"`` cannot run this call (None: it can): fp8_e4m3 pages of 512 + 64 values that TMA
+    reads in 64-token tiles, 16-bit queries, at most 16 query rows per request, a Hopper GPU with Gluon."""
+    if kind != "fp8_e4m3":
+        return f"kind {kind!r} (the kernel reads fp8_e4m3 pages)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {q.dtype} (bf16 or fp16)"
+    if q.shape[1] * q.shape[2] > 16:
+        return f"{q.shape[1] * q.shape[2]} query rows per request (at most 16)"
+    if d_latent != 512 or q.shape[3] != 576:
+        return f"rows of {d_latent} + {q.shape[3] - d_latent} values (512 + 64)"
+    if not _tma_rows(kv_data, kind, GLUON_BLOCK_N):
+        return ("pages TMA cannot read in 64-token tiles (page size a multiple of 64, contiguous pages, 16-byte "
+                "aligned rows)")
+    if triton_interpreted() or not _is_hopper(q.device) or not _gluon_available():
+        return "no Hopper GPU with Triton's Gluon (the interpreter cannot run it)"
+    return None
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _gluon_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None
+
+
+def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent, num_splits,
+                      max_seq_len, out, lse, combine):
+    """The Gluon kernel (kernel_gluon.py) for :func:`mla_decode` with ``fp8_dequant="gluon"``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernel_gluon import _mla_decode_fp8_gluon_kernel, words_layout
+
+    why = gluon_fits(q, kv_data, kind, d_latent)
+    if why is not None:
+        raise ValueError(f"fp8_dequant='gluon' cannot run: {why}")
+    bsz, s_q, heads, d = q.shape
+    page_size = kv_data.shape[1]
+    m_rows = s_q * heads
+    if bsz == 0 or m_rows == 0:
+        return out, lse
+    if num_splits is None:
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent,
+                                     torch.cuda.get_device_properties(q.device).multi_processor_count,
+                                     per_sm=GLUON_PER_SM)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    split = num_splits > 1
+    if split:
+        o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
+        lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
+    else:
+        o_dst, lse_dst = out, lse
+    pages, _, width = kv_data.shape
+    rows = kv_data.view(torch.float8_e4m3fn)
+    shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
+    half = d_latent // 2
+    lat_desc = TensorDescriptor(rows, shape, strides, [GLUON_BLOCK_N, half],
+                                gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, half], gl.float8e4nv))
+    rope_desc = TensorDescriptor(rows, shape, strides, [GLUON_BLOCK_N, width - d_latent],
+                                 gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, width - d_latent],
+                                                                      gl.float8e4nv))
+    mode = _scale_mode(kind, kv_scales)
+    sc_strides = (kv_scales.stride(0), kv_scales.stride(1)) if mode == 1 else (0, 0)
+    _mla_decode_fp8_gluon_kernel[(num_splits, bsz)](
+        q, lat_desc, rope_desc, kv_scales, block_table, seq_lens, o_dst, lse_dst,
+        softmax_scale * math.log2(math.e), s_q, heads, num_splits, q.stride(0), q.stride(1), q.stride(2),
+        *sc_strides, block_table.stride(0),
+        D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
+        BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, KW=GLUON_KW,
+        W_LAYOUT=words_layout(GLUON_WARPS, GLUON_BLOCK_N), num_warps=GLUON_WARPS)
+    global _LAST_LAUNCH
+    _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}")
+    if split:
+        combine_splits(o_dst, lse_dst, out, lse, combine)
+    return out, lse
+
+
+GLUON_PER_SM = 2  # programs per SM the split plan assumes (111 KB of shared memory each)
+GLUON_KW = 4      # k_width of both operands: 4 consecutive K values per 32-bit register of e4m3
 
 
 def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:

@@ -1,0 +1,283 @@
+"""MLA decode over fp8_e4m3 pages for at most 16 query rows, written in Gluon (``fp8_dequant="gluon"``).
+
+One program per (KV split, request); 4 warps; tiles of ``BLOCK_N`` = 64 tokens within one page, staged by TMA in a
+ring of ``STAGES`` shared-memory slots (latent as two [64, 256] boxes, rope [64, 64]; e4m3 bytes as stored).
+Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no row is padded:
+
+* scores S [16, 64] = q · Kᵀ: the warps split the tile's tokens (16 each). q lives in shared memory as fp16
+  (each row pre-scaled by a power of two into [2^14, 2^15): bf16's 8 significant bits are exact in fp16 there);
+  Kᵀ is read from the e4m3 tile as the B operand (4 consecutive latent values per 32-bit register, ``k_width``
+  4, both operands in that K order) and converted by ``cvt.rn.f16x2.e4m3x2`` (e4m3 ⊂ fp16: exact).
+* the per-token scale is not multiplied into anything 16-bit. With s_t the scaled log2 score of token t and
+  c_t its scale, the online softmax tracks the row maximum m of s_t + log2 c_t and feeds the PV dot
+  p'_t = 2^(s_t + log2 c_t − m) ≤ 1 (fp16-safe whatever the scales), while the denominator sums
+  2^(s_t − m): out = Σ p'_t v_t / Σ 2^(s_t − m) = Σ 2^(s_t) c_t v_t / Σ 2^(s_t), v_t the raw e4m3 values.
+* O [16, 512] += P' · V: the warps split O's columns (128 each, four [16, 128] accumulators); P' goes through
+  shared memory to every warp (Gluon's layout conversion), V is read from the same e4m3 tile as the B operand.
+
+The denominator is kept per lane as a [16, 64] sum (no cross-warp reduction per tile) and reduced once at the
+end. Tokens at or past the request's length may hold anything (NaN) in their page slots: their scores are
+masked and, on the tile that holds them, their V rows zeroed. Output: as ``_mla_decode_kernel`` — the final
+[B, M, D_LAT] and natural-log lse, or split partials (fp32 o, log2 lse) for ``combine_splits``.
+The interpreter does not run Gluon: the GPU tests check it against the reference.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+# Gluon renamed the TMA load after Triton 3.6 (async_copy_global_to_shared -> async_load)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LN2 = gl.constexpr(0.6931471805599453)
+LOG2_FLOOR = gl.constexpr(2.0 ** -100)  # token scales below this enter the shift as 2^-100
+SCALE_TOKEN = gl.constexpr(1)
+SCALE_TENSOR = gl.constexpr(2)
+
+
+@gluon.jit
+def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HALF: gl.constexpr):
+    bar = ready.index(slot)
+    mbarrier.expect(bar, 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes)
+    _tma_load(lat_desc, [row0, 0], bar, lat_a.index(slot))
+    _tma_load(lat_desc, [row0, HALF], bar, lat_b.index(slot))
+    _tma_load(rope_desc, [row0, 2 * HALF], bar, rope_s.index(slot))
+
+
+@gluon.jit
+def _zero_rows(buf, n_ok, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, NW: gl.constexpr):
+    """Rows >= n_ok of an e4m3 tile [BLOCK_N, WIDTH] in shared memory set to +0 (as 32-bit words)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    words = buf._reinterpret(gl.int32, [BLOCK_N, WIDTH // 4],
+                             gl.NVMMASharedLayout(swizzle_byte_width=buf.type.layout.swizzle_byte_width,
+                                                  element_bitwidth=32, rank=2))
+    w = words.load(blk)
+    r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, blk))
+    words.store(gl.where((r < n_ok)[:, None], w, 0))
+
+
+# e4m3 x 4 words of 4 consecutive tokens (same 4 latent columns) -> per column, the 4 tokens as two f16x2 registers:
+# output j holds column j of the words ($8..$11 = tokens 0..3; PRMT pairs byte j of two tokens, cvt widens a pair)
+_V_ASM = gl.constexpr("""{
+.reg .b32 p01, p23, q01, q23;
+.reg .b16 l0, h0, l1, h1, l2, h2, l3, h3;
+prmt.b32 p01, $8, $9, 0x5140;
+prmt.b32 p23, $8, $9, 0x7362;
+prmt.b32 q01, $10, $11, 0x5140;
+prmt.b32 q23, $10, $11, 0x7362;
+mov.b32 {l0, h0}, p01;
+mov.b32 {l1, h1}, q01;
+mov.b32 {l2, h2}, p23;
+mov.b32 {l3, h3}, q23;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+cvt.rn.f16x2.e4m3x2 $4, l2;
+cvt.rn.f16x2.e4m3x2 $5, l3;
+cvt.rn.f16x2.e4m3x2 $6, h2;
+cvt.rn.f16x2.e4m3x2 $7, h3;
+}""")
+
+
+def words_layout(num_warps: int, block_n: int) -> gl.DistributedLinearLayout:
+    """Register layout of the V words [block_n tokens, 8·num_warps word columns] that ``_v_operand`` reads: registers
+    walk tokens 1, 2 (the operand's ``k_width`` 4 group), 16, 32, ...; lanes tokens 4, 8 and word columns 1, 2, 4;
+    warps word columns 8, 16, ... — the lanes and warps of the PV dot's B operand."""
+    regs = [[1, 0], [2, 0]] + [[t, 0] for t in (16, 32, 64, 128) if t < block_n]
+    warps = [[0, 8 << i] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+                                      warp_bases=warps, block_bases=[], shape=[block_n, 8 * num_warps])
+
+
+@gluon.jit
+def _v_operand(lat, chunk: gl.constexpr, w_l: gl.constexpr, b_l: gl.constexpr, NW: gl.constexpr):
+    """The PV dot's B operand [BLOCK_N tokens, CV = 32·NW columns] in fp16 from CV latent columns of an e4m3 tile
+    [BLOCK_N, 256] in shared memory, with the columns permuted: operand column n = 8·NW·j + 8·w + r (n8 tile j of
+    warp w, lane row r) holds latent column CV·chunk + 32·w + 4·r + j (the output is stored back through the
+    inverse). Each lane reads whole 32-bit words (4 columns of one token) for 4 consecutive tokens — the ``k_width``
+    4 group of the B operand — and picks byte j of each: no byte-wise shared loads, no transposition in shared
+    memory."""
+    BLOCK_N: gl.constexpr = lat.shape[0]
+    WC: gl.constexpr = 8 * NW  # word columns per chunk
+    words = lat._reinterpret(gl.int32, [BLOCK_N, lat.shape[1] // 4],
+                             gl.NVMMASharedLayout(swizzle_byte_width=lat.type.layout.swizzle_byte_width,
+                                                  element_bitwidth=32, rank=2))
+    w = words.slice(chunk * WC, WC, dim=1).load(w_l)  # [BLOCK_N, WC] words
+    f0, f1, f2, f3 = gl.inline_asm_elementwise(_V_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w],
+                                               dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                               is_pure=True, pack=4)
+    v = gl.join(gl.join(f0, f1), gl.join(f2, f3))                 # [t, b, x, y]: latent column 4b + x + 2y
+    v = gl.reshape(v, [BLOCK_N, NW, 8, 2, 2])                     # b = 8·w + r
+    v = gl.permute(v, [0, 4, 3, 1, 2])                            # [t, y, x, w, r]
+    v = gl.reshape(v, [BLOCK_N, 4 * WC])                          # n = 16·NW·y + 8·NW·x + 8·w + r
+    # same lanes and warps as the operand layout: only the order of each thread's registers differs
+    return gl.convert_layout(v, b_l)
+
+
+@gluon.jit
+def _mla_decode_fp8_gluon_kernel(
+    q_ptr, lat_desc, rope_desc, sc_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    sm_scale_log2, S_Q, H, NUM_SPLITS,
+    stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
+    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
+    SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
+    W_LAYOUT: gl.constexpr,
+):
+    BM: gl.constexpr = 16
+    HALF: gl.constexpr = D_LAT // 2
+    NW: gl.constexpr = gl.num_warps()
+    CH: gl.constexpr = 128  # latent columns per score dot
+    CV: gl.constexpr = 32 * NW  # latent columns per output accumulator (4 n8 tiles per warp)
+    NCV: gl.constexpr = D_LAT // CV  # 4 accumulators with 4 warps, 2 with 8
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    w_l: gl.constexpr = W_LAYOUT  # words_layout(NW, BLOCK_N)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NW], [1, 0])  # q rows, out rows
+    q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    pid_split = gl.program_id(0)
+    b = gl.program_id(1)
+    M = S_Q * H
+
+    # ---- q: [16, D_LAT + D_ROPE] -> fp16 rows scaled by 2^(141 - e), e = the biased exponent of the row's max|q|
+    rq = gl.arange(0, BM, gl.SliceLayout(1, ld_l))
+    rq_ok = rq < M
+    q_rows = q_ptr + b.to(gl.int64) * stride_qb + (rq // H) * stride_qs + (rq % H) * stride_qh
+    cl = gl.arange(0, D_LAT, gl.SliceLayout(0, ld_l))
+    cr = gl.arange(0, D_ROPE, gl.SliceLayout(0, ld_l))
+    q_lat = gl.load(q_rows[:, None] + cl[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
+    q_pe = gl.load(q_rows[:, None] + D_LAT + cr[None, :], mask=rq_ok[:, None], other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(q_lat), 1), gl.max(gl.abs(q_pe), 1))
+    ex = gl.minimum(gl.maximum((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
+    q_up = ((268 - ex) << 23).to(gl.float32, bitcast=True)     # 2^(141 - ex)
+    q_down = ((ex - 14) << 23).to(gl.float32, bitcast=True)    # 2^(ex - 141)
+    q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl, (q_lat * q_up[:, None]).to(gl.float16))
+    qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl, (q_pe * q_up[:, None]).to(gl.float16))
+
+    # ---- this split's tokens [start, end) in whole tiles; row r (speculative token r // H) sees tokens < limit_r
+    seq_len = gl.load(seq_lens_ptr + b)
+    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    rows = gl.arange(0, BM, rows_l)
+    limit = seq_len - S_Q + 1 + rows // H
+    qk_row = gl.convert_layout(q_down, rows_l) * sm_scale_log2
+    if SCALE_MODE == SCALE_TENSOR:
+        tensor_scale = gl.load(sc_ptr)
+        qk_row = qk_row * tensor_scale
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    toks = gl.arange(0, BLOCK_N, cols_l)
+
+    lat_a = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
+    lat_b = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
+    rope_s = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, BLOCK_N, D_ROPE], rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):  # prologue: tiles 0 .. STAGES-2
+        if i < n_tiles:
+            n0 = start + i * BLOCK_N
+            page = gl.load(bt_row + n0 // PAGE_SIZE)
+            _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i, page * PAGE_SIZE + n0 % PAGE_SIZE,
+                        HALF)
+
+    m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
+    l2 = gl.zeros([BM, BLOCK_N], gl.float32, mma)
+    acc0 = gl.zeros([BM, CV], gl.float32, mma)
+    acc1 = gl.zeros([BM, CV], gl.float32, mma)
+    acc2 = gl.zeros([BM, CV], gl.float32, mma)  # (unused with 8 warps)
+    acc3 = gl.zeros([BM, CV], gl.float32, mma)
+    for i in range(n_tiles):
+        # every warp is done with tile i-1, whose slot the next copy refills
+        gl.thread_barrier()
+        j = i + STAGES - 1
+        if j < n_tiles:
+            nj = start + j * BLOCK_N
+            pj = gl.load(bt_row + nj // PAGE_SIZE)
+            _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, j % STAGES,
+                        pj * PAGE_SIZE + nj % PAGE_SIZE, HALF)
+        n0 = start + i * BLOCK_N
+        tok = n0 + toks
+        if SCALE_MODE == SCALE_TOKEN:
+            page = gl.load(bt_row + n0 // PAGE_SIZE)
+            c_t = gl.load(sc_ptr + page.to(gl.int64) * stride_sc_page + (n0 % PAGE_SIZE + toks) * stride_sc_row)
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        la = lat_a.index(slot)
+        lb = lat_b.index(slot)
+        if n0 + BLOCK_N > seq_len:  # slots past the request's length may hold anything (NaN): zero those rows
+            _zero_rows(la, seq_len - n0, BLOCK_N, HALF, NW)
+            _zero_rows(lb, seq_len - n0, BLOCK_N, HALF, NW)
+            _zero_rows(rope_s.index(slot), seq_len - n0, BLOCK_N, D_ROPE, NW)
+            fence_async_shared()  # these generic writes before the TMA's next writes to the slot
+            gl.thread_barrier()
+
+        # scores over the latent (4 chunks of 128) and the rope
+        s = gl.zeros([BM, BLOCK_N], gl.float32, mma)
+        for c in gl.static_range(HALF // CH):
+            kt = la.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
+            s = mma_v2(q_smem.slice(c * CH, CH, dim=1).load(a_l), kt, s)
+        for c in gl.static_range(HALF // CH):
+            kt = lb.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
+            s = mma_v2(q_smem.slice(HALF + c * CH, CH, dim=1).load(a_l), kt, s)
+        kt = rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16)
+        s = mma_v2(qpe_smem.load(a_l), kt, s)
+
+        s = s * qk_row[:, None]
+        if SCALE_MODE == SCALE_TOKEN:
+            s = s * c_t[None, :]
+            sv = s + gl.log2(gl.maximum(c_t, LOG2_FLOOR))[None, :]  # (scale 0: an all-zero row, any weight)
+        else:
+            sv = s
+        ok = (tok[None, :] < end) & (tok[None, :] < limit[:, None])
+        sv = gl.where(ok, sv, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sv, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sv - m_use[:, None])
+        if SCALE_MODE == SCALE_TOKEN:
+            l2 = l2 * alpha[:, None] + gl.where(ok, gl.exp2(s - m_use[:, None]), 0.0)
+        else:
+            l2 = l2 * alpha[:, None] + p
+        m_i = m_new
+        pa = gl.convert_layout(p.to(gl.float16), a_l)
+        if NCV == 4:
+            acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
+            acc1 = mma_v2(pa, _v_operand(la, 1, w_l, b_l, NW), acc1 * alpha[:, None])
+            acc2 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc2 * alpha[:, None])
+            acc3 = mma_v2(pa, _v_operand(lb, 1, w_l, b_l, NW), acc3 * alpha[:, None])
+        else:
+            acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
+            acc1 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc1 * alpha[:, None])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    l_i = gl.sum(l2, 1)
+    empty = l_i == 0.0
+    l_use = gl.where(empty, 1.0, l_i)
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_use))
+    inv = 1.0 / l_use
+    if SCALE_MODE == SCALE_TENSOR:
+        inv = inv * tensor_scale
+    row_ok = rows < M
+    if SPLIT_OUT:  # partials: o [B, NUM_SPLITS, M, D_LAT] fp32, lse [B, NUM_SPLITS, M] (log2)
+        base = (b * NUM_SPLITS + pid_split).to(gl.int64) * M
+        lse_out = lse2
+    else:  # final: out [B, M, D_LAT], lse [B, M] (natural log)
+        base = b.to(gl.int64) * M
+        lse_out = lse2 * LN2
+    n = gl.arange(0, CV, cols_l)
+    cols = ((n // 8) % NW) * 32 + (n % 8) * 4 + n // (8 * NW)  # the V operand's column permutation (_v_operand)
+    o_rows = out_ptr + (base + rows)[:, None] * D_LAT + cols[None, :]
+    ty = out_ptr.dtype.element_ty
+    gl.store(o_rows, (acc0 * inv[:, None]).to(ty), mask=row_ok[:, None])
+    gl.store(o_rows + CV, (acc1 * inv[:, None]).to(ty), mask=row_ok[:, None])
+    if NCV == 4:
+        gl.store(o_rows + 2 * CV, (acc2 * inv[:, None]).to(ty), mask=row_ok[:, None])
+        gl.store(o_rows + 3 * CV, (acc3 * inv[:, None]).to(ty), mask=row_ok[:, None])
+    gl.store(lse_ptr + base + rows, lse_out, mask=row_ok)
