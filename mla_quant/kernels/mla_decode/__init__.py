@@ -341,6 +341,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
 
 # fp8_dequant="gluon" (kernel_gluon.py): 64-token tiles, a ring of GLUON_STAGES TMA slots (37 KB each)
 GLUON_BLOCK_N, GLUON_STAGES, GLUON_WARPS = 64, 2, 4
+GLUON_WS = False  # a TMA warp issues the copies (warp specialization) instead of the attention warps
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
@@ -378,7 +379,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernel_gluon import _mla_decode_fp8_gluon_kernel, words_layout
+    from .kernel_gluon import _mla_decode_fp8_gluon_kernel
 
     why = gluon_fits(q, kv_data, kind, d_latent)
     if why is not None:
@@ -418,9 +419,9 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, KW=GLUON_KW,
-        W_LAYOUT=words_layout(GLUON_WARPS, GLUON_BLOCK_N), num_warps=GLUON_WARPS)
+        WS=GLUON_WS, num_warps=GLUON_WARPS)
     global _LAST_LAUNCH
-    _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}")
+    _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse

@@ -22,6 +22,7 @@ masked and, on the tile that holds them, their V rows zeroed. Output: as ``_mla_
 The interpreter does not run Gluon: the GPU tests check it against the reference.
 """
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -30,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 LN2 = gl.constexpr(0.6931471805599453)
+PRODUCER_REGS = gl.constexpr(48)  # registers of the TMA warp (WS)
 LOG2_FLOOR = gl.constexpr(2.0 ** -100)  # token scales below this enter the shift as 2^-100
 SCALE_TOKEN = gl.constexpr(1)
 SCALE_TENSOR = gl.constexpr(2)
@@ -80,10 +82,13 @@ cvt.rn.f16x2.e4m3x2 $7, h3;
 }""")
 
 
+@constexpr_function
 def words_layout(num_warps: int, block_n: int) -> gl.DistributedLinearLayout:
     """Register layout of the V words [block_n tokens, 8·num_warps word columns] that ``_v_operand`` reads: registers
     walk tokens 1, 2 (the operand's ``k_width`` 4 group), 16, 32, ...; lanes tokens 4, 8 and word columns 1, 2, 4;
     warps word columns 8, 16, ... — the lanes and warps of the PV dot's B operand."""
+    while hasattr(num_warps, "value") or hasattr(block_n, "value"):  # (constexprs inside a kernel)
+        num_warps, block_n = getattr(num_warps, "value", num_warps), getattr(block_n, "value", block_n)
     regs = [[1, 0], [2, 0]] + [[t, 0] for t in (16, 32, 64, 128) if t < block_n]
     warps = [[0, 8 << i] for i in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
@@ -116,14 +121,29 @@ def _v_operand(lat, chunk: gl.constexpr, w_l: gl.constexpr, b_l: gl.constexpr, N
 
 
 @gluon.jit
-def _mla_decode_fp8_gluon_kernel(
-    q_ptr, lat_desc, rope_desc, sc_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    sm_scale_log2, S_Q, H, NUM_SPLITS,
-    stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
-    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-    SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
-    W_LAYOUT: gl.constexpr,
-):
+def _produce(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
+             PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
+    """The TMA warp (``WS``): tile i into slot i % STAGES once the consumers released the slot's previous tile;
+    the block-table entry of the next tile is read while this one's copy is issued."""
+    page = gl.load(bt_row + start // PAGE_SIZE, mask=n_tiles > 0, other=0)
+    for i in range(n_tiles):
+        n0 = start + i * BLOCK_N
+        page_next = gl.load(bt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=i + 1 < n_tiles, other=0)
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, page * PAGE_SIZE + n0 % PAGE_SIZE, HALF)
+        page = page_next
+
+
+@gluon.jit
+def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b, rope_s,
+            ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end, n_tiles,
+            stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
+            D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
+            SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
+            WS: gl.constexpr):
+    """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
+    ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
     NW: gl.constexpr = gl.num_warps()
@@ -134,13 +154,9 @@ def _mla_decode_fp8_gluon_kernel(
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    w_l: gl.constexpr = W_LAYOUT  # words_layout(NW, BLOCK_N)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NW], [1, 0])  # q rows, out rows
-    q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-    pid_split = gl.program_id(0)
-    b = gl.program_id(1)
+    w_l: gl.constexpr = words_layout(NW, BLOCK_N)
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NW], [1, 0])  # q rows
     M = S_Q * H
 
     # ---- q: [16, D_LAT + D_ROPE] -> fp16 rows scaled by 2^(141 - e), e = the biased exponent of the row's max|q|
@@ -155,36 +171,28 @@ def _mla_decode_fp8_gluon_kernel(
     ex = gl.minimum(gl.maximum((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
     q_up = ((268 - ex) << 23).to(gl.float32, bitcast=True)     # 2^(141 - ex)
     q_down = ((ex - 14) << 23).to(gl.float32, bitcast=True)    # 2^(ex - 141)
-    q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl, (q_lat * q_up[:, None]).to(gl.float16))
-    qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl, (q_pe * q_up[:, None]).to(gl.float16))
+    q_smem.store((q_lat * q_up[:, None]).to(gl.float16))
+    qpe_smem.store((q_pe * q_up[:, None]).to(gl.float16))
+    gl.thread_barrier()
 
-    # ---- this split's tokens [start, end) in whole tiles; row r (speculative token r // H) sees tokens < limit_r
-    seq_len = gl.load(seq_lens_ptr + b)
-    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = pid_split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     rows = gl.arange(0, BM, rows_l)
-    limit = seq_len - S_Q + 1 + rows // H
+    limit = seq_len - S_Q + 1 + rows // H  # row r (speculative token r // H) sees tokens < limit_r
     qk_row = gl.convert_layout(q_down, rows_l) * sm_scale_log2
     if SCALE_MODE == SCALE_TENSOR:
         tensor_scale = gl.load(sc_ptr)
         qk_row = qk_row * tensor_scale
-    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     toks = gl.arange(0, BLOCK_N, cols_l)
-
-    lat_a = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
-    lat_b = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
-    rope_s = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, BLOCK_N, D_ROPE], rope_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(STAGES - 1):  # prologue: tiles 0 .. STAGES-2
-        if i < n_tiles:
-            n0 = start + i * BLOCK_N
-            page = gl.load(bt_row + n0 // PAGE_SIZE)
-            _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i, page * PAGE_SIZE + n0 % PAGE_SIZE,
-                        HALF)
+    if not WS:
+        for i in gl.static_range(STAGES - 1):  # prologue: tiles 0 .. STAGES-2
+            if i < n_tiles:
+                n0 = start + i * BLOCK_N
+                page = gl.load(bt_row + n0 // PAGE_SIZE)
+                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i,
+                            page * PAGE_SIZE + n0 % PAGE_SIZE, HALF)
+    if SCALE_MODE == SCALE_TOKEN:  # tile i's token scales are loaded during tile i - 1
+        page0 = gl.load(bt_row + start // PAGE_SIZE, mask=n_tiles > 0, other=0)
+        c_next = gl.load(sc_ptr + page0.to(gl.int64) * stride_sc_page + (start % PAGE_SIZE + toks) * stride_sc_row,
+                         mask=(toks < 0) | (n_tiles > 0), other=1.0)
 
     m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
     l2 = gl.zeros([BM, BLOCK_N], gl.float32, mma)
@@ -193,19 +201,23 @@ def _mla_decode_fp8_gluon_kernel(
     acc2 = gl.zeros([BM, CV], gl.float32, mma)  # (unused with 8 warps)
     acc3 = gl.zeros([BM, CV], gl.float32, mma)
     for i in range(n_tiles):
-        # every warp is done with tile i-1, whose slot the next copy refills
-        gl.thread_barrier()
-        j = i + STAGES - 1
-        if j < n_tiles:
-            nj = start + j * BLOCK_N
-            pj = gl.load(bt_row + nj // PAGE_SIZE)
-            _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, j % STAGES,
-                        pj * PAGE_SIZE + nj % PAGE_SIZE, HALF)
+        if not WS:
+            # every warp is done with tile i-1, whose slot the next copy refills
+            gl.thread_barrier()
+            j = i + STAGES - 1
+            if j < n_tiles:
+                nj = start + j * BLOCK_N
+                pj = gl.load(bt_row + nj // PAGE_SIZE)
+                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, j % STAGES,
+                            pj * PAGE_SIZE + nj % PAGE_SIZE, HALF)
         n0 = start + i * BLOCK_N
         tok = n0 + toks
         if SCALE_MODE == SCALE_TOKEN:
-            page = gl.load(bt_row + n0 // PAGE_SIZE)
-            c_t = gl.load(sc_ptr + page.to(gl.int64) * stride_sc_page + (n0 % PAGE_SIZE + toks) * stride_sc_row)
+            c_t = c_next
+            nn = n0 + BLOCK_N
+            pn = gl.load(bt_row + nn // PAGE_SIZE, mask=i + 1 < n_tiles, other=0)
+            c_next = gl.load(sc_ptr + pn.to(gl.int64) * stride_sc_page + (nn % PAGE_SIZE + toks) * stride_sc_row,
+                             mask=(toks < 0) | (i + 1 < n_tiles), other=1.0)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         la = lat_a.index(slot)
@@ -254,9 +266,10 @@ def _mla_decode_fp8_gluon_kernel(
         else:
             acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
             acc1 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc1 * alpha[:, None])
+        if WS:  # every warp of the partition has read the slot: the TMA warp may refill it
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(slot), count=1)
 
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
     l_i = gl.sum(l2, 1)
     empty = l_i == 0.0
     l_use = gl.where(empty, 1.0, l_i)
@@ -281,3 +294,54 @@ def _mla_decode_fp8_gluon_kernel(
         gl.store(o_rows + 2 * CV, (acc2 * inv[:, None]).to(ty), mask=row_ok[:, None])
         gl.store(o_rows + 3 * CV, (acc3 * inv[:, None]).to(ty), mask=row_ok[:, None])
     gl.store(lse_ptr + base + rows, lse_out, mask=row_ok)
+
+
+@gluon.jit
+def _mla_decode_fp8_gluon_kernel(
+    q_ptr, lat_desc, rope_desc, sc_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    sm_scale_log2, S_Q, H, NUM_SPLITS,
+    stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
+    D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
+    SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
+    WS: gl.constexpr,
+):
+    BM: gl.constexpr = 16
+    HALF: gl.constexpr = D_LAT // 2
+    q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    pid_split = gl.program_id(0)
+    b = gl.program_id(1)
+    # this split's tokens [start, end), whole tiles of BLOCK_N within a page
+    seq_len = gl.load(seq_lens_ptr + b)
+    split_len = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = pid_split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+
+    q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl)
+    qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl)
+    lat_a = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
+    lat_b = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
+    rope_s = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, BLOCK_N, D_ROPE], rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    if WS:
+        gl.warp_specialize([
+            (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
+                       rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
+                       n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS)),
+            (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
+                        PAGE_SIZE, BLOCK_N, STAGES, HALF)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
+                rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
+                n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
