@@ -7,7 +7,8 @@ block tables (distinct pages) until a pass reads more than 3× the L2 cache. Eac
 CUDA graph holding one ``mla_decode`` per input set (the decode kernel and, when the context is split, the
 combine kernel), so the Python launcher's overhead is not timed — as an engine runs decode.
 
-FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: "fp16"`` (fp8_dequant="fp16":
+FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: "gluon"`` (fp8_e4m3, ≤ 16 query
+rows on Hopper: the Gluon kernel "auto" takes there), ``variant: "fp16"`` (fp8_dequant="fp16":
 fp16 dot operands, its candidates with and without the register prefetch) for both FP8 formats, and ``variant:
 "bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer timed), and
 ``"fp8mma"`` / ``"fp8mma_pv"`` / ``"fp8mma_pv_q1"`` for fp8_e4m3 (e4m3 tensor-core score dots, q rounded to e4m3
@@ -41,7 +42,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import combine_splits, last_launch, mla_decode
+from mla_quant.kernels.mla_decode import combine_splits, gluon_fits, last_launch, mla_decode
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -123,7 +124,7 @@ def _variants(kind: str, quick: bool = False) -> list[str]:
     (fp8mma_pv, fp8mma_pv_q1: 2-8x slower in every run since 71d17aa), each one more autotuning per shape: a
     quick run outlasted a 495 s GPU stage twice in session 5, beside test workers."""
     slow = ("fp8mma_pv", "fp8mma_pv_q1") if quick else ()
-    return [v for v in {"bf16": [], "fp8_e4m3": ["bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_pv_q1"],
+    return [v for v in {"bf16": [], "fp8_e4m3": ["gluon", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp8mma_pv_q1"],
                         "fp8_ds_mla": ["fp16"]}[kind] if v not in slow]
 
 
@@ -149,9 +150,10 @@ def run(ctx: Context) -> list[dict]:
         pool, scales = _fill_pool(kind, num_pages, dev)
         _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev)
         live = {}
-        for variant in _variants(kind, ctx.quick):
-            live[variant], _ = _try_variant(kind, variant, lambda: _tune_on_target_shapes(
-                pool, scales, kind, heads_list, num_pages, dev, fp8_dequant=variant))
+        for variant in _variants(kind, ctx.quick):  # (the Gluon kernel has no autotuner, and only 16-row shapes)
+            live[variant], _ = (True, None) if variant == "gluon" else _try_variant(
+                kind, variant, lambda: _tune_on_target_shapes(pool, scales, kind, heads_list, num_pages, dev,
+                                                              fp8_dequant=variant))
         for heads, batch, n in itertools.product(heads_list, batches, contexts):
             sets = _input_sets(batch, n, heads, kind, num_pages, dev)
             seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
@@ -182,6 +184,8 @@ def run(ctx: Context) -> list[dict]:
                 peer, peer_t = "mla_decode_bf16", bf16_us.get((heads, batch, n))
             cases.append(row({}, t, peer, peer_t, num_splits=splits, config=config))
             for variant in _variants(kind, ctx.quick):  # the same shape with the other dequantizations, side by side
+                if variant == "gluon" and gluon_fits(sets[0][0], pool, kind, D_LATENT) is not None:
+                    continue  # (more than 16 query rows, or no Hopper GPU with Gluon)
                 if live[variant]:
                     live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
                         lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))

@@ -945,13 +945,14 @@ def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps, stages", [(4, 2), (8, 2), (8, 3)])
+@pytest.mark.parametrize("warps, stages, ws", [(4, 2, False), (8, 3, False), (4, 2, True)])
 @pytest.mark.parametrize("tensor_scale", [None, 0.05])
 @pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 64, 1000, 4097]), (16, 1, [130 * 64 + 5]),
                                                  (8, 2, [100, 3000]), (5, 3, [3, 640]), (1, 1, [77])])
-def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, tensor_scale, heads, s_q, lengths):
+def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, tensor_scale, heads, s_q, lengths):
     """fp8_dequant="gluon" (kernel_gluon.py) on the H200 at real dims, NaN in every unused slot, bf16 and fp16
-    queries, splits chosen and forced (one split, 7, more splits than tiles), 4 and 8 warps, 2 and 3 tile slots:
+    queries, splits chosen and forced (one split, 7, more splits than tiles), 4 and 8 warps, 2 and 3 tile slots, the
+    warp-specialized form (GLUON_WS):
     the reference's tolerances, and close to the bitcast; the V operand's permuted columns land where they belong
     (a per-column check)."""
     import mla_quant.kernels.mla_decode as md
@@ -959,13 +960,14 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, tensor_
 
     monkeypatch.setattr(md, "GLUON_WARPS", warps)
     monkeypatch.setattr(md, "GLUON_STAGES", stages)
+    monkeypatch.setattr(md, "GLUON_WS", ws)
     if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
                   torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
         pytest.skip("needs a Hopper GPU with Gluon")
     args = _real_dim_args("fp8_e4m3", tensor_scale, heads, s_q, lengths, seed=3)
     o_ref, lse_ref = mla_decode_reference(*args)
     o_bit, _ = mla_decode(*args, fp8_dequant="bitcast")
-    for splits in (None, 1, 7, 300):
+    for splits in (None, 1, 7, 200):
         out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
         lse = poisoned_empty(lse_ref.shape, device="cuda")
         mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)

@@ -342,6 +342,9 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
 # fp8_dequant="gluon" (kernel_gluon.py): 64-token tiles, a ring of GLUON_STAGES TMA slots (37 KB each)
 GLUON_BLOCK_N, GLUON_STAGES, GLUON_WARPS = 64, 2, 4
 GLUON_WS = False  # a TMA warp issues the copies (warp specialization) instead of the attention warps
+# WS: registers per thread at launch (the TMA warp's group of 4 keeps 48, the attention warps get the rest: 208), so
+# that two programs share an SM
+GLUON_WS_MAXNREG = 128
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
@@ -419,7 +422,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, KW=GLUON_KW,
-        WS=GLUON_WS, num_warps=GLUON_WARPS)
+        WS=GLUON_WS, num_warps=GLUON_WARPS, **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))
     if split:
