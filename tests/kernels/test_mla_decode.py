@@ -945,14 +945,16 @@ def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps, stages, ws", [(4, 2, False), (8, 3, False), (4, 2, True)])
+@pytest.mark.parametrize("warps, stages, ws, swap", [(4, 2, False, False), (8, 3, False, True), (4, 2, True, False),
+                                                     (4, 2, True, True)])
 @pytest.mark.parametrize("tensor_scale", [None, 0.05])
 @pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 64, 1000, 4097]), (16, 1, [130 * 64 + 5]),
                                                  (8, 2, [100, 3000]), (5, 3, [3, 640]), (1, 1, [77])])
-def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, tensor_scale, heads, s_q, lengths):
+def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swap, tensor_scale, heads, s_q,
+                                             lengths):
     """fp8_dequant="gluon" (kernel_gluon.py) on the H200 at real dims, NaN in every unused slot, bf16 and fp16
     queries, splits chosen and forced (one split, 7, more splits than tiles), 4 and 8 warps, 2 and 3 tile slots, the
-    warp-specialized form (GLUON_WS):
+    warp-specialized form (GLUON_WS), the transposed score dot (GLUON_SWAP_QK):
     the reference's tolerances, and close to the bitcast; the V operand's permuted columns land where they belong
     (a per-column check)."""
     import mla_quant.kernels.mla_decode as md
@@ -961,6 +963,7 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, ten
     monkeypatch.setattr(md, "GLUON_WARPS", warps)
     monkeypatch.setattr(md, "GLUON_STAGES", stages)
     monkeypatch.setattr(md, "GLUON_WS", ws)
+    monkeypatch.setattr(md, "GLUON_SWAP_QK", swap)
     if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
                   torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
         pytest.skip("needs a Hopper GPU with Gluon")

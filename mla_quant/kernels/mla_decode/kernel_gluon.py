@@ -47,6 +47,13 @@ def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HA
 
 
 @gluon.jit
+def _fast_log2(x):
+    """log2 by the SFU (``lg2.approx``, ~2^-22 relative): the token scales' shift, whose error cancels between p' and
+    the output (gl.log2 is a ~20-instruction polynomial per value)."""
+    return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _zero_rows(buf, n_ok, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, NW: gl.constexpr):
     """Rows >= n_ok of an e4m3 tile [BLOCK_N, WIDTH] in shared memory set to +0 (as 32-bit words)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
@@ -141,7 +148,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
             SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
-            WS: gl.constexpr):
+            WS: gl.constexpr, SWAP_QK: gl.constexpr):
     """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
     ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
     BM: gl.constexpr = 16
@@ -156,6 +163,11 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     w_l: gl.constexpr = words_layout(NW, BLOCK_N)
+    # SWAP_QK: the score dot transposed, tokens on M (16 per warp), heads on N
+    TW: gl.constexpr = BLOCK_N // 16 if NW > BLOCK_N // 16 else NW
+    mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[TW, NW // TW], instr_shape=[16, 8])
+    ta_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_t, k_width=KW)
+    tb_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_t, k_width=KW)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NW], [1, 0])  # q rows
     M = S_Q * H
 
@@ -230,20 +242,32 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             gl.thread_barrier()
 
         # scores over the latent (4 chunks of 128) and the rope
-        s = gl.zeros([BM, BLOCK_N], gl.float32, mma)
-        for c in gl.static_range(HALF // CH):
-            kt = la.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
-            s = mma_v2(q_smem.slice(c * CH, CH, dim=1).load(a_l), kt, s)
-        for c in gl.static_range(HALF // CH):
-            kt = lb.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
-            s = mma_v2(q_smem.slice(HALF + c * CH, CH, dim=1).load(a_l), kt, s)
-        kt = rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16)
-        s = mma_v2(qpe_smem.load(a_l), kt, s)
+        if SWAP_QK:  # S^T = K·q^T: the tokens on M, q^T the B operand (4 consecutive columns per LDS.64, in place)
+            st = gl.zeros([BLOCK_N, BM], gl.float32, mma_t)
+            for c in gl.static_range(HALF // CH):
+                ka = la.slice(c * CH, CH, dim=1).load(ta_l).to(gl.float16)
+                st = mma_v2(ka, q_smem.slice(c * CH, CH, dim=1).permute((1, 0)).load(tb_l), st)
+            for c in gl.static_range(HALF // CH):
+                ka = lb.slice(c * CH, CH, dim=1).load(ta_l).to(gl.float16)
+                st = mma_v2(ka, q_smem.slice(HALF + c * CH, CH, dim=1).permute((1, 0)).load(tb_l), st)
+            ka = rope_s.index(slot).load(ta_l).to(gl.float16)
+            st = mma_v2(ka, qpe_smem.permute((1, 0)).load(tb_l), st)
+            s = gl.convert_layout(gl.permute(st, (1, 0)), mma)
+        else:
+            s = gl.zeros([BM, BLOCK_N], gl.float32, mma)
+            for c in gl.static_range(HALF // CH):
+                kt = la.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
+                s = mma_v2(q_smem.slice(c * CH, CH, dim=1).load(a_l), kt, s)
+            for c in gl.static_range(HALF // CH):
+                kt = lb.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
+                s = mma_v2(q_smem.slice(HALF + c * CH, CH, dim=1).load(a_l), kt, s)
+            kt = rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16)
+            s = mma_v2(qpe_smem.load(a_l), kt, s)
 
         s = s * qk_row[:, None]
         if SCALE_MODE == SCALE_TOKEN:
             s = s * c_t[None, :]
-            sv = s + gl.log2(gl.maximum(c_t, LOG2_FLOOR))[None, :]  # (scale 0: an all-zero row, any weight)
+            sv = s + _fast_log2(gl.maximum(c_t, LOG2_FLOOR))[None, :]  # (scale 0: an all-zero row, any weight)
         else:
             sv = s
         ok = (tok[None, :] < end) & (tok[None, :] < limit[:, None])
@@ -303,7 +327,7 @@ def _mla_decode_fp8_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
     SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
-    WS: gl.constexpr,
+    WS: gl.constexpr, SWAP_QK: gl.constexpr,
 ):
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
@@ -333,7 +357,7 @@ def _mla_decode_fp8_gluon_kernel(
             (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
                        rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                        n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS)),
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS, SWAP_QK)),
             (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
                         PAGE_SIZE, BLOCK_N, STAGES, HALF)),
         ], [1], [PRODUCER_REGS])
@@ -341,7 +365,7 @@ def _mla_decode_fp8_gluon_kernel(
         _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
                 rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                 n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS)
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS, SWAP_QK)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
