@@ -348,9 +348,11 @@ GLUON_WS = True
 # WS: registers per thread at launch (the TMA warp's group of 4 keeps 48, the attention warps get the rest: 208), so
 # that two programs share an SM
 GLUON_WS_MAXNREG = 128
-# the score dot as S^T = K·q^T (tokens on M, q^T read in place as the B operand, no register shuffles for q):
-# sm_90 static count of the WS attention loop 1403 -> 1320 instructions per warp and 64-token tile
-GLUON_SWAP_QK = True
+# the score dot as S^T = K·q^T (tokens on M, q^T read in place as the B operand, no register shuffles for q): fewer
+# instructions (sm_90 static count of the WS loop 1403 -> 1320 per warp and 64-token tile) but slower on the H200
+# (session 18, interleaved rounds: 878.4 against 814.4 µs at batch 64 x 64k, 82.2 / 79.1 at 64 x 4k; the scores'
+# transposition is one more trip through shared memory and a barrier per tile), so off
+GLUON_SWAP_QK = False
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
