@@ -3,8 +3,9 @@
 ``docs/img/mla_decode_bandwidth.png``: achieved bandwidth of the ``mla_decode`` rows against batch, one panel per
 head count, one line per (KV format, context) — the path of the row (circles: the conversion for FP8 pages) and,
 where present, the fp8 tensor-core dots (``fp8mma``, triangles: what ``fp8_dequant="auto"`` takes for fp8_e4m3 pages
-at ≥ 32k cached tokens and more than 16 query rows) and the bitcast (squares: at ≤ 16 query rows it runs
-``FP8_TMA_CONFIG``, what "auto" takes there) — with the copy ceiling measured in the same run. FP8 rows move half
+at ≥ 32k cached tokens and more than 16 query rows), the bitcast (squares: at ≤ 16 query rows it runs
+``FP8_TMA_CONFIG``) and the Gluon kernel (diamonds: ``fp8_dequant="gluon"``, what "auto" takes for fp8_e4m3 pages at
+≤ 16 query rows on Hopper) — with the copy ceiling measured in the same run. FP8 rows move half
 the bytes, so at the same TB/s they run twice as fast.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .common import RESULTS
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 COLORS = {"bf16": "tab:gray", "fp8_e4m3": "tab:blue", "fp8_ds_mla": "tab:orange"}
 STYLES = {1024: ":", 4096: "-.", 16384: "--", 65536: "-"}
-VARIANTS = {None: "o", "fp8mma": "^", "bitcast": "s"}  # case "variant" -> marker
+VARIANTS = {None: "o", "fp8mma": "^", "bitcast": "s", "gluon": "D"}  # case "variant" -> marker
 
 
 def plot(results: Path, out: Path) -> bool:
@@ -50,7 +51,7 @@ def plot(results: Path, out: Path) -> bool:
         ax.set_title(f"{h} heads")
         ax.set_xlabel("batch (requests)")
     axes[0][0].set_ylabel("achieved TB/s (pages + q + out)")
-    axes[0][-1].legend(fontsize=6, ncol=1, loc="lower right")
+    axes[0][0].legend(fontsize=5.5, ncol=2, loc="upper left")  # (the first panel has every line: 16 heads)
     fig.suptitle("mla_decode on the H200 — line: copy ceiling of the run; dotted: 75% of it", fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

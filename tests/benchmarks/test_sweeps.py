@@ -73,3 +73,19 @@ def test_w4a16_swap_settings_name_module_constants_and_are_undone():
             assert (kernel.SWAP_TILE, kernel.SWAP_MAX_SPLIT) == setting
         assert name(cfg).startswith("swap")
     assert (kernel.SWAP_TILE, kernel.SWAP_MAX_SPLIT) == before
+
+
+def test_mla_gluon_sweep_setting_names_map_to_launcher_constants():
+    """Every ``gluon_...`` setting of benchmarks.sweep_mla_gluon names constants the launcher has, with the values
+    the name spells; other names are rejected."""
+    import pytest
+
+    from benchmarks.sweep_mla_gluon import _settings_for
+    from mla_quant.kernels import mla_decode
+
+    s = _settings_for("gluon_w8s3p1wssw")
+    assert s == {"GLUON_WARPS": 8, "GLUON_STAGES": 3, "GLUON_PER_SM": 1, "GLUON_WS": True, "GLUON_SWAP_QK": True}
+    assert _settings_for("gluon_w4s2p2")["GLUON_WS"] is False
+    assert all(hasattr(mla_decode, k) for k in s)
+    with pytest.raises(ValueError, match="setting"):
+        _settings_for("gluon_4warps")
