@@ -236,6 +236,7 @@ def cases_mla_decode() -> Iterator[Case]:
         data, scales = _kv_pages(kind, scale, table.numel())
         q = torch.randn(2, 1, heads, D_LATENT + D_ROPE, dtype=BF16)
         dequants = ("auto", "convert", "bitcast", "fp16") + (("fp8mma", "fp8mma_pv") if kind == "fp8_e4m3" else ())
+        dequants += ("gluon",) if kind == "fp8_e4m3" and heads == 16 else ()  # (the Gluon kernel: ≤ 16 query rows)
         for fp8_dequant in dequants if kind != "bf16" else ("auto",):
             yield (f"kind={kind} scale={scale} heads={heads} fp8_dequant={fp8_dequant}",
                    partial(mla_decode, q, data, scales, table, lens, 0.1, kind, D_LATENT, fp8_dequant=fp8_dequant))

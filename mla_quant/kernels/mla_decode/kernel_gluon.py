@@ -27,8 +27,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-# Gluon renamed the TMA load after Triton 3.6 (async_copy_global_to_shared -> async_load)
+# Gluon renamed builtins after Triton 3.6 (async_copy_global_to_shared -> async_load, thread_barrier -> barrier): the
+# same builtins under either name
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# ... and shared_memory_descriptor._reinterpret -> reinterpret
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 LN2 = gl.constexpr(0.6931471805599453)
 PRODUCER_REGS = gl.constexpr(48)  # registers of the TMA warp (WS)
@@ -54,12 +58,22 @@ def _fast_log2(x):
 
 
 @gluon.jit
+def _as_words(buf):
+    """An e4m3 tile [rows, width] in shared memory as int32 words [rows, width / 4] (same bytes, same swizzle)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=buf.type.layout.swizzle_byte_width,
+                                                element_bitwidth=32, rank=2)
+    if _PUBLIC_REINTERPRET:
+        words = buf.reinterpret(gl.int32, [buf.shape[0], buf.shape[1] // 4], layout)
+    else:
+        words = buf._reinterpret(gl.int32, [buf.shape[0], buf.shape[1] // 4], layout)
+    return words
+
+
+@gluon.jit
 def _zero_rows(buf, n_ok, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr, NW: gl.constexpr):
     """Rows >= n_ok of an e4m3 tile [BLOCK_N, WIDTH] in shared memory set to +0 (as 32-bit words)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
-    words = buf._reinterpret(gl.int32, [BLOCK_N, WIDTH // 4],
-                             gl.NVMMASharedLayout(swizzle_byte_width=buf.type.layout.swizzle_byte_width,
-                                                  element_bitwidth=32, rank=2))
+    words = _as_words(buf)
     w = words.load(blk)
     r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, blk))
     words.store(gl.where((r < n_ok)[:, None], w, 0))
@@ -112,9 +126,7 @@ def _v_operand(lat, chunk: gl.constexpr, w_l: gl.constexpr, b_l: gl.constexpr, N
     memory."""
     BLOCK_N: gl.constexpr = lat.shape[0]
     WC: gl.constexpr = 8 * NW  # word columns per chunk
-    words = lat._reinterpret(gl.int32, [BLOCK_N, lat.shape[1] // 4],
-                             gl.NVMMASharedLayout(swizzle_byte_width=lat.type.layout.swizzle_byte_width,
-                                                  element_bitwidth=32, rank=2))
+    words = _as_words(lat)
     w = words.slice(chunk * WC, WC, dim=1).load(w_l)  # [BLOCK_N, WC] words
     f0, f1, f2, f3 = gl.inline_asm_elementwise(_V_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [w],
                                                dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
@@ -185,7 +197,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     q_down = ((ex - 14) << 23).to(gl.float32, bitcast=True)    # 2^(ex - 141)
     q_smem.store((q_lat * q_up[:, None]).to(gl.float16))
     qpe_smem.store((q_pe * q_up[:, None]).to(gl.float16))
-    gl.thread_barrier()
+    _cta_barrier()
 
     rows = gl.arange(0, BM, rows_l)
     limit = seq_len - S_Q + 1 + rows // H  # row r (speculative token r // H) sees tokens < limit_r
@@ -215,7 +227,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     for i in range(n_tiles):
         if not WS:
             # every warp is done with tile i-1, whose slot the next copy refills
-            gl.thread_barrier()
+            _cta_barrier()
             j = i + STAGES - 1
             if j < n_tiles:
                 nj = start + j * BLOCK_N
@@ -239,7 +251,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             _zero_rows(lb, seq_len - n0, BLOCK_N, HALF, NW)
             _zero_rows(rope_s.index(slot), seq_len - n0, BLOCK_N, D_ROPE, NW)
             fence_async_shared()  # these generic writes before the TMA's next writes to the slot
-            gl.thread_barrier()
+            _cta_barrier()
 
         # scores over the latent (4 chunks of 128) and the rope
         if SWAP_QK:  # S^T = K·q^T: the tokens on M, q^T the B operand (4 consecutive columns per LDS.64, in place)
@@ -291,7 +303,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
             acc1 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc1 * alpha[:, None])
         if WS:  # every warp of the partition has read the slot: the TMA warp may refill it
-            gl.thread_barrier()
+            _cta_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
 
     l_i = gl.sum(l2, 1)
