@@ -10,6 +10,10 @@ counts the instructions of the longest loop (the loop over KV tiles), per warp a
 conversion ops; plus registers, spills, programs per SM and warp-instructions per KV token. ``--dump`` keeps
 each kernel's TTGIR, PTX and SASS; ``--only fp8_e4m3_fp16 ...`` restricts the cases.
 
+``--gluon`` profiles instead the Gluon kernel (``fp8_dequant="gluon"``, kernel_gluon.py) in the settings of
+``GLUON_SETTINGS``: the shortest loop that issues MMAs (the attention warps' tile loop; the warp-specialized kernel's
+longest branch span also covers the TMA warp's waits), per attention warp and 64-token tile.
+
 ``--buffers`` prints instead (JSON) how many shared-memory buffers Triton's pipeliner gives the latent tile of
 a few bf16 configurations (``BUFFER_CASES``, TTGIR ``memdesc<N x BLOCK_N x 512>``): ``num_stages - 1`` since the
 block table is read per chunk of tiles, one whatever ``num_stages`` while the page lookup sat in the tile loop
@@ -18,13 +22,15 @@ block table is read per chunk of tiles, one whatever ``num_stages`` while the pa
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 
 import torch
 
 from benchmarks import compile_check as cc
-from benchmarks.sass_tools import collect_compiled, loop_profile
+from benchmarks.sass_tools import (collect_compiled, disassemble, dump, loop_profile, mma_loop, opcode,
+                                   programs_per_sm)
 
 COLUMNS = ("LDGSTS", "LDG", "STS", "LDS", "LDSM", "BAR", "HMMA", "QMMA", "HGMMA", "QGMMA", "F2F", "F2FP", "PRMT",
            "LOP3", "SHF", "STL", "LDL")
@@ -64,6 +70,44 @@ def tile_buffers() -> dict[str, list[int]]:
     return out
 
 
+# fp8_dequant="gluon" settings (mla_decode module constants) profiled by --gluon
+GLUON_SETTINGS = {"ws": dict(GLUON_WS=True), "plain": dict(GLUON_WS=False),
+                  "ws_swap": dict(GLUON_WS=True, GLUON_SWAP_QK=True), "plain_w8": dict(GLUON_WS=False, GLUON_WARPS=8)}
+
+
+def gluon_profile(heads: int, scale: str, folder: str | None) -> int:
+    """Static profile of the Gluon kernel's tile loop (per attention warp and 64-token tile) in each of
+    ``GLUON_SETTINGS``: its instructions, the columns above, registers (at launch), shared memory, programs per SM."""
+    from benchmarks.common import module_attrs
+
+    with collect_compiled(("_mla_decode_fp8_gluon_kernel",)) as (log, compiled):
+        import mla_quant.kernels.mla_decode as md
+
+        table, lens = cc._table([100, 200])
+        data, scales = cc._kv_pages("fp8_e4m3", scale, table.numel())
+        q = torch.randn(2, 1, heads, cc.D_LATENT + cc.D_ROPE, dtype=torch.bfloat16)
+        print(f"{'setting':10s} regs spill smem/K prog/SM | per attention warp per tile: instr " + " ".join(COLUMNS)
+              + " | warp-instr/token")
+        for name, setting in GLUON_SETTINGS.items():
+            start = len(compiled)
+            with module_attrs(md, setting):
+                md.mla_decode(q, data, scales, table, lens, 0.1, "fp8_e4m3", cc.D_LATENT, fp8_dequant="gluon",
+                              num_splits=2)
+                warps, block_n = md.GLUON_WARPS, md.GLUON_BLOCK_N
+            for _, kw, kernel in compiled[start:]:
+                sass = disassemble(kernel)
+                dump(folder, f"gluon_{name}", kernel, sass)
+                body = mma_loop(sass)
+                counts = collections.Counter(opcode(t) for t in body)
+                regs, spills = log.ptxas[kernel.metadata.hash]
+                # warp-specialized: 4 attention warps + the TMA warp's group of 4 at the launch registers
+                progs = programs_per_sm(regs or 255, kernel.metadata.shared, warps + (4 if kw.get("WS") else 0))
+                print(f"{name:10s} {regs:4} {spills:5} {kernel.metadata.shared // 1024:6} {progs:7} | {len(body):5} "
+                      + " ".join(f"{counts[c]:>{len(c)}}" for c in COLUMNS)
+                      + f" | {len(body) * warps / block_n:6.1f}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
@@ -71,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     parser.add_argument("--only", nargs="*", help="kind_dequant cases to compile (default: all), e.g. fp8_e4m3_fp16")
     parser.add_argument("--buffers", action="store_true", help="print the latent tile's buffer counts (JSON)")
+    parser.add_argument("--gluon", action="store_true",
+                        help="profile fp8_dequant='gluon' (kernel_gluon.py) in its settings instead")
     args = parser.parse_args(argv)
     if args.buffers:
         print(json.dumps(tile_buffers()))
         return 0
+    if args.gluon:
+        return gluon_profile(args.heads, args.scale, args.dump)
     with collect_compiled(("_mla_decode_kernel",)) as (log, compiled):
         from mla_quant.kernels.mla_decode import mla_decode
 

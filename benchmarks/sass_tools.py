@@ -74,6 +74,21 @@ def sass_loop(sass: str) -> list[str]:
     return [t for a, t in ins if best[0] <= a <= best[1]]
 
 
+def mma_loop(sass: str, min_len: int = 100) -> list[str]:
+    """The instructions of the shortest loop (backward-branch span) of at least ``min_len`` instructions that issues
+    tensor-core ops: the tile loop of a warp-specialized kernel, whose longest span covers the other partition's
+    waits too."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans = []
+    for addr, text in ins:
+        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
+            if len(body) >= min_len and any(opcode(t) in ("HMMA", "HGMMA", "QMMA", "QGMMA") for t in body):
+                spans.append(body)
+    return min(spans, key=len) if spans else []
+
+
 def opcode(text: str) -> str:
     """'@!P0 LDG.E.128 R4, ...' -> 'LDG'."""
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
