@@ -96,3 +96,22 @@ def test_host_overhead_times_each_launcher_without_a_gpu():
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("fp8_linear"))
     assert 0 < float(line.split()[1]) < 1e5, line
+
+
+@pytest.mark.slow
+def test_gluon_decode_reads_v_as_words_on_sm90():
+    """Compiled for sm_90 (fake Hopper, a subprocess): the Gluon fp8 decode's tile loop per attention warp issues
+    exactly its 136 mma.sync (72 score + 64 PV per 64-token tile), converts each e4m3 pair once (276 cvt), and builds
+    V's operand from 32-bit words (64 PRMT; Triton's own byte-wise lowering was 256 LDS.U8 + 256 PRMT), without
+    spills and within 128 registers at launch (two programs per SM)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode_sass", "--gluon"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("setting")).split("|")[1].split()
+    row = next(line for line in lines if line.startswith("ws "))
+    regs, spills = (int(v) for v in row.split("|")[0].split()[1:3])
+    counts = dict(zip(header[header.index("instr"):], (int(v) for v in row.split("|")[1].split())))
+    assert (counts["HMMA"], counts["F2FP"], counts["PRMT"]) == (136, 276, 64), counts
+    assert counts["instr"] < 1600 and spills == 0 and regs <= 128, (counts, regs, spills)
