@@ -1,7 +1,9 @@
 """MLA decode over fp8_e4m3 pages for at most 16 query rows, written in Gluon (``fp8_dequant="gluon"``).
 
-One program per (KV split, request); 4 warps; tiles of ``BLOCK_N`` = 64 tokens within one page, staged by TMA in a
-ring of ``STAGES`` shared-memory slots (latent as two [64, 256] boxes, rope [64, 64]; e4m3 bytes as stored).
+One program per (KV split, request); tiles of ``BLOCK_N`` = 64 tokens within one page, staged by TMA in a ring of
+``STAGES`` shared-memory slots (latent as two [64, 256] boxes, rope [64, 64]; e4m3 bytes as stored). With ``WS``
+(the launcher's default) a TMA warp (``_produce``) issues the copies and the attention warps (``_attend``, 4 by
+default) release each slot through an ``empty`` mbarrier; without it the attention warps issue them themselves.
 Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no row is padded:
 
 * scores S [16, 64] = q · Kᵀ: the warps split the tile's tokens (16 each). q lives in shared memory as fp16
@@ -13,7 +15,9 @@ Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no
   p'_t = 2^(s_t + log2 c_t − m) ≤ 1 (fp16-safe whatever the scales), while the denominator sums
   2^(s_t − m): out = Σ p'_t v_t / Σ 2^(s_t − m) = Σ 2^(s_t) c_t v_t / Σ 2^(s_t), v_t the raw e4m3 values.
 * O [16, 512] += P' · V: the warps split O's columns (128 each, four [16, 128] accumulators); P' goes through
-  shared memory to every warp (Gluon's layout conversion), V is read from the same e4m3 tile as the B operand.
+  shared memory to every warp (Gluon's layout conversion), V is read from the same e4m3 tile as the B operand, as
+  32-bit words with the operand's columns permuted (``_v_operand``).
+* ``SWAP_QK`` (off by default: measured slower) computes the scores transposed, S^T = K · qᵀ.
 
 The denominator is kept per lane as a [16, 64] sum (no cross-warp reduction per tile) and reduced once at the
 end. Tokens at or past the request's length may hold anything (NaN) in their page slots: their scores are
@@ -22,10 +26,10 @@ masked and, on the tile that holds them, their V rows zeroed. Output: as ``_mla_
 The interpreter does not run Gluon: the GPU tests check it against the reference.
 """
 from triton.experimental import gluon
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.runtime.jit import constexpr_function
 
 # Gluon renamed builtins after Triton 3.6 (async_copy_global_to_shared -> async_load, thread_barrier -> barrier): the
 # same builtins under either name
@@ -43,6 +47,7 @@ SCALE_TENSOR = gl.constexpr(2)
 
 @gluon.jit
 def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HALF: gl.constexpr):
+    """The TMA copies of the tile at page row ``row0`` into ``slot``; ``ready[slot]`` completes with its bytes."""
     bar = ready.index(slot)
     mbarrier.expect(bar, 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes)
     _tma_load(lat_desc, [row0, 0], bar, lat_a.index(slot))
