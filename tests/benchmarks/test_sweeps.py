@@ -84,7 +84,8 @@ def test_mla_gluon_sweep_setting_names_map_to_launcher_constants():
     from mla_quant.kernels import mla_decode
 
     s = _settings_for("gluon_w8s3p1wssw")
-    assert s == {"GLUON_WARPS": 8, "GLUON_STAGES": 3, "GLUON_PER_SM": 1, "GLUON_WS": True, "GLUON_SWAP_QK": True}
+    assert s == {"GLUON_WARPS": 8, "GLUON_STAGES": 3, "GLUON_PER_SM": 1, "GLUON_PER_SM_ONE_REQUEST": 1,
+                 "GLUON_WS": True, "GLUON_SWAP_QK": True}
     assert _settings_for("gluon_w4s2p2")["GLUON_WS"] is False
     assert all(hasattr(mla_decode, k) for k in s)
     with pytest.raises(ValueError, match="setting"):

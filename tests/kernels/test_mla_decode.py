@@ -977,7 +977,8 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
         assert_all_written(out, "out")
         assert_all_written(lse, "lse")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
-        per_col = ((out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2)) / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
+        diff = (out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2))
+        per_col = (diff / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
         # (a column stored in another's place would be off by ~100 %; one head of one request is a single value)
         assert per_col.max() < 0.25, f"splits={splits}: worst column {int(per_col.argmax())}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)

@@ -180,8 +180,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     others: docs/mla.md, "fp8 tensor-core dots"), ``"gluon"`` (fp8_e4m3 pages of 512 + 64, 16-bit q, at most 16 query
     rows, a Hopper GPU: kernel_gluon.py, mma.sync in fp16 on the e4m3 bytes read from TMA-staged tiles; raises
     naming the reason where :func:`gluon_fits` says it cannot run) or ``"auto"`` (default: for fp8_e4m3 pages
-    "gluon" wherever it fits; else the bitcast where it takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`); else "fp8mma" when q is bf16 / fp16 and batch ×
-    max_seq_len (the block table's capacity when not given) ≥ ``FP8_MMA_MIN_TOKENS``;
+    "gluon" wherever it fits; else the bitcast where it takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`);
+    else "fp8mma" when q is bf16 / fp16 and batch × max_seq_len (the block table's capacity when not given) ≥
+    ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
     conversion). Only the Triton path of FP8 pages is affected. (A kernel on ``mma.sync`` fragments built in
     registers, ``"fragments"``, measured 1.4-2x the bitcast's time and was removed: docs/mla.md.)
@@ -404,7 +405,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent,
                                      torch.cuda.get_device_properties(q.device).multi_processor_count,
-                                     per_sm=GLUON_PER_SM)
+                                     per_sm=GLUON_PER_SM_ONE_REQUEST if bsz == 1 else GLUON_PER_SM)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     split = num_splits > 1
@@ -430,7 +431,8 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, KW=GLUON_KW,
-        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, num_warps=GLUON_WARPS, **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
+        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, num_warps=GLUON_WARPS,
+        **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))
     if split:
@@ -438,7 +440,12 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     return out, lse
 
 
-GLUON_PER_SM = 2  # programs per SM the split plan assumes (111 KB of shared memory each)
+# programs per SM the split plan assumes (94 KB of shared memory each: two fit). One request plans for one per SM (half
+# the splits, half the partials to merge): H200, 16 heads, interleaved rounds of the form without warp
+# specialization (results/sweep_mla_gluon_h200.json): 1 x 64k 49.7 / 48.3 µs against 54.2 / 54.5 planned for two
+# (218 splits), 1 x 4k 24.7 / 23.8 against 24.8 / 23.8; from 8 requests on, two per SM (64 x 4k: 81.9 against 92.5).
+# (Not re-timed with the warp-specialized default, whose time at two per SM was within 1 % of this form's at batch 1.)
+GLUON_PER_SM, GLUON_PER_SM_ONE_REQUEST = 2, 1
 GLUON_KW = 4      # k_width of both operands: 4 consecutive K values per 32-bit register of e4m3
 
 
