@@ -277,6 +277,28 @@ def last_launch() -> tuple[int, str | None] | None:
     return _LAST_LAUNCH
 
 
+def _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, sms, per_sm) -> int:
+    """``num_splits`` as given (checked against ``MAX_SPLITS``) or, when None, :func:`plan_num_splits` for the call
+    (``max_seq_len`` or the block table's capacity; ``sms`` None: the device's SM count; ``per_sm`` as there)."""
+    if num_splits is None:
+        bsz, s_q, heads, d = q.shape
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        sms = sms or torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms, per_sm=per_sm)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    return num_splits
+
+
+def _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse):
+    """Where a decode kernel writes: the final ``out`` / ``lse`` with one split, else the partials for
+    :func:`combine_splits` (o [B, splits, M, d_latent] in ``PARTIAL_DTYPE``, lse fp32 [B, splits, M])."""
+    if num_splits == 1:
+        return out, lse
+    return (torch.empty(bsz, num_splits, m_rows, d_latent, dtype=PARTIAL_DTYPE, device=out.device),
+            torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=out.device))
+
+
 def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                        num_splits, max_seq_len, out, lse, config, fp8_bitcast, f16_dots, fp8_mma=0, combine="auto"):
     from .kernel import _mla_decode_kernel, _mla_decode_kernel_tuned
@@ -290,24 +312,16 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     tma_launch = None if config is not None or interpreted else _tma_launch(q, kv_data, kind, fp8_bitcast)
     if tma_launch is not None:
         config = tma_launch[0]
-    if num_splits is None:
-        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        sms = 4 if interpreted else torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms,
-                                     per_sm=tma_launch[1] if tma_launch is not None else None)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    sms = 4 if interpreted else None
+    num_splits = _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, sms,
+                                 tma_launch[1] if tma_launch is not None else None)
 
     lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
     if fp8_bitcast and not _word_aligned(kv_data):
         raise ValueError("kv_data: fp8_dequant='bitcast' reads 4-byte words: pages must be 4-byte aligned "
                          "(row stride, page stride, offset)")
     split = num_splits > 1
-    if split:
-        o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=PARTIAL_DTYPE, device=q.device)
-        lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
-    else:
-        o_dst, lse_dst = out, lse
+    o_dst, lse_dst = _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse)
     descs = (None, None)
     if config is not None and config.get("TMA"):
         descs = _page_descriptors(kv_data, kind, d_latent, config["BLOCK_N"], words=fp8_bitcast)
@@ -401,19 +415,10 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     m_rows = s_q * heads
     if bsz == 0 or m_rows == 0:
         return out, lse
-    if num_splits is None:
-        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent,
-                                     torch.cuda.get_device_properties(q.device).multi_processor_count,
-                                     per_sm=GLUON_PER_SM_ONE_REQUEST if bsz == 1 else GLUON_PER_SM)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
+    num_splits = _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, None,
+                                 GLUON_PER_SM_ONE_REQUEST if bsz == 1 else GLUON_PER_SM)
     split = num_splits > 1
-    if split:
-        o_dst = torch.empty(bsz, num_splits, m_rows, d_latent, dtype=torch.float32, device=q.device)
-        lse_dst = torch.empty(bsz, num_splits, m_rows, dtype=torch.float32, device=q.device)
-    else:
-        o_dst, lse_dst = out, lse
+    o_dst, lse_dst = _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse)
     pages, _, width = kv_data.shape
     rows = kv_data.view(torch.float8_e4m3fn)
     shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
@@ -430,7 +435,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         softmax_scale * math.log2(math.e), s_q, heads, num_splits, q.stride(0), q.stride(1), q.stride(2),
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
-        BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES, KW=GLUON_KW,
+        BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES,
         WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, num_warps=GLUON_WARPS,
         **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
@@ -446,7 +451,6 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
 # (218 splits), 1 x 4k 24.7 / 23.8 against 24.8 / 23.8; from 8 requests on, two per SM (64 x 4k: 81.9 against 92.5).
 # (Not re-timed with the warp-specialized default, whose time at two per SM was within 1 % of this form's at batch 1.)
 GLUON_PER_SM, GLUON_PER_SM_ONE_REQUEST = 2, 1
-GLUON_KW = 4      # k_width of both operands: 4 consecutive K values per 32-bit register of e4m3
 
 
 def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:

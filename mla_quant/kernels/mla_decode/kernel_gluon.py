@@ -39,6 +39,9 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 LN2 = gl.constexpr(0.6931471805599453)
+# k_width of every dot operand: 4 consecutive K values per thread (one 32-bit word of e4m3), both operands in that K
+# order; words_layout and _v_operand build V's operand for exactly this value
+KW = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(48)  # registers of the TMA warp (WS)
 LOG2_FLOOR = gl.constexpr(2.0 ** -100)  # token scales below this enter the shift as 2^-100
 SCALE_TOKEN = gl.constexpr(1)
@@ -164,7 +167,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end, n_tiles,
             stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-            SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
+            SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             WS: gl.constexpr, SWAP_QK: gl.constexpr):
     """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
     ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
@@ -343,7 +346,7 @@ def _mla_decode_fp8_gluon_kernel(
     sm_scale_log2, S_Q, H, NUM_SPLITS,
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
-    SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KW: gl.constexpr,
+    SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     WS: gl.constexpr, SWAP_QK: gl.constexpr,
 ):
     BM: gl.constexpr = 16
@@ -374,7 +377,7 @@ def _mla_decode_fp8_gluon_kernel(
             (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
                        rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                        n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS, SWAP_QK)),
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK)),
             (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
                         PAGE_SIZE, BLOCK_N, STAGES, HALF)),
         ], [1], [PRODUCER_REGS])
@@ -382,7 +385,7 @@ def _mla_decode_fp8_gluon_kernel(
         _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
                 rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                 n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, KW, WS, SWAP_QK)
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
