@@ -7,6 +7,8 @@ also selects Triton for CPU tensors, so the kernels' code can be checked without
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 import torch
@@ -38,3 +40,17 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if triton_interpreted():
         return True
     return all(t.is_cuda for t in tensors)
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability 9.x (the Gluon kernels' and TMA paths' target)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """Triton's Gluon front end for Hopper ships with Triton 3.5 and later."""
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None
+    except ImportError:
+        return False

@@ -6,11 +6,10 @@ persistent grid; configuration from ``default_config``) and ``kernel_ws.py`` (Ho
 a TMA producer warp and two consumer warp groups; configuration from ``ws_default_config``)."""
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
+from .._backend import gluon_available as _gluon_available
+from .._backend import is_hopper as _is_hopper
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
@@ -55,15 +54,6 @@ def ws_default_config(m: int) -> dict:
     return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}
 
 
-@functools.lru_cache(maxsize=None)
-def _gluon_available() -> bool:
-    """Triton's Gluon front end (the "ws" kernel) ships with Triton 3.5 and later."""
-    try:
-        return importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None
-    except ImportError:
-        return False
-
-
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
     """``variant="auto"``: on Hopper past 64 tokens with TMA-aligned operands "ws" when its 128 × 128 tiles fill
     ~90 % of the SMs or more (bk = 128, bn a multiple of 128, no configuration of another variant pinned), else
@@ -82,9 +72,6 @@ def _tma_ok(a, b) -> bool:
     """TMA descriptors need 16-byte aligned bases and row strides (the output is stored with plain stores)."""
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b))
 
-
-def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 def _check(a, a_scale, b, b_scale, block, out_dtype) -> tuple[int, int, int]:
     check_tensor("a", a, dtype=FP8, ndim=2, contiguous=True)

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .._backend import gluon_available as _gluon_available
+from .._backend import is_hopper as _is_hopper
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_same_device, check_tensor
 from .._host import cdiv, next_power_of_2
@@ -387,16 +389,6 @@ def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int)
     if triton_interpreted() or not _is_hopper(q.device) or not _gluon_available():
         return "no Hopper GPU with Triton's Gluon (the interpreter cannot run it)"
     return None
-
-
-def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-def _gluon_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton.experimental.gluon.nvidia.hopper") is not None
 
 
 def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent, num_splits,
