@@ -944,6 +944,15 @@ def test_fp8mma_matches_reference_gpu(tensor_scale, heads, dequant):
         assert torch.allclose(lse, lse_ref, rtol=rtol_lse, atol=atol_lse), f"splits={splits}, config={config}"
 
 
+def _skip_without_gluon():
+    """Skip unless fp8_dequant="gluon" can run here (a Hopper GPU with Triton's Gluon)."""
+    from mla_quant.kernels.mla_decode import gluon_fits
+
+    if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
+                  torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
+        pytest.skip("needs a Hopper GPU with Gluon")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps, stages, ws, swap", [(4, 2, False, False), (8, 3, False, True), (4, 2, True, False),
                                                      (4, 2, True, True)])
@@ -958,15 +967,12 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
     the reference's tolerances, and close to the bitcast; the V operand's permuted columns land where they belong
     (a per-column check)."""
     import mla_quant.kernels.mla_decode as md
-    from mla_quant.kernels.mla_decode import gluon_fits
 
     monkeypatch.setattr(md, "GLUON_WARPS", warps)
     monkeypatch.setattr(md, "GLUON_STAGES", stages)
     monkeypatch.setattr(md, "GLUON_WS", ws)
     monkeypatch.setattr(md, "GLUON_SWAP_QK", swap)
-    if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
-                  torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
-        pytest.skip("needs a Hopper GPU with Gluon")
+    _skip_without_gluon()
     args = _real_dim_args("fp8_e4m3", tensor_scale, heads, s_q, lengths, seed=3)
     o_ref, lse_ref = mla_decode_reference(*args)
     o_bit, _ = mla_decode(*args, fp8_dequant="bitcast")
@@ -993,11 +999,7 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
 def test_gluon_dequant_extreme_scales_gpu():
     """Per-token scales spanning 2^-12 .. 2^6 in one request (softmax over many tokens, not one), and a request whose
     tokens are all zero (scale 0): the p'·v form keeps p' ≤ 1 in fp16 whatever the scales; matches the reference."""
-    from mla_quant.kernels.mla_decode import gluon_fits
-
-    if gluon_fits(torch.empty(1, 1, 1, 576, device="cuda", dtype=torch.bfloat16),
-                  torch.empty(1, 64, 576, device="cuda", dtype=torch.float8_e4m3fn), "fp8_e4m3", 512):
-        pytest.skip("needs a Hopper GPU with Gluon")
+    _skip_without_gluon()
     q, kv, scales, table, seq_lens, _, kind, d_latent = _real_dim_args("fp8_e4m3", None, 16, 1, [700, 300], seed=5)
     g = torch.Generator(device="cuda").manual_seed(0)
     scales.copy_(torch.exp2(torch.randint(-12, 7, scales.shape, device="cuda", generator=g).float()))

@@ -230,7 +230,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         fp8_dequant = _auto_fp8_dequant(kind, q, kv_data, bsz, max_len, d_latent)
     fp8 = kind != "bf16"
-    if fp8_dequant == "gluon" and kind != "bf16":
+    if fp8 and fp8_dequant == "gluon":
         return _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
                                  num_splits, max_seq_len, out, lse, combine)
     return _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,

@@ -49,6 +49,20 @@ SCALE_TENSOR = gl.constexpr(2)
 
 
 @gluon.jit
+def _page_row(page, n0, PAGE_SIZE: gl.constexpr):
+    """The row of token ``n0`` in the pages viewed as [pages·page_size, width], its page id being ``page``."""
+    return page * PAGE_SIZE + n0 % PAGE_SIZE
+
+
+@gluon.jit
+def _token_scales(sc_ptr, bt_row, n0, toks, valid, stride_sc_page, stride_sc_row, PAGE_SIZE: gl.constexpr):
+    """The per-token scales of the tile starting at token ``n0`` (1.0 where not ``valid``: past the split)."""
+    page = gl.load(bt_row + n0 // PAGE_SIZE, mask=valid, other=0)
+    return gl.load(sc_ptr + page.to(gl.int64) * stride_sc_page + (n0 % PAGE_SIZE + toks) * stride_sc_row,
+                   mask=(toks < 0) | valid, other=1.0)
+
+
+@gluon.jit
 def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HALF: gl.constexpr):
     """The TMA copies of the tile at page row ``row0`` into ``slot``; ``ready[slot]`` completes with its bytes."""
     bar = ready.index(slot)
@@ -158,7 +172,7 @@ def _produce(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, st
         page_next = gl.load(bt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=i + 1 < n_tiles, other=0)
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, page * PAGE_SIZE + n0 % PAGE_SIZE, HALF)
+        _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, _page_row(page, n0, PAGE_SIZE), HALF)
         page = page_next
 
 
@@ -219,12 +233,9 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             if i < n_tiles:
                 n0 = start + i * BLOCK_N
                 page = gl.load(bt_row + n0 // PAGE_SIZE)
-                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i,
-                            page * PAGE_SIZE + n0 % PAGE_SIZE, HALF)
+                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i, _page_row(page, n0, PAGE_SIZE), HALF)
     if SCALE_MODE == SCALE_TOKEN:  # tile i's token scales are loaded during tile i - 1
-        page0 = gl.load(bt_row + start // PAGE_SIZE, mask=n_tiles > 0, other=0)
-        c_next = gl.load(sc_ptr + page0.to(gl.int64) * stride_sc_page + (start % PAGE_SIZE + toks) * stride_sc_row,
-                         mask=(toks < 0) | (n_tiles > 0), other=1.0)
+        c_next = _token_scales(sc_ptr, bt_row, start, toks, n_tiles > 0, stride_sc_page, stride_sc_row, PAGE_SIZE)
 
     m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
     l2 = gl.zeros([BM, BLOCK_N], gl.float32, mma)
@@ -240,16 +251,14 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             if j < n_tiles:
                 nj = start + j * BLOCK_N
                 pj = gl.load(bt_row + nj // PAGE_SIZE)
-                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, j % STAGES,
-                            pj * PAGE_SIZE + nj % PAGE_SIZE, HALF)
+                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, j % STAGES, _page_row(pj, nj, PAGE_SIZE),
+                            HALF)
         n0 = start + i * BLOCK_N
         tok = n0 + toks
         if SCALE_MODE == SCALE_TOKEN:
             c_t = c_next
-            nn = n0 + BLOCK_N
-            pn = gl.load(bt_row + nn // PAGE_SIZE, mask=i + 1 < n_tiles, other=0)
-            c_next = gl.load(sc_ptr + pn.to(gl.int64) * stride_sc_page + (nn % PAGE_SIZE + toks) * stride_sc_row,
-                             mask=(toks < 0) | (i + 1 < n_tiles), other=1.0)
+            c_next = _token_scales(sc_ptr, bt_row, n0 + BLOCK_N, toks, i + 1 < n_tiles, stride_sc_page,
+                                   stride_sc_row, PAGE_SIZE)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         la = lat_a.index(slot)
@@ -315,9 +324,9 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             mbarrier.arrive(empty.index(slot), count=1)
 
     l_i = gl.sum(l2, 1)
-    empty = l_i == 0.0
-    l_use = gl.where(empty, 1.0, l_i)
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(l_use))
+    no_keys = l_i == 0.0  # (rows that saw no token: an empty split)
+    l_use = gl.where(no_keys, 1.0, l_i)
+    lse2 = gl.where(no_keys, float("-inf"), m_i + gl.log2(l_use))
     inv = 1.0 / l_use
     if SCALE_MODE == SCALE_TENSOR:
         inv = inv * tensor_scale
