@@ -410,12 +410,18 @@ def test_candidate_tables_reach_only_their_launches():
 
 
 # ------------------------------------------------------------------------------------------ split merge
-@pytest.mark.parametrize("num_splits, m_rows, d_latent", [(37, 3, 256), (4, 16, 128), (1, 2, 64), (16, 5, 128)])
-def test_combine_splits_kernels_match_the_formula(triton_backend, num_splits, m_rows, d_latent):
-    """Both merge kernels ("tiles": 16 splits per step, here 1–3 steps and a partial chunk; "rows"; "auto") equal
-    out = Σ_s 2^(lse_s − lse)·o_s with lse = log2 Σ 2^lse_s, including splits and whole rows with nothing
-    (lse −inf: out 0, lse −inf); outputs NaN-poisoned first."""
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("num_splits, m_rows, d_latent", [(37, 3, 256), (4, 16, 128), (1, 2, 64), (16, 5, 128),
+                                                          (150, 2, 64)])
+def test_combine_splits_kernels_match_the_formula(triton_backend, monkeypatch, chunk, num_splits, m_rows, d_latent):
+    """Both merge kernels ("tiles": ``COMBINE_CHUNK`` splits per step, here 1–10 steps and a partial chunk, columns
+    per program narrowed for wide chunks; "rows"; "auto") equal out = Σ_s 2^(lse_s − lse)·o_s with
+    lse = log2 Σ 2^lse_s, including splits and whole rows with nothing (lse −inf: out 0, lse −inf); outputs
+    NaN-poisoned first."""
+    import mla_quant.kernels.mla_decode as md
     from mla_quant.kernels.mla_decode import combine_splits
+
+    monkeypatch.setattr(md, "COMBINE_CHUNK", chunk)
 
     dev = triton_backend
     g = torch.Generator().manual_seed(num_splits)
@@ -954,16 +960,18 @@ def _skip_without_gluon():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps, stages, ws, swap", [(4, 2, False, False), (8, 3, False, True), (4, 2, True, False),
-                                                     (4, 2, True, True)])
+@pytest.mark.parametrize("warps, stages, ws, swap, chains", [(4, 2, False, False, 1), (8, 3, False, True, 2),
+                                                             (4, 2, True, False, 2), (4, 2, True, True, 2),
+                                                             (4, 2, True, False, 1), (8, 2, False, False, 2)])
 @pytest.mark.parametrize("tensor_scale", [None, 0.05])
 @pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 64, 1000, 4097]), (16, 1, [130 * 64 + 5]),
                                                  (8, 2, [100, 3000]), (5, 3, [3, 640]), (1, 1, [77])])
-def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swap, tensor_scale, heads, s_q,
+def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swap, chains, tensor_scale, heads, s_q,
                                              lengths):
     """fp8_dequant="gluon" (kernel_gluon.py) on the H200 at real dims, NaN in every unused slot, bf16 and fp16
     queries, splits chosen and forced (one split, 7, more splits than tiles), 4 and 8 warps, 2 and 3 tile slots, the
-    warp-specialized form (GLUON_WS), the transposed score dot (GLUON_SWAP_QK):
+    warp-specialized form (GLUON_WS), the transposed score dot (GLUON_SWAP_QK), one or two score MMA chains
+    (GLUON_QK_CHAINS):
     the reference's tolerances, and close to the bitcast; the V operand's permuted columns land where they belong
     (a per-column check)."""
     import mla_quant.kernels.mla_decode as md
@@ -972,6 +980,7 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
     monkeypatch.setattr(md, "GLUON_STAGES", stages)
     monkeypatch.setattr(md, "GLUON_WS", ws)
     monkeypatch.setattr(md, "GLUON_SWAP_QK", swap)
+    monkeypatch.setattr(md, "GLUON_QK_CHAINS", chains)
     _skip_without_gluon()
     args = _real_dim_args("fp8_e4m3", tensor_scale, heads, s_q, lengths, seed=3)
     o_ref, lse_ref = mla_decode_reference(*args)
@@ -996,13 +1005,16 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
 
 
 @pytest.mark.gpu
-def test_gluon_dequant_extreme_scales_gpu():
-    """Per-token scales spanning 2^-12 .. 2^6 in one request (softmax over many tokens, not one), and a request whose
-    tokens are all zero (scale 0): the p'·v form keeps p' ≤ 1 in fp16 whatever the scales; matches the reference."""
+@pytest.mark.parametrize("lo,hi", [(-12, 6), (-40, 20)])
+def test_gluon_dequant_extreme_scales_gpu(lo, hi):
+    """Per-token scales spanning 2^lo .. 2^hi in one request, and a request whose tokens are all zero (scale 0): the
+    p'·v form keeps p' ≤ 1 in fp16 whatever the scales; matches the reference. 2^-12 .. 2^6 is a softmax over many
+    tokens; 2^-40 .. 2^20 puts scores near 3e8 (log2 units), where s + log2 c rounds (fp32 ulp 32): the denominator
+    must use that same rounded exponent (an exact 2^(s - m) put the output off by 2^4)."""
     _skip_without_gluon()
     q, kv, scales, table, seq_lens, _, kind, d_latent = _real_dim_args("fp8_e4m3", None, 16, 1, [700, 300], seed=5)
     g = torch.Generator(device="cuda").manual_seed(0)
-    scales.copy_(torch.exp2(torch.randint(-12, 7, scales.shape, device="cuda", generator=g).float()))
+    scales.copy_(torch.exp2(torch.randint(lo, hi + 1, scales.shape, device="cuda", generator=g).float()))
     kv[table[1, :5].long()] = torch.zeros((), dtype=kv.dtype, device="cuda")  # request 1: all-zero rows
     scales[table[1, :5].long()] = 0.0
     args = (q, kv, scales, table, seq_lens, 2e-4, kind, d_latent)

@@ -370,6 +370,10 @@ GLUON_WS_MAXNREG = 128
 # (session 18, interleaved rounds: 878.4 against 814.4 µs at batch 64 x 64k, 82.2 / 79.1 at 64 x 4k; the scores'
 # transposition is one more trip through shared memory and a barrier per tile), so off
 GLUON_SWAP_QK = False
+# the score dot as 1, 2 or 4 independent MMA chains summed after (one chain is 36 dependent k-steps): more chains
+# cost register moves and were not faster (H200, session 19, interleaved rounds, µs for 1 / 2 / 4 chains: 64 x 64k
+# 771.9 / 789.8 / 803.0, 64 x 4k 77.5 / 77.9 / 78.4, 1 x 64k (two per SM) 54.3 / 54.4 / 54.1), so one
+GLUON_QK_CHAINS = 1
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
@@ -407,8 +411,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     m_rows = s_q * heads
     if bsz == 0 or m_rows == 0:
         return out, lse
-    num_splits = _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, None,
-                                 GLUON_PER_SM_ONE_REQUEST if bsz == 1 else GLUON_PER_SM)
+    num_splits = _gluon_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len)
     split = num_splits > 1
     o_dst, lse_dst = _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse)
     pages, _, width = kv_data.shape
@@ -428,7 +431,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES,
-        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, num_warps=GLUON_WARPS,
+        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, QK_CHAINS=GLUON_QK_CHAINS, num_warps=GLUON_WARPS,
         **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))
@@ -437,12 +440,25 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     return out, lse
 
 
-# programs per SM the split plan assumes (94 KB of shared memory each: two fit). One request plans for one per SM (half
-# the splits, half the partials to merge): H200, 16 heads, interleaved rounds of the form without warp
-# specialization (results/sweep_mla_gluon_h200.json): 1 x 64k 49.7 / 48.3 µs against 54.2 / 54.5 planned for two
-# (218 splits), 1 x 4k 24.7 / 23.8 against 24.8 / 23.8; from 8 requests on, two per SM (64 x 4k: 81.9 against 92.5).
-# (Not re-timed with the warp-specialized default, whose time at two per SM was within 1 % of this form's at batch 1.)
-GLUON_PER_SM, GLUON_PER_SM_ONE_REQUEST = 2, 1
+# programs per SM the split plan assumes: two (94 KB of shared memory each) where each split still reads at least
+# GLUON_SPLIT_TILES tiles, else GLUON_PER_SM_SHORT (one): fewer, longer splits pay fewer pipeline fills, partial
+# writes and merges. H200, 16 heads, interleaved CUDA-graph rounds (session 19, results/sweep_mla_gluon_h200.json),
+# µs planned for two / one per SM: 64 x 64k 772 / 948 (256 tiles per split at two), 128 x 4k 122 / 131 (32),
+# 64 x 4k 77.5 / 80.9 (16); 32 x 4k 57.0 / 52.3 (8), 8 x 16k 57.7 / 55.5 (8), 1 x 64k 54.3 / 46.0 (4).
+GLUON_PER_SM, GLUON_PER_SM_SHORT, GLUON_SPLIT_TILES = 2, 1, 16
+
+
+def _gluon_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len) -> int:
+    """``num_splits`` as given, else the split plan for ``GLUON_PER_SM`` programs per SM, or for
+    ``GLUON_PER_SM_SHORT`` where that plan's splits would read fewer than ``GLUON_SPLIT_TILES`` tiles."""
+    if num_splits is not None:
+        return _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, None, None)
+    plan = _checked_splits(None, q, block_table, page_size, kind, d_latent, max_seq_len, None, GLUON_PER_SM)
+    max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+    if cdiv(max_len, plan * GLUON_BLOCK_N) < GLUON_SPLIT_TILES:
+        plan = _checked_splits(None, q, block_table, page_size, kind, d_latent, max_seq_len, None,
+                               GLUON_PER_SM_SHORT)
+    return plan
 
 
 def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:
@@ -499,6 +515,7 @@ ROWS_MAX_SPLITS = 8  # combine_splits("auto"): the row kernel up to this many sp
 # the row merge's query rows per program and warps: 16 heads × 64 requests × 4 splits at 4k, 4 rows 99.34 µs for
 # the whole decode against 99.86 at 8 (H200, sweep_mla_decode, interleaved rounds, 84444bd; 2 rows 99.42)
 ROWS_BLOCK_R, ROWS_WARPS = 4, 4
+COMBINE_CHUNK = 64  # combine_splits("tiles"): splits per load step (a sweep setting)
 
 
 def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -523,7 +540,10 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         return
     if kernel != "tiles":
         raise ValueError(f"kernel: {kernel!r} not in ('auto', 'tiles', 'rows')")
-    block_d = min(128, d_latent)
+    # up to COMBINE_CHUNK splits per load step (each step waits for its loads: 132 splits in steps of 16 took 8.7 µs at
+    # batch 1), the columns per program narrowed to keep [chunk, columns] at 2048 values
+    chunk = min(splits_p2, COMBINE_CHUNK)
+    block_d = min(128, d_latent, max(16, 2048 // chunk))
     _mla_decode_combine_tiles_kernel[(m_rows, bsz, d_latent // block_d)](
         o_part, lse_part, out, lse, m_rows, num_splits, D_LAT=d_latent, BLOCK_R=1, BLOCK_D=block_d,
-        SPLITS_P2=splits_p2, CHUNK_S=min(splits_p2, 16), num_warps=4, **pdl)
+        SPLITS_P2=splits_p2, CHUNK_S=chunk, num_warps=4, **pdl)

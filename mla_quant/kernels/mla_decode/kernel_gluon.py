@@ -12,8 +12,10 @@ Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no
   4, both operands in that K order) and converted by ``cvt.rn.f16x2.e4m3x2`` (e4m3 ⊂ fp16: exact).
 * the per-token scale is not multiplied into anything 16-bit. With s_t the scaled log2 score of token t and
   c_t its scale, the online softmax tracks the row maximum m of s_t + log2 c_t and feeds the PV dot
-  p'_t = 2^(s_t + log2 c_t − m) ≤ 1 (fp16-safe whatever the scales), while the denominator sums
-  2^(s_t − m): out = Σ p'_t v_t / Σ 2^(s_t − m) = Σ 2^(s_t) c_t v_t / Σ 2^(s_t), v_t the raw e4m3 values.
+  p'_t = 2^(s_t + log2 c_t − m) ≤ 1 (fp16-safe whatever the scales), while the denominator sums the fp32
+  p'_t / c_t = 2^(s_t − m): out = Σ p'_t v_t / Σ p'_t / c_t = Σ 2^(s_t) c_t v_t / Σ 2^(s_t), v_t the raw e4m3
+  values. Numerator and denominator share the one rounded exponent s_t + log2 c_t, so they agree even where
+  that sum rounds (|s_t| ~ 1e8 with scales 2^-40 … 2^20).
 * O [16, 512] += P' · V: the warps split O's columns (128 each, four [16, 128] accumulators); P' goes through
   shared memory to every warp (Gluon's layout conversion), V is read from the same e4m3 tile as the B operand, as
   32-bit words with the operand's columns permuted (``_v_operand``).
@@ -74,9 +76,17 @@ def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HA
 
 @gluon.jit
 def _fast_log2(x):
-    """log2 by the SFU (``lg2.approx``, ~2^-22 relative): the token scales' shift, whose error cancels between p' and
-    the output (gl.log2 is a ~20-instruction polynomial per value)."""
+    """log2 by the SFU (``lg2.approx``, ~2^-22 relative): the token scales' shift, whose error cancels between the
+    numerator's p' and the denominator's p'/c (gl.log2 is a ~20-instruction polynomial per value)."""
     return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _fast_rcp(x):
+    """1 / x by the SFU (``rcp.approx``, ~1 ulp): the token scales' 1/c for the denominator (``1.0 / x`` is an
+    IEEE division, a ~10-instruction sequence)."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
@@ -162,6 +172,24 @@ def _v_operand(lat, chunk: gl.constexpr, w_l: gl.constexpr, b_l: gl.constexpr, N
 
 
 @gluon.jit
+def _k_operand(lat, chunk: gl.constexpr, CH: gl.constexpr, b_l: gl.constexpr):
+    """The score dot's B operand Kᵀ [CH, BLOCK_N] in fp16: latent columns CH·chunk … of an e4m3 tile in shared memory
+    (cvt e4m3 -> f16: exact)."""
+    return lat.slice(chunk * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
+
+
+@gluon.jit
+def _natural_columns(acc, NW: gl.constexpr, layout: gl.constexpr):
+    """An output accumulator [16, CV] with ``_v_operand``'s column order (column n = 8·NW·j + 8·w + r holds latent
+    column 32·w + 4·r + j) in latent order, in ``layout``."""
+    BM: gl.constexpr = acc.shape[0]
+    CV: gl.constexpr = acc.shape[1]
+    o = gl.reshape(acc, [BM, 4, NW, 8])     # [row, j, w, r]
+    o = gl.permute(o, [0, 2, 3, 1])         # [row, w, r, j]
+    return gl.convert_layout(gl.reshape(o, [BM, CV]), layout)
+
+
+@gluon.jit
 def _produce(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
              PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
     """The TMA warp (``WS``): tile i into slot i % STAGES once the consumers released the slot's previous tile;
@@ -182,7 +210,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
             SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            WS: gl.constexpr, SWAP_QK: gl.constexpr):
+            WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr):
     """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
     ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
     BM: gl.constexpr = 16
@@ -283,20 +311,29 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             st = mma_v2(ka, qpe_smem.permute((1, 0)).load(tb_l), st)
             s = gl.convert_layout(gl.permute(st, (1, 0)), mma)
         else:
-            s = gl.zeros([BM, BLOCK_N], gl.float32, mma)
-            for c in gl.static_range(HALF // CH):
-                kt = la.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
-                s = mma_v2(q_smem.slice(c * CH, CH, dim=1).load(a_l), kt, s)
-            for c in gl.static_range(HALF // CH):
-                kt = lb.slice(c * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
-                s = mma_v2(q_smem.slice(HALF + c * CH, CH, dim=1).load(a_l), kt, s)
-            kt = rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16)
-            s = mma_v2(qpe_smem.load(a_l), kt, s)
+            # QK_CHAINS independent MMA chains over the 4 latent chunks (+ the rope on the last), summed after: one
+            # chain is 36 dependent k-steps, two 16 + 20, four 8 + 8 + 8 + 12
+            gl.static_assert(HALF == 2 * CH)
+            zero = gl.zeros([BM, BLOCK_N], gl.float32, mma)
+            s0 = mma_v2(q_smem.slice(0, CH, dim=1).load(a_l), _k_operand(la, 0, CH, b_l), zero)
+            s1 = zero if QK_CHAINS == 4 else s0
+            s1 = mma_v2(q_smem.slice(CH, CH, dim=1).load(a_l), _k_operand(la, 1, CH, b_l), s1)
+            s2 = zero if QK_CHAINS >= 2 else s1
+            s2 = mma_v2(q_smem.slice(2 * CH, CH, dim=1).load(a_l), _k_operand(lb, 0, CH, b_l), s2)
+            s3 = zero if QK_CHAINS == 4 else s2
+            s3 = mma_v2(q_smem.slice(3 * CH, CH, dim=1).load(a_l), _k_operand(lb, 1, CH, b_l), s3)
+            s3 = mma_v2(qpe_smem.load(a_l), rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16), s3)
+            if QK_CHAINS == 4:
+                s = (s0 + s1) + (s2 + s3)
+            elif QK_CHAINS == 2:
+                s = s1 + s3
+            else:
+                s = s3
 
         s = s * qk_row[:, None]
         if SCALE_MODE == SCALE_TOKEN:
-            s = s * c_t[None, :]
-            sv = s + _fast_log2(gl.maximum(c_t, LOG2_FLOOR))[None, :]  # (scale 0: an all-zero row, any weight)
+            c_use = gl.maximum(c_t, LOG2_FLOOR)  # (scale 0: an all-zero row, any weight)
+            sv = s * c_t[None, :] + _fast_log2(c_use)[None, :]
         else:
             sv = s
         ok = (tok[None, :] < end) & (tok[None, :] < limit[:, None])
@@ -306,7 +343,9 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(sv - m_use[:, None])
         if SCALE_MODE == SCALE_TOKEN:
-            l2 = l2 * alpha[:, None] + gl.where(ok, gl.exp2(s - m_use[:, None]), 0.0)
+            # p'/c: the same rounded exponent as the numerator's p' (2^(s - m) from s alone drifts from it by
+            # the rounding of s + log2 c once |s| ~ 1e8); one multiply instead of an exp2
+            l2 = l2 * alpha[:, None] + gl.where(ok, p * _fast_rcp(c_use)[None, :], 0.0)
         else:
             l2 = l2 * alpha[:, None] + p
         m_i = m_new
@@ -337,15 +376,19 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     else:  # final: out [B, M, D_LAT], lse [B, M] (natural log)
         base = b.to(gl.int64) * M
         lse_out = lse2 * LN2
-    n = gl.arange(0, CV, cols_l)
-    cols = ((n // 8) % NW) * 32 + (n % 8) * 4 + n // (8 * NW)  # the V operand's column permutation (_v_operand)
-    o_rows = out_ptr + (base + rows)[:, None] * D_LAT + cols[None, :]
+    # O leaves in latent order through shared memory (_natural_columns): each warp stores whole rows, 16 bytes per
+    # lane (the mma layout's scattered 4-byte stores used 4 of each 32-byte sector)
+    st_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+    r_st = gl.arange(0, BM, gl.SliceLayout(1, st_l))
+    c_st = gl.arange(0, CV, gl.SliceLayout(0, st_l))
+    o_rows = out_ptr + (base + r_st)[:, None] * D_LAT + c_st[None, :]
+    st_ok = (r_st < M)[:, None]
     ty = out_ptr.dtype.element_ty
-    gl.store(o_rows, (acc0 * inv[:, None]).to(ty), mask=row_ok[:, None])
-    gl.store(o_rows + CV, (acc1 * inv[:, None]).to(ty), mask=row_ok[:, None])
+    gl.store(o_rows, _natural_columns(acc0 * inv[:, None], NW, st_l).to(ty), mask=st_ok)
+    gl.store(o_rows + CV, _natural_columns(acc1 * inv[:, None], NW, st_l).to(ty), mask=st_ok)
     if NCV == 4:
-        gl.store(o_rows + 2 * CV, (acc2 * inv[:, None]).to(ty), mask=row_ok[:, None])
-        gl.store(o_rows + 3 * CV, (acc3 * inv[:, None]).to(ty), mask=row_ok[:, None])
+        gl.store(o_rows + 2 * CV, _natural_columns(acc2 * inv[:, None], NW, st_l).to(ty), mask=st_ok)
+        gl.store(o_rows + 3 * CV, _natural_columns(acc3 * inv[:, None], NW, st_l).to(ty), mask=st_ok)
     gl.store(lse_ptr + base + rows, lse_out, mask=row_ok)
 
 
@@ -356,7 +399,7 @@ def _mla_decode_fp8_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
     SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    WS: gl.constexpr, SWAP_QK: gl.constexpr,
+    WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr,
 ):
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
@@ -386,7 +429,7 @@ def _mla_decode_fp8_gluon_kernel(
             (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
                        rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                        n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK)),
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS)),
             (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
                         PAGE_SIZE, BLOCK_N, STAGES, HALF)),
         ], [1], [PRODUCER_REGS])
@@ -394,7 +437,7 @@ def _mla_decode_fp8_gluon_kernel(
         _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
                 rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                 n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK)
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
