@@ -633,6 +633,19 @@ def test_tma_launch_plans_one_program_per_sm():
     assert TMA_CONFIG["TMA"] and TMA_CONFIG["BLOCK_M"] == 16
 
 
+@pytest.mark.parametrize("batch, ctx, splits", [(8, 16384, 29), (16, 8192, 15), (32, 4096, 4), (1, 65536, 113),
+                                                 (1, 4096, 28), (64, 4096, 4), (128, 4096, 2), (64, 65536, 4)])
+def test_gluon_split_plan_follows_the_measured_choice(batch, ctx, splits):
+    """The Gluon launcher's split plan on 132 SMs (16 heads) takes the per-SM count measured faster (session 19):
+    two programs per SM unless their splits are short (< 16 tiles) and one per SM merges in fewer dependent steps
+    (32 x 4k: 4 splits by the row merge, not 7; 1 x 64k: two tiles-merge steps, not four); 8 x 16k keeps 29
+    splits (one merge step either way)."""
+    from mla_quant.kernels.mla_decode import _merge_steps, plan_gluon_splits
+
+    assert plan_gluon_splits(batch, 1, 16, ctx, 512, 64, 132) == splits
+    assert [_merge_steps(n) for n in (1, 2, 8, 9, 64, 65, 218)] == [0, 2, 8, 1, 1, 2, 4]
+
+
 def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
     """TMA_CONFIG serves bf16 pages with bf16 queries and ≤ 16 query rows whose rows TMA can address, FP8_TMA_CONFIG
     the bitcast of fp8_e4m3 pages likewise; anything else (fp32 / fp16 queries, more rows, other FP8 reads, a tile

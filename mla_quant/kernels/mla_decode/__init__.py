@@ -411,7 +411,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     m_rows = s_q * heads
     if bsz == 0 or m_rows == 0:
         return out, lse
-    num_splits = _gluon_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len)
+    num_splits = _gluon_splits(num_splits, q, block_table, page_size, d_latent, max_seq_len)
     split = num_splits > 1
     o_dst, lse_dst = _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse)
     pages, _, width = kv_data.shape
@@ -440,25 +440,48 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     return out, lse
 
 
-# programs per SM the split plan assumes: two (94 KB of shared memory each) where each split still reads at least
-# GLUON_SPLIT_TILES tiles, else GLUON_PER_SM_SHORT (one): fewer, longer splits pay fewer pipeline fills, partial
-# writes and merges. H200, 16 heads, interleaved CUDA-graph rounds (session 19, results/sweep_mla_gluon_h200.json),
-# µs planned for two / one per SM: 64 x 64k 772 / 948 (256 tiles per split at two), 128 x 4k 122 / 131 (32),
-# 64 x 4k 77.5 / 80.9 (16); 32 x 4k 57.0 / 52.3 (8), 8 x 16k 57.7 / 55.5 (8), 1 x 64k 54.3 / 46.0 (4).
+# programs per SM the split plan assumes: two (94 KB of shared memory each), or GLUON_PER_SM_SHORT (one) where the
+# splits of two would be short (< GLUON_SPLIT_TILES tiles) and one needs fewer dependent merge steps
+# (_merge_steps): H200, 16 heads, interleaved CUDA-graph rounds, session 19 (results/sweep_mla_gluon_h200.json),
+# µs planned for two / one per SM (splits): 8 x 16k 45.0 / 48.9 (29 / 15: one merge step each), 16 x 8k 46.0 / 45.9
+# (15 / 8), 32 x 4k 47.8 / 44.7 (7 / 4: the row merge walks them), 1 x 64k 34.2 / 33.5 (218 / 113); from 16 tiles per
+# split on, the same splits or two per SM: 64 x 64k 772 / 948, 128 x 4k 122 / 131, 64 x 4k 77.5 / 80.9 (session 19,
+# call 1, before the coalesced output stores).
 GLUON_PER_SM, GLUON_PER_SM_SHORT, GLUON_SPLIT_TILES = 2, 1, 16
 
 
-def _gluon_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len) -> int:
-    """``num_splits`` as given, else the split plan for ``GLUON_PER_SM`` programs per SM, or for
-    ``GLUON_PER_SM_SHORT`` where that plan's splits would read fewer than ``GLUON_SPLIT_TILES`` tiles."""
-    if num_splits is not None:
-        return _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, None, None)
-    plan = _checked_splits(None, q, block_table, page_size, kind, d_latent, max_seq_len, None, GLUON_PER_SM)
-    max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-    if cdiv(max_len, plan * GLUON_BLOCK_N) < GLUON_SPLIT_TILES:
-        plan = _checked_splits(None, q, block_table, page_size, kind, d_latent, max_seq_len, None,
-                               GLUON_PER_SM_SHORT)
-    return plan
+def _merge_steps(num_splits: int) -> int:
+    """Dependent load steps of :func:`combine_splits` ("auto") for ``num_splits`` splits: none for one, one per split
+    for the row merge, one per ``COMBINE_CHUNK`` splits for the tiles merge."""
+    if num_splits == 1:
+        return 0
+    return num_splits if num_splits <= ROWS_MAX_SPLITS else cdiv(num_splits, COMBINE_CHUNK)
+
+
+def plan_gluon_splits(batch: int, s_q: int, heads: int, max_len: int, d_latent: int, d_rope: int,
+                      num_sms: int) -> int:
+    """The Gluon launcher's KV-split count: :func:`plan_num_splits` for ``GLUON_PER_SM`` programs per SM, or for
+    ``GLUON_PER_SM_SHORT`` where that plan's splits would read fewer than ``GLUON_SPLIT_TILES`` tiles and the
+    shorter plan merges in fewer dependent steps (:func:`_merge_steps`)."""
+    def plan(per_sm):
+        return plan_num_splits(batch, s_q, heads, max_len, "fp8_e4m3", d_latent, d_rope, num_sms, per_sm=per_sm)
+
+    two = plan(GLUON_PER_SM)
+    if cdiv(max_len, two * GLUON_BLOCK_N) < GLUON_SPLIT_TILES:
+        short = plan(GLUON_PER_SM_SHORT)
+        if _merge_steps(short) < _merge_steps(two):
+            return short
+    return two
+
+
+def _gluon_splits(num_splits, q, block_table, page_size, d_latent, max_seq_len) -> int:
+    """``num_splits`` as given (checked), else :func:`plan_gluon_splits` for the call."""
+    if num_splits is None:
+        bsz, s_q, heads, d = q.shape
+        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = plan_gluon_splits(bsz, s_q, heads, max_len, d_latent, d - d_latent, sms)
+    return _checked_splits(num_splits, q, block_table, page_size, "fp8_e4m3", d_latent, max_seq_len, None, None)
 
 
 def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:
