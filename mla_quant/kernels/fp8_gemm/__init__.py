@@ -12,16 +12,14 @@ from .._backend import gluon_available as _gluon_available
 from .._backend import is_hopper as _is_hopper
 from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
-from .._gemm_utils import m_bucket, num_sms, split_k_for, split_k_workspace
+from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from .._host import cdiv
 from ..fp8_quant import FP8
 from .reference import fp8_gemm_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable kernel's; SPLIT_K optional
-# the "tma" variant: PERSISTENT 0 / 1 (a grid of one program per SM); SPLIT_K optional (not persistent; default
-# tma_split_k)
-TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT", "SPLIT_K")
+TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
 # / by TMA from shared memory where the output allows it)
 WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE")
@@ -34,9 +32,7 @@ WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts}
 TMA_CANDIDATES = tuple(
     {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st, "PERSISTENT": p}
     for bm, bn, w, st, p in ((64, 128, 4, 4, 0), (64, 128, 4, 5, 0), (64, 128, 4, 3, 0), (128, 128, 8, 4, 1),
-                             (128, 128, 8, 5, 1), (128, 64, 4, 4, 0))) + tuple(
-    # the default tile with split-K pinned off and at 4 (the default plans it by tma_split_k)
-    {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "PERSISTENT": 0, "SPLIT_K": s} for s in (1, 4))
+                             (128, 128, 8, 5, 1), (128, 64, 4, 4, 0)))
 
 __all__ = ["fp8_gemm", "fp8_gemm_reference", "default_config", "CONFIG_KEYS", "TMA_CONFIG_KEYS", "TMA_CANDIDATES",
            "VARIANTS", "WS_CONFIG_KEYS", "WS_CANDIDATES", "ws_default_config"]
@@ -191,30 +187,13 @@ def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.
     a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], bk])
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk])
     tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
-    split = cfg.get("SPLIT_K") or (1 if cfg["PERSISTENT"] else tma_split_k(tiles, k // bk, num_sms(a.device)))
-    if split > 1 and cfg["PERSISTENT"]:
-        raise ValueError("config: SPLIT_K > 1 needs PERSISTENT 0 (one program per tile and K run)")
     programs = min(tiles, num_sms(a.device)) if cfg["PERSISTENT"] else tiles
-    part, count = split_k_workspace(m, n, split, tiles, a.device)
-    _fp8_gemm_tma_kernel[(programs, split)](
-        a_desc, a_scale, b_desc, b_scale, c, part, count, m, n, k, c.stride(0), programs, BN_S=bn_s, BK=bk,
-        BM=cfg["BM"], BN=cfg["BN"], GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg["PERSISTENT"]),
-        STAGES=cfg["num_stages"], SPLIT_K=split, INTERPRET=interpreted,
+    _fp8_gemm_tma_kernel[(programs,)](
+        a_desc, a_scale, b_desc, b_scale, c, m, n, k, c.stride(0), programs, BN_S=bn_s, BK=bk, BM=cfg["BM"],
+        BN=cfg["BN"], GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg["PERSISTENT"]), STAGES=cfg["num_stages"],
+        INTERPRET=interpreted,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return c
-
-
-# the "tma" variant's K splits (not persistent): up to ~TMA_SPLIT_PER_SM programs per SM (the default 64 × 128 tile
-# runs two per SM), at least 2 K blocks per split; 0 turns split-K off
-TMA_SPLIT_PER_SM = 2
-
-
-def tma_split_k(tiles: int, k_blocks: int, sms: int) -> int:
-    """K splits for the "tma" variant's ``tiles`` output tiles: while the tiles give fewer than
-    ``TMA_SPLIT_PER_SM`` programs per SM (M = 512, N = 2048 at 64 × 128 tiles: 128 tiles, 2 splits on 132 SMs)."""
-    if TMA_SPLIT_PER_SM <= 0:
-        return 1
-    return split_k_for(tiles, k_blocks, TMA_SPLIT_PER_SM * sms)
 
 
 def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:

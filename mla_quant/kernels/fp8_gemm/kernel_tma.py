@@ -12,9 +12,6 @@ What differs from the portable kernel, and why (sm_90):
 * ``PERSISTENT``: one program per SM walks the tiles (grouped order) in a flattened loop, so the loads of
   the next tile start during the current tile's last blocks and epilogue.
 * ``STAGES`` (= num_stages) is also given to the K loop itself, so the scale loads are pipelined too.
-* ``SPLIT_K`` (not persistent): where the tiles give fewer than ~2 programs per SM (M = 512 × N = 2048: 128 tiles
-  of 64 × 128 for 132 SMs), each tile's K blocks are split over ``SPLIT_K`` programs; the tile's last program sums
-  the fp32 partials in split order (``_gemm_utils.store_split_k``, the portable kernel's deterministic scheme).
 
 Tried and left out (Triton 3.6, sm_90, ptxas): ``tl.range(warp_specialize=True)`` leaves the persistent loop and
 ``num_warps=8`` unchanged; on a non-persistent 128 × 128 tile with ``num_warps=4`` it compiles to DeepGEMM's layout
@@ -33,7 +30,7 @@ by ``default_config`` (per M bucket) or pinned with ``config=`` — there is no 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import grouped_tile, store_split_k
+from .._gemm_utils import grouped_tile
 
 
 @triton.jit
@@ -77,12 +74,10 @@ def _b_scale_ptrs(bs_ptr, off_n, N, n_kb, BN_S: tl.constexpr, BN: tl.constexpr, 
 
 
 @triton.jit
-def _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, part_ptr, count_ptr, M, N, n_kb, stride_cm, tile, grid_m, grid_n,
-          pid_k, BN_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-          STAGES: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """One BM × BN output tile, K blocks in order: the two-level accumulation of kernel.py. With ``SPLIT_K`` > 1
-    this program takes the ``pid_k``-th run of K blocks, and the tile's last program to finish sums the fp32
-    partials in split order (``store_split_k``, as the portable kernel)."""
+def _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tile, grid_m, grid_n,
+          BN_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+          STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+    """One BM × BN output tile, K blocks in order: the two-level accumulation of kernel.py."""
     pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
     off_m = pid_m * BM
     off_n = pid_n * BN
@@ -90,37 +85,32 @@ def _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, part_ptr, count_ptr, M, N, n_kb
     as_ptrs = as_ptr + tl.minimum(rm, M - 1).to(tl.int64) * n_kb  # [BM]; edge rows re-read row M-1
     B_SCALAR: tl.constexpr = BN <= BN_S
     bs = _b_scale_ptrs(bs_ptr, off_n, N, n_kb, BN_S, BN, B_SCALAR)
-    per_split = tl.cdiv(n_kb, SPLIT_K)
-    kb_lo = pid_k * per_split
-    kb_hi = tl.minimum(kb_lo + per_split, n_kb)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
+    for kb in tl.range(0, n_kb, num_stages=STAGES):
         a = _a_tile(a_desc, off_m, kb, BK, INTERPRET)
         acc += _product(a, b_desc, off_n, kb, BK, INTERPRET) * _scale(tl.load(as_ptrs + kb), bs, kb, B_SCALAR)
     rn = off_n + tl.arange(0, BN)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
-    store_split_k(acc, c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], mask,
-                  part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :]), M * N, pid_k, count_ptr + tile, SPLIT_K)
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    a_desc, as_ptr, b_desc, bs_ptr, c_ptr, part_ptr, count_ptr,
+    a_desc, as_ptr, b_desc, bs_ptr, c_ptr,
     M, N, K, stride_cm, NUM_PROGRAMS,
     BN_S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
+    PERSISTENT: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # a_desc: e4m3 [M, K] in [BM, BK] tiles; as [M, K/BK] fp32; b_desc: e4m3 [N, K] in [BN, BK] tiles;
     # bs [⌈N/BN_S⌉, K/BK] fp32; c [M, N]; K % BK == 0. PERSISTENT: NUM_PROGRAMS programs walk the tiles in
-    # one flattened loop. SPLIT_K > 1 (not persistent): grid (tiles, SPLIT_K), part [SPLIT_K, M, N] fp32 and
-    # count [tiles] int32 (zeros).
+    # one flattened loop.
     n_kb = K // BK
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_PROGRAMS, flatten=True):
-            _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, part_ptr, count_ptr, M, N, n_kb, stride_cm, tile, grid_m,
-                  grid_n, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, 1, INTERPRET)
+            _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tile, grid_m, grid_n,
+                  BN_S, BM, BN, BK, GROUP_M, STAGES, INTERPRET)
     else:
-        _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, part_ptr, count_ptr, M, N, n_kb, stride_cm, tl.program_id(0),
-              grid_m, grid_n, tl.program_id(1), BN_S, BM, BN, BK, GROUP_M, STAGES, SPLIT_K, INTERPRET)
+        _tile(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, M, N, n_kb, stride_cm, tl.program_id(0), grid_m, grid_n,
+              BN_S, BM, BN, BK, GROUP_M, STAGES, INTERPRET)
