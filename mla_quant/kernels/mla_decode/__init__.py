@@ -374,6 +374,9 @@ GLUON_SWAP_QK = False
 # cost register moves and were not faster (H200, session 19, interleaved rounds, µs for 1 / 2 / 4 chains: 64 x 64k
 # 771.9 / 789.8 / 803.0, 64 x 4k 77.5 / 77.9 / 78.4, 1 x 64k (two per SM) 54.3 / 54.4 / 54.1), so one
 GLUON_QK_CHAINS = 1
+# q in shared memory with each lane's score-dot A fragment as 16 contiguous bytes in mma.sync's register order
+# (kernel_gluon.q_fragment_layout) instead of the 128-byte-swizzled row layout
+GLUON_Q_FRAG = False
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
@@ -431,7 +434,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES,
-        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, QK_CHAINS=GLUON_QK_CHAINS, num_warps=GLUON_WARPS,
+        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, QK_CHAINS=GLUON_QK_CHAINS, Q_FRAG=GLUON_Q_FRAG, num_warps=GLUON_WARPS,
         **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))

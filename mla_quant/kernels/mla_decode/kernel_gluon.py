@@ -136,6 +136,21 @@ cvt.rn.f16x2.e4m3x2 $7, h3;
 
 
 @constexpr_function
+def q_fragment_layout(width: int) -> gl.SharedLinearLayout:
+    """Shared layout of q [16, width] fp16 in which each lane's A-operand fragments are contiguous in the order
+    ``mma.sync`` takes its four registers. With ``k_width`` 4, lane (g, t) of a 32-column block holds rows g and
+    g + 8 at columns 4t … 4t + 3 and 16 + 4t … 16 + 4t + 3; one m16n8k16 takes the pairs 4t, 4t + 1 of both
+    16-column halves (row g | row g + 8 | row g, +16 | row g + 8, +16), the next one the pairs 4t + 2, 4t + 3. So the
+    offset bits walk col+1, row+8, col+16 (one fragment: 16 bytes, one LDS.128), then the lane (col+4, col+8, row+1,
+    +2, +4: a warp's fragments are 512 contiguous bytes, no bank conflict), then col+2 (the second fragment), then
+    the 32-column blocks."""
+    width = getattr(width, "value", width)
+    blocks = [[0, 1 << i] for i in range(5, width.bit_length() - 1)]
+    return gl.SharedLinearLayout(offset_bases=[[0, 1], [8, 0], [0, 16], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [0, 2]]
+                                 + blocks)
+
+
+@constexpr_function
 def words_layout(num_warps: int, block_n: int) -> gl.DistributedLinearLayout:
     """Register layout of the V words [block_n tokens, 8·num_warps word columns] that ``_v_operand`` reads: registers
     walk tokens 1, 2 (the operand's ``k_width`` 4 group), 16, 32, ...; lanes tokens 4, 8 and word columns 1, 2, 4;
@@ -399,7 +414,7 @@ def _mla_decode_fp8_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
     SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr,
+    WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr, Q_FRAG: gl.constexpr,
 ):
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
@@ -414,8 +429,12 @@ def _mla_decode_fp8_gluon_kernel(
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
 
-    q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl)
-    qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl)
+    if Q_FRAG and not SWAP_QK:  # (the transposed score dot reads q through a permuted view: the row layout)
+        q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_fragment_layout(D_LAT))
+        qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_fragment_layout(D_ROPE))
+    else:
+        q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl)
+        qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl)
     lat_a = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
     lat_b = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
     rope_s = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, BLOCK_N, D_ROPE], rope_desc.layout)
