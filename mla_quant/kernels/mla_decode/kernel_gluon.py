@@ -7,7 +7,9 @@ default) release each slot through an ``empty`` mbarrier; without it the attenti
 Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no row is padded:
 
 * scores S [16, 64] = q · Kᵀ: the warps split the tile's tokens (16 each). q lives in shared memory as fp16
-  (each row pre-scaled by a power of two into [2^14, 2^15): bf16's 8 significant bits are exact in fp16 there);
+  (each row pre-scaled by a power of two into [2^14, 2^15): bf16's 8 significant bits are exact in fp16 there),
+  with ``Q_FRAG`` (the launcher's default) laid out so that each lane's A fragment is one 16-byte load already in
+  ``mma.sync``'s register order (``q_fragment_layout``);
   Kᵀ is read from the e4m3 tile as the B operand (4 consecutive latent values per 32-bit register, ``k_width``
   4, both operands in that K order) and converted by ``cvt.rn.f16x2.e4m3x2`` (e4m3 ⊂ fp16: exact).
 * the per-token scale is not multiplied into anything 16-bit. With s_t the scaled log2 score of token t and
