@@ -380,6 +380,10 @@ GLUON_QK_CHAINS = 1
 # rounds (session 19, call 7), µs row / fragment layout: 64 x 64k 746.0 / 660.9, 128 x 4k 111.4 / 98.6, 64 x 4k
 # 65.7 / 60.2, 8 x 16k 45.1 / 41.3, 32 x 4k 44.8 / 41.6, 1 x 64k 33.8 / 31.7, 1 x 4k 16.6 / 15.8
 GLUON_Q_FRAG = True
+# P' likewise staged per tile in a fragment-ordered buffer (2 KB) for the PV dot instead of Gluon's layout conversion,
+# whose loads ptxas reorders with ~130 register moves: sm_90 static count 1133 -> 997 per warp and tile. Written after
+# session 19's GPU time was spent: its GPU tests (test_gluon_dequant_matches_reference_gpu) have not run, so off
+GLUON_P_FRAG = False
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
@@ -437,7 +441,8 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES,
-        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, QK_CHAINS=GLUON_QK_CHAINS, Q_FRAG=GLUON_Q_FRAG, num_warps=GLUON_WARPS,
+        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, QK_CHAINS=GLUON_QK_CHAINS, Q_FRAG=GLUON_Q_FRAG,
+        P_FRAG=GLUON_P_FRAG, num_warps=GLUON_WARPS,
         **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
     _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))

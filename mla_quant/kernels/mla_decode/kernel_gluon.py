@@ -222,12 +222,12 @@ def _produce(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, st
 
 
 @gluon.jit
-def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b, rope_s,
-            ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end, n_tiles,
+def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a, lat_b,
+            rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end, n_tiles,
             stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
             SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr):
+            WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr, P_FRAG: gl.constexpr):
     """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
     ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
     BM: gl.constexpr = 16
@@ -366,7 +366,12 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
         else:
             l2 = l2 * alpha[:, None] + p
         m_i = m_new
-        pa = gl.convert_layout(p.to(gl.float16), a_l)
+        if P_FRAG:  # P' through a fragment-ordered buffer: each A fragment one LDS.128 in mma.sync's register order
+            p_smem.store(p.to(gl.float16))
+            _cta_barrier()
+            pa = p_smem.load(a_l)
+        else:
+            pa = gl.convert_layout(p.to(gl.float16), a_l)
         if NCV == 4:
             acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
             acc1 = mma_v2(pa, _v_operand(la, 1, w_l, b_l, NW), acc1 * alpha[:, None])
@@ -416,7 +421,7 @@ def _mla_decode_fp8_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
     SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr, Q_FRAG: gl.constexpr,
+    WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr, Q_FRAG: gl.constexpr, P_FRAG: gl.constexpr,
 ):
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
@@ -437,6 +442,10 @@ def _mla_decode_fp8_gluon_kernel(
     else:
         q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl)
         qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl)
+    if P_FRAG:  # the PV dot's A operand, staged per tile in the fragment order (unused otherwise)
+        p_smem = gl.allocate_shared_memory(gl.float16, [BM, BLOCK_N], q_fragment_layout(BLOCK_N))
+    else:
+        p_smem = qpe_smem
     lat_a = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
     lat_b = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, HALF], lat_desc.layout)
     rope_s = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, BLOCK_N, D_ROPE], rope_desc.layout)
@@ -447,18 +456,19 @@ def _mla_decode_fp8_gluon_kernel(
         mbarrier.init(empty.index(i), count=1)
     if WS:
         gl.warp_specialize([
-            (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
-                       rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
-                       n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS)),
+            (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a,
+                       lat_b, rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start,
+                       end, n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS,
+                       P_FRAG)),
             (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
                         PAGE_SIZE, BLOCK_N, STAGES, HALF)),
         ], [1], [PRODUCER_REGS])
     else:
-        _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, lat_a, lat_b,
+        _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a, lat_b,
                 rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                 n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS)
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS, P_FRAG)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
