@@ -19,7 +19,7 @@ Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no
   values. Numerator and denominator share the one rounded exponent s_t + log2 c_t, so they agree even where
   that sum rounds (|s_t| ~ 1e8 with scales 2^-40 … 2^20).
 * O [16, 512] += P' · V: the warps split O's columns (128 each, four [16, 128] accumulators); P' goes through
-  shared memory to every warp (Gluon's layout conversion), V is read from the same e4m3 tile as the B operand, as
+  shared memory to every warp (Gluon's layout conversion, or with ``P_FRAG`` a fragment-ordered buffer), V is read from the same e4m3 tile as the B operand, as
   32-bit words with the operand's columns permuted (``_v_operand``).
 * ``SWAP_QK`` (off by default: measured slower) computes the scores transposed, S^T = K · qᵀ.
 
@@ -139,8 +139,8 @@ cvt.rn.f16x2.e4m3x2 $7, h3;
 
 @constexpr_function
 def q_fragment_layout(width: int) -> gl.SharedLinearLayout:
-    """Shared layout of q [16, width] fp16 in which each lane's A-operand fragments are contiguous in the order
-    ``mma.sync`` takes its four registers. With ``k_width`` 4, lane (g, t) of a 32-column block holds rows g and
+    """Shared layout of an A operand [16, width] fp16 (q; P' with ``P_FRAG``) in which each lane's fragments are
+    contiguous in the order ``mma.sync`` takes its four registers. With ``k_width`` 4, lane (g, t) of a 32-column block holds rows g and
     g + 8 at columns 4t … 4t + 3 and 16 + 4t … 16 + 4t + 3; one m16n8k16 takes the pairs 4t, 4t + 1 of both
     16-column halves (row g | row g + 8 | row g, +16 | row g + 8, +16), the next one the pairs 4t + 2, 4t + 3. So the
     offset bits walk col+1, row+8, col+16 (one fragment: 16 bytes, one LDS.128), then the lane (col+4, col+8, row+1,
