@@ -73,7 +73,6 @@ def tile_buffers() -> dict[str, list[int]]:
 # fp8_dequant="gluon" settings (mla_decode module constants) profiled by --gluon
 GLUON_SETTINGS = {"ws": dict(GLUON_WS=True), "plain": dict(GLUON_WS=False),
                   "ws_swap": dict(GLUON_WS=True, GLUON_SWAP_QK=True), "plain_w8": dict(GLUON_WS=False, GLUON_WARPS=8),
-                  "ws_chains2": dict(GLUON_WS=True, GLUON_QK_CHAINS=2),
                   "ws_qrows": dict(GLUON_WS=True, GLUON_Q_FRAG=False),
                   "ws_pfrag": dict(GLUON_WS=True, GLUON_P_FRAG=True)}
 

@@ -973,21 +973,20 @@ def _skip_without_gluon():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps, stages, ws, swap, chains, q_frag, p_frag", [
-    (4, 2, False, False, 1, False, False), (8, 3, False, True, 2, False, False), (4, 2, True, False, 2, False, False),
-    (4, 2, True, True, 2, False, False), (4, 2, True, False, 1, False, False), (8, 2, False, False, 2, False, False),
-    (4, 2, True, False, 1, True, False), (8, 2, False, False, 2, True, False), (4, 2, True, True, 1, True, False),
-    (4, 2, True, False, 1, True, True), (4, 2, False, False, 1, True, True), (8, 3, False, False, 1, True, True)])
+@pytest.mark.parametrize("warps, stages, ws, swap, q_frag, p_frag", [
+    (4, 2, False, False, False, False), (8, 3, False, True, False, False), (4, 2, True, False, False, False),
+    (4, 2, True, True, False, False), (8, 2, False, False, False, False),
+    (4, 2, True, False, True, False), (8, 2, False, False, True, False), (4, 2, True, True, True, False),
+    (4, 2, True, False, True, True), (4, 2, False, False, True, True), (8, 3, False, False, True, True)])
 @pytest.mark.parametrize("tensor_scale", [None, 0.05])
 @pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 64, 1000, 4097]), (16, 1, [130 * 64 + 5]),
                                                  (8, 2, [100, 3000]), (5, 3, [3, 640]), (1, 1, [77])])
-def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swap, chains, q_frag, p_frag, tensor_scale,
-                                             heads, s_q, lengths):
+def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swap, q_frag, p_frag, tensor_scale, heads,
+                                             s_q, lengths):
     """fp8_dequant="gluon" (kernel_gluon.py) on the H200 at real dims, NaN in every unused slot, bf16 and fp16
     queries, splits chosen and forced (one split, 7, more splits than tiles), 4 and 8 warps, 2 and 3 tile slots, the
-    warp-specialized form (GLUON_WS), the transposed score dot (GLUON_SWAP_QK), one or two score MMA chains
-    (GLUON_QK_CHAINS), q in the row or the fragment layout (GLUON_Q_FRAG), P' staged in the fragment layout
-    (GLUON_P_FRAG):
+    warp-specialized form (GLUON_WS), the transposed score dot (GLUON_SWAP_QK), q in the row or the fragment layout
+    (GLUON_Q_FRAG), P' staged in the fragment layout (GLUON_P_FRAG):
     the reference's tolerances, and close to the bitcast; the V operand's permuted columns land where they belong
     (a per-column check)."""
     import mla_quant.kernels.mla_decode as md
@@ -996,7 +995,6 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
     monkeypatch.setattr(md, "GLUON_STAGES", stages)
     monkeypatch.setattr(md, "GLUON_WS", ws)
     monkeypatch.setattr(md, "GLUON_SWAP_QK", swap)
-    monkeypatch.setattr(md, "GLUON_QK_CHAINS", chains)
     monkeypatch.setattr(md, "GLUON_Q_FRAG", q_frag)
     monkeypatch.setattr(md, "GLUON_P_FRAG", p_frag)
     _skip_without_gluon()

@@ -370,10 +370,6 @@ GLUON_WS_MAXNREG = 128
 # (session 18, interleaved rounds: 878.4 against 814.4 µs at batch 64 x 64k, 82.2 / 79.1 at 64 x 4k; the scores'
 # transposition is one more trip through shared memory and a barrier per tile), so off
 GLUON_SWAP_QK = False
-# the score dot as 1, 2 or 4 independent MMA chains summed after (one chain is 36 dependent k-steps): more chains
-# cost register moves and were not faster (H200, session 19, interleaved rounds, µs for 1 / 2 / 4 chains: 64 x 64k
-# 771.9 / 789.8 / 803.0, 64 x 4k 77.5 / 77.9 / 78.4, 1 x 64k (two per SM) 54.3 / 54.4 / 54.1), so one
-GLUON_QK_CHAINS = 1
 # q in shared memory with each lane's score-dot A fragment as 16 contiguous bytes in mma.sync's register order
 # (kernel_gluon.q_fragment_layout) instead of the 128-byte-swizzled row layout: one LDS.128 per fragment and no
 # register moves (sm_90 static count 1383 -> 1133 instructions per warp and tile). H200, 16 heads, interleaved
@@ -441,7 +437,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES,
-        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, QK_CHAINS=GLUON_QK_CHAINS, Q_FRAG=GLUON_Q_FRAG,
+        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, Q_FRAG=GLUON_Q_FRAG,
         P_FRAG=GLUON_P_FRAG, num_warps=GLUON_WARPS,
         **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH

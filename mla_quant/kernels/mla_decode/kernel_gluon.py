@@ -227,7 +227,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
             SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr, P_FRAG: gl.constexpr):
+            WS: gl.constexpr, SWAP_QK: gl.constexpr, P_FRAG: gl.constexpr):
     """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
     ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
     BM: gl.constexpr = 16
@@ -328,24 +328,12 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             st = mma_v2(ka, qpe_smem.permute((1, 0)).load(tb_l), st)
             s = gl.convert_layout(gl.permute(st, (1, 0)), mma)
         else:
-            # QK_CHAINS independent MMA chains over the 4 latent chunks (+ the rope on the last), summed after: one
-            # chain is 36 dependent k-steps, two 16 + 20, four 8 + 8 + 8 + 12
-            gl.static_assert(HALF == 2 * CH)
-            zero = gl.zeros([BM, BLOCK_N], gl.float32, mma)
-            s0 = mma_v2(q_smem.slice(0, CH, dim=1).load(a_l), _k_operand(la, 0, CH, b_l), zero)
-            s1 = zero if QK_CHAINS == 4 else s0
-            s1 = mma_v2(q_smem.slice(CH, CH, dim=1).load(a_l), _k_operand(la, 1, CH, b_l), s1)
-            s2 = zero if QK_CHAINS >= 2 else s1
-            s2 = mma_v2(q_smem.slice(2 * CH, CH, dim=1).load(a_l), _k_operand(lb, 0, CH, b_l), s2)
-            s3 = zero if QK_CHAINS == 4 else s2
-            s3 = mma_v2(q_smem.slice(3 * CH, CH, dim=1).load(a_l), _k_operand(lb, 1, CH, b_l), s3)
-            s3 = mma_v2(qpe_smem.load(a_l), rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16), s3)
-            if QK_CHAINS == 4:
-                s = (s0 + s1) + (s2 + s3)
-            elif QK_CHAINS == 2:
-                s = s1 + s3
-            else:
-                s = s3
+            s = gl.zeros([BM, BLOCK_N], gl.float32, mma)
+            for c in gl.static_range(HALF // CH):
+                s = mma_v2(q_smem.slice(c * CH, CH, dim=1).load(a_l), _k_operand(la, c, CH, b_l), s)
+            for c in gl.static_range(HALF // CH):
+                s = mma_v2(q_smem.slice(HALF + c * CH, CH, dim=1).load(a_l), _k_operand(lb, c, CH, b_l), s)
+            s = mma_v2(qpe_smem.load(a_l), rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16), s)
 
         s = s * qk_row[:, None]
         if SCALE_MODE == SCALE_TOKEN:
@@ -421,7 +409,7 @@ def _mla_decode_fp8_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
     SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    WS: gl.constexpr, SWAP_QK: gl.constexpr, QK_CHAINS: gl.constexpr, Q_FRAG: gl.constexpr, P_FRAG: gl.constexpr,
+    WS: gl.constexpr, SWAP_QK: gl.constexpr, Q_FRAG: gl.constexpr, P_FRAG: gl.constexpr,
 ):
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
@@ -459,8 +447,7 @@ def _mla_decode_fp8_gluon_kernel(
             (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a,
                        lat_b, rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start,
                        end, n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS,
-                       P_FRAG)),
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, P_FRAG)),
             (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
                         PAGE_SIZE, BLOCK_N, STAGES, HALF)),
         ], [1], [PRODUCER_REGS])
@@ -468,7 +455,7 @@ def _mla_decode_fp8_gluon_kernel(
         _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a, lat_b,
                 rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                 n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, QK_CHAINS, P_FRAG)
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, P_FRAG)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
