@@ -279,14 +279,15 @@ def last_launch() -> tuple[int, str | None] | None:
     return _LAST_LAUNCH
 
 
-def _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, sms, per_sm) -> int:
-    """``num_splits`` as given (checked against ``MAX_SPLITS``) or, when None, :func:`plan_num_splits` for the call
-    (``max_seq_len`` or the block table's capacity; ``sms`` None: the device's SM count; ``per_sm`` as there)."""
+def _checked_splits(num_splits, q, block_table, page_size, max_seq_len, sms, plan) -> int:
+    """``num_splits`` as given (checked against ``MAX_SPLITS``) or, when None, ``plan(batch, s_q, heads, max_len,
+    sms)`` for the call (``max_len``: ``max_seq_len`` or the block table's capacity; ``sms`` None: the device's SM
+    count)."""
     if num_splits is None:
-        bsz, s_q, heads, d = q.shape
+        bsz, s_q, heads, _ = q.shape
         max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
         sms = sms or torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_num_splits(bsz, s_q, heads, max_len, kind, d_latent, d - d_latent, sms, per_sm=per_sm)
+        num_splits = plan(bsz, s_q, heads, max_len, sms)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: {num_splits} not in [1, {MAX_SPLITS}]")
     return num_splits
@@ -314,9 +315,10 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     tma_launch = None if config is not None or interpreted else _tma_launch(q, kv_data, kind, fp8_bitcast)
     if tma_launch is not None:
         config = tma_launch[0]
-    sms = 4 if interpreted else None
-    num_splits = _checked_splits(num_splits, q, block_table, page_size, kind, d_latent, max_seq_len, sms,
-                                 tma_launch[1] if tma_launch is not None else None)
+    per_sm = tma_launch[1] if tma_launch is not None else None
+    num_splits = _checked_splits(
+        num_splits, q, block_table, page_size, max_seq_len, 4 if interpreted else None,
+        lambda b, s, h, n, sms: plan_num_splits(b, s, h, n, kind, d_latent, d - d_latent, sms, per_sm=per_sm))
 
     lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
     if fp8_bitcast and not _word_aligned(kv_data):
@@ -417,7 +419,8 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     m_rows = s_q * heads
     if bsz == 0 or m_rows == 0:
         return out, lse
-    num_splits = _gluon_splits(num_splits, q, block_table, page_size, d_latent, max_seq_len)
+    num_splits = _checked_splits(num_splits, q, block_table, page_size, max_seq_len, None,
+                                 lambda b, s, h, n, sms: plan_gluon_splits(b, s, h, n, d_latent, d - d_latent, sms))
     split = num_splits > 1
     o_dst, lse_dst = _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse)
     pages, _, width = kv_data.shape
@@ -480,15 +483,6 @@ def plan_gluon_splits(batch: int, s_q: int, heads: int, max_len: int, d_latent: 
             return short
     return two
 
-
-def _gluon_splits(num_splits, q, block_table, page_size, d_latent, max_seq_len) -> int:
-    """``num_splits`` as given (checked), else :func:`plan_gluon_splits` for the call."""
-    if num_splits is None:
-        bsz, s_q, heads, d = q.shape
-        max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * page_size
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = plan_gluon_splits(bsz, s_q, heads, max_len, d_latent, d - d_latent, sms)
-    return _checked_splits(num_splits, q, block_table, page_size, "fp8_e4m3", d_latent, max_seq_len, None, None)
 
 
 def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:
