@@ -22,15 +22,13 @@ block table is read per chunk of tiles, one whatever ``num_stages`` while the pa
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import re
 
 import torch
 
 from benchmarks import compile_check as cc
-from benchmarks.sass_tools import (collect_compiled, disassemble, dump, loop_profile, mma_loop, opcode,
-                                   programs_per_sm)
+from benchmarks.sass_tools import collect_compiled, loop_profile, mma_loop
 
 COLUMNS = ("LDGSTS", "LDG", "STS", "LDS", "LDSM", "BAR", "HMMA", "QMMA", "HGMMA", "QGMMA", "F2F", "F2FP", "PRMT",
            "LOP3", "SHF", "STL", "LDL")
@@ -97,13 +95,9 @@ def gluon_profile(heads: int, scale: str, folder: str | None) -> int:
                               num_splits=2)
                 warps, block_n = md.GLUON_WARPS, md.GLUON_BLOCK_N
             for _, kw, kernel in compiled[start:]:
-                sass = disassemble(kernel)
-                dump(folder, f"gluon_{name}", kernel, sass)
-                body = mma_loop(sass)
-                counts = collections.Counter(opcode(t) for t in body)
-                regs, spills = log.ptxas[kernel.metadata.hash]
                 # warp-specialized: 4 attention warps + the TMA warp's group of 4 at the launch registers
-                progs = programs_per_sm(regs or 255, kernel.metadata.shared, warps + (4 if kw.get("WS") else 0))
+                body, counts, regs, spills, progs = loop_profile(
+                    log, kernel, warps + (4 if kw.get("WS") else 0), folder, f"gluon_{name}", loop=mma_loop)
                 print(f"{name:10s} {regs:4} {spills:5} {kernel.metadata.shared // 1024:6} {progs:7} | {len(body):5} "
                       + " ".join(f"{counts[c]:>{len(c)}}" for c in COLUMNS)
                       + f" | {len(body) * warps / block_n:6.1f}", flush=True)

@@ -63,30 +63,29 @@ def dump(folder: str | None, stem: str, kernel, sass: str) -> None:
             f.write(text)
 
 
-def sass_loop(sass: str) -> list[str]:
-    """The instructions of the longest loop (the span of the longest backward branch)."""
+def _loops(sass: str) -> list[list[str]]:
+    """The instructions of each loop of a kernel's SASS: the span of each backward branch."""
     ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best = (0, -1)
+    spans = []
     for addr, text in ins:
         target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > best[1] - best[0]:
-            best = (int(target.group(1), 16), addr)
-    return [t for a, t in ins if best[0] <= a <= best[1]]
+        if target and int(target.group(1), 16) < addr:
+            spans.append([t for a, t in ins if int(target.group(1), 16) <= a <= addr])
+    return spans
+
+
+def sass_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop (the span of the longest backward branch)."""
+    return max(_loops(sass), key=len, default=[])
 
 
 def mma_loop(sass: str, min_len: int = 100) -> list[str]:
     """The instructions of the shortest loop (backward-branch span) of at least ``min_len`` instructions that issues
     tensor-core ops: the tile loop of a warp-specialized kernel, whose longest span covers the other partition's
     waits too."""
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    spans = []
-    for addr, text in ins:
-        target = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
-            if len(body) >= min_len and any(opcode(t) in ("HMMA", "HGMMA", "QMMA", "QGMMA") for t in body):
-                spans.append(body)
-    return min(spans, key=len) if spans else []
+    spans = [body for body in _loops(sass)
+             if len(body) >= min_len and any(opcode(t) in ("HMMA", "HGMMA", "QMMA", "QGMMA") for t in body)]
+    return min(spans, key=len, default=[])
 
 
 def opcode(text: str) -> str:
@@ -99,12 +98,14 @@ def programs_per_sm(regs: int, smem: int, warps: int) -> int:
     return min(REGS_PER_SM // (regs_per_warp * warps), SMEM_PER_SM // (smem + 1024), WARPS_PER_SM // warps)
 
 
-def loop_profile(log: cc.CompileLog, kernel, warps: int, folder: str | None = None, stem: str = "k"):
-    """Disassemble one kernel (dumped to ``folder`` when given) and profile its longest loop. Returns (loop
-    instructions, opcode counts (``Counter``), registers, spill bytes, programs per SM)."""
+def loop_profile(log: cc.CompileLog, kernel, warps: int, folder: str | None = None, stem: str = "k",
+                 loop=sass_loop):
+    """Disassemble one kernel (dumped to ``folder`` when given) and profile one loop (``loop``: the longest by
+    default). Returns (loop instructions, opcode counts (``Counter``), registers, spill bytes, programs per SM;
+    ``warps``: the kernel's warps, for the last)."""
     sass = disassemble(kernel)
     dump(folder, stem, kernel, sass)
-    body = sass_loop(sass)
+    body = loop(sass)
     regs, spills = log.ptxas[kernel.metadata.hash]
     return body, collections.Counter(opcode(t) for t in body), regs, spills, programs_per_sm(
         regs or 255, kernel.metadata.shared, warps)
