@@ -72,7 +72,7 @@ def tile_buffers() -> dict[str, list[int]]:
 GLUON_SETTINGS = {"ws": dict(GLUON_WS=True), "plain": dict(GLUON_WS=False),
                   "ws_swap": dict(GLUON_WS=True, GLUON_SWAP_QK=True), "plain_w8": dict(GLUON_WS=False, GLUON_WARPS=8),
                   "ws_qrows": dict(GLUON_WS=True, GLUON_Q_FRAG=False),
-                  "ws_pfrag": dict(GLUON_WS=True, GLUON_P_FRAG=True)}
+                  "ws_pconv": dict(GLUON_WS=True, GLUON_P_FRAG=False)}
 
 
 def gluon_profile(heads: int, scale: str, folder: str | None) -> int:

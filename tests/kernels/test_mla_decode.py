@@ -675,10 +675,10 @@ def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed):
-    """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64, scale 0.1): bf16 queries
-    [B, s_q, heads, 576], each request's pages a run of one shuffled order of all the pages (3 spare)."""
-    d_latent, d_rope, page_size = 512, 64, 64
+def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed, page_size=64):
+    """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64 unless given, scale 0.1): bf16
+    queries [B, s_q, heads, 576], each request's pages a run of one shuffled order of all the pages (3 spare)."""
+    d_latent, d_rope = 512, 64
     pages = [-(-n // page_size) for n in lengths]
     perm = torch.randperm(sum(pages) + 3).int()
     table = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
@@ -1018,6 +1018,24 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
     o16, lse16 = mla_decode(q16, *args[1:], fp8_dequant="gluon")
     o16_ref, lse16_ref = mla_decode_reference(q16, *args[1:])
     assert rel_err(o16.float(), o16_ref.float()) < 1e-2 and torch.allclose(lse16, lse16_ref, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor_scale", [None, 0.05])
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_gluon_page_sizes_gpu(tensor_scale, page_size):
+    """fp8_dequant="gluon" over pages of 64 and of 256 tokens (four 64-token tiles per page, a split starting inside a
+    page): matches the reference with the splits chosen and forced."""
+    _skip_without_gluon()
+    args = _real_dim_args("fp8_e4m3", tensor_scale, 16, 1, [1, 700, 64 * 70 + 3, 4097], seed=4, page_size=page_size)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    for splits in (None, 1, 3):
+        out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
+        lse = poisoned_empty(lse_ref.shape, device="cuda")
+        mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)
+        assert_all_written(out, "out")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2), f"splits={splits}"
 
 
 @pytest.mark.gpu

@@ -379,9 +379,11 @@ GLUON_SWAP_QK = False
 # 65.7 / 60.2, 8 x 16k 45.1 / 41.3, 32 x 4k 44.8 / 41.6, 1 x 64k 33.8 / 31.7, 1 x 4k 16.6 / 15.8
 GLUON_Q_FRAG = True
 # P' likewise staged per tile in a fragment-ordered buffer (2 KB) for the PV dot instead of Gluon's layout conversion,
-# whose loads ptxas reorders with ~130 register moves: sm_90 static count 1133 -> 997 per warp and tile. Written after
-# session 19's GPU time was spent: its GPU tests (test_gluon_dequant_matches_reference_gpu) have not run, so off
-GLUON_P_FRAG = False
+# whose loads ptxas reorders with ~130 register moves: sm_90 static count 1133 -> 997 per warp and tile. H200, 16
+# heads, interleaved rounds (session 20, call 1), µs conversion / buffer: 128 x 4k 98.7 / 96.4, 32 x 4k 41.6 / 40.5,
+# 8 x 16k 41.6 / 40.9, 16 x 8k 42.5 / 41.9, 64 x 4k 60.0 / 59.1, 1 x 4k 16.4 / 16.0, 1 x 64k 31.9 / 31.1 (64 x 64k
+# 643 / 653, within that shape's noise)
+GLUON_P_FRAG = True
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
