@@ -1,7 +1,9 @@
 """GPU entry point: ``python -m benchmarks [--only quant,mla_decode] [--quick] [--out PATH]``.
 
 Measures the copy-bandwidth and bf16-matmul ceilings first, then runs every ``bench_*.py`` module (or the
-chosen ones) and writes ``benchmarks/results/h200.json`` in the schema of DESIGN.md.
+chosen ones) and writes ``benchmarks/results/h200.json`` in the schema of DESIGN.md. With ``--only`` the run merges
+into an existing file (``common.write_results``): its cases replace the rows of the same bench and case, the other
+rows and the file's notes stay, and each row names its run's commit.
 """
 from __future__ import annotations
 

@@ -204,10 +204,30 @@ def meta(ctx: Context) -> dict:
             "copy_tbps": round(ctx.copy_tbps, 4), "bf16_tflops": round(ctx.bf16_tflops, 2), "notes": ctx.notes}
 
 
+def _case_key(case: dict) -> tuple[str, str]:
+    return case["bench"], json.dumps(case["case"], sort_keys=True)
+
+
 def write_results(path: Path, ctx: Context, cases: list[dict], replace_benches: set[str] | None = None) -> None:
-    """Write the results file. With ``replace_benches``, keep the existing file's other benches."""
-    old = []
-    if replace_benches is not None and path.exists():
-        old = [c for c in json.loads(path.read_text())["cases"] if c["bench"] not in replace_benches]
+    """Write the results file. A full run (``replace_benches`` None, or no file yet) writes its meta and cases. A
+    partial run (the benches in ``replace_benches``) merges into the existing file: its cases replace the rows of the
+    same bench and case, every other row stays; each row then names its run's commit (meta "commit": "per-row"), and
+    the file's notes stay, with one note for this run (rewritten, not repeated, by the per-bench writes of a run)."""
+    run = meta(ctx)
+    if replace_benches is None or not path.exists():
+        doc = {"meta": run, "cases": cases}
+    else:
+        old = json.loads(path.read_text())
+        old_commit = old["meta"].get("commit", "unknown")
+        fresh = [{**c, "commit": c.get("commit", run["commit"])} for c in cases]
+        keys = {_case_key(c) for c in fresh}
+        kept = [c if "commit" in c or old_commit == "per-row" else {**c, "commit": old_commit}
+                for c in old["cases"] if _case_key(c) not in keys]
+        head = (f"run of {run['commit']} on {run['device']} (copy {run['copy_tbps']} TB/s, bf16 {run['bf16_tflops']} "
+                f"TFLOP/s)")
+        notes = [n for n in old["meta"].get("notes", []) if not n.startswith(head)]
+        notes.append(f"{head}, {run['date']}: {', '.join(sorted(replace_benches))}, {len(cases)} cases"
+                     + "".join(f"; {n}" for n in ctx.notes))
+        doc = {"meta": {**old["meta"], "commit": "per-row", "notes": notes}, "cases": kept + fresh}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta(ctx), "cases": old + cases}, indent=1) + "\n")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
