@@ -19,7 +19,8 @@ Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no
   values. Numerator and denominator share the one rounded exponent s_t + log2 c_t, so they agree even where
   that sum rounds (|s_t| ~ 1e8 with scales 2^-40 … 2^20).
 * O [16, 512] += P' · V: the warps split O's columns (128 each, four [16, 128] accumulators); P' goes through
-  shared memory to every warp (Gluon's layout conversion, or with ``P_FRAG`` a fragment-ordered buffer), V is read from the same e4m3 tile as the B operand, as
+  shared memory to every warp (with ``P_FRAG``, the launcher's default, a 2 KB buffer in the fragment order of
+  ``q_fragment_layout``; else Gluon's layout conversion), V is read from the same e4m3 tile as the B operand, as
   32-bit words with the operand's columns permuted (``_v_operand``).
 * ``SWAP_QK`` (off by default: measured slower) computes the scores transposed, S^T = K · qᵀ.
 
