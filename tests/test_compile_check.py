@@ -103,7 +103,8 @@ def test_gluon_decode_reads_v_as_words_on_sm90():
     """Compiled for sm_90 (fake Hopper, a subprocess): the Gluon fp8 decode's tile loop per attention warp issues
     exactly its 136 mma.sync (72 score + 64 PV per 64-token tile), converts each e4m3 pair once (276 cvt), builds
     V's operand from 32-bit words (64 PRMT; Triton's own byte-wise lowering was 256 LDS.U8 + 256 PRMT) and the A
-    operands of q and P' from whole fragments, without spills and within 128 registers at launch (two programs per SM)."""
+    operands of q and P' from whole fragments, without spills and within 128 registers at launch (two programs per
+    SM)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode_sass", "--gluon"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -114,6 +115,6 @@ def test_gluon_decode_reads_v_as_words_on_sm90():
     regs, spills = (int(v) for v in row.split("|")[0].split()[1:3])
     counts = dict(zip(header[header.index("instr"):], (int(v) for v in row.split("|")[1].split())))
     assert (counts["HMMA"], counts["F2FP"], counts["PRMT"]) == (136, 276, 64), counts
-    # the A fragments of q and P' read as one LDS.128 each in mma.sync's register order (GLUON_Q_FRAG, GLUON_P_FRAG): 997
-    # instructions, 127 shared loads (q in the row layout: 1383, 163; P' by layout conversion: 1133)
+    # the A fragments of q and P' read as one LDS.128 each in mma.sync's register order (GLUON_Q_FRAG, GLUON_P_FRAG):
+    # 997 instructions, 127 shared loads (q in the row layout: 1383, 163; P' by layout conversion: 1133)
     assert counts["instr"] < 1050 and counts["LDS"] < 140 and spills == 0 and regs <= 128, (counts, regs, spills)
