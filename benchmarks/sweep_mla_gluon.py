@@ -7,9 +7,9 @@
 pages a shuffled run. A setting ``gluon_w{W}s{S}p{P}[ws][sw]`` runs the Gluon kernel (kernel_gluon.py) with ``W``
 attention warps (``GLUON_WARPS``), ``S`` tile slots (``GLUON_STAGES``), the KV split planned for ``P`` programs per
 SM (``GLUON_PER_SM`` and ``GLUON_PER_SM_SHORT``, whatever the split length), ``ws``: the warp-specialized form
-(``GLUON_WS``), ``sw``: the transposed score dot (``GLUON_SWAP_QK``); ``gluon`` runs the launcher's own settings and split plan; ``bitcast`` runs ``fp8_dequant="bitcast"``
-(the default before the Gluon kernel), ``bf16`` the launcher on BF16 pages of the same shape (the goals' peer).
-Every setting is captured once in a CUDA graph and timed
+(``GLUON_WS``), ``sw``: the transposed score dot (``GLUON_SWAP_QK``); ``gluon`` runs the launcher's own settings and
+split plan; ``bitcast`` runs ``fp8_dequant="bitcast"`` (the default before the Gluon kernel), ``bf16`` the launcher
+on BF16 pages of the same shape (the goals' peer). Every setting is captured once in a CUDA graph and timed
 in interleaved rounds (``common.interleaved_graph_us``). Reports per shape the median µs of the rounds, TB/s of the
 pages read, each FP8 setting's time over BF16's (goal of issue #3: ≤ 0.65 at batch ≥ 8) and each Gluon setting's
 relative error against the bitcast's output (both read the same e4m3 bytes: ~2.5e-3 is the bf16 output rounding).
@@ -32,7 +32,8 @@ def _settings_for(name: str) -> dict:
     """The launcher's module constants of a ``gluon_...`` setting name."""
     m = SETTING.match(name)
     if m is None:
-        raise ValueError(f"setting {name!r}: expected gluon_w<warps>s<slots>p<per SM>[ws][sw], gluon, bitcast or bf16")
+        raise ValueError(f"setting {name!r}: expected gluon_w<warps>s<slots>p<per SM>[ws][sw], gluon, bitcast or "
+                         "bf16")
     warps, stages, per_sm = (int(x) for x in m.groups()[:3])
     return {"GLUON_WARPS": warps, "GLUON_STAGES": stages, "GLUON_PER_SM": per_sm, "GLUON_PER_SM_SHORT": per_sm,
             "GLUON_WS": bool(m.group(4)), "GLUON_SWAP_QK": bool(m.group(5))}

@@ -452,7 +452,7 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     return out, lse
 
 
-# programs per SM the split plan assumes: two (94 KB of shared memory each), or GLUON_PER_SM_SHORT (one) where the
+# programs per SM the split plan assumes: two (96 KB of shared memory each), or GLUON_PER_SM_SHORT (one) where the
 # splits of two would be short (< GLUON_SPLIT_TILES tiles) and one needs fewer dependent merge steps
 # (_merge_steps): H200, 16 heads, interleaved CUDA-graph rounds, session 19 (results/sweep_mla_gluon_h200.json),
 # µs planned for two / one per SM (splits): 8 x 16k 45.0 / 48.9 (29 / 15: one merge step each), 16 x 8k 46.0 / 45.9
@@ -484,7 +484,6 @@ def plan_gluon_splits(batch: int, s_q: int, heads: int, max_len: int, d_latent: 
         if _merge_steps(short) < _merge_steps(two):
             return short
     return two
-
 
 
 def takes_tma_launch(q: torch.Tensor, kv_data: torch.Tensor, kind: str, fp8_bitcast: bool = False) -> bool:
@@ -548,10 +547,10 @@ def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
                    kernel: str = "auto") -> None:
     """The split-K merge (Triton): partials ``o_part`` fp32 (or bf16) [B, splits, M, D] and ``lse_part`` fp32 (log2)
     [B, splits, M] -> ``out`` [B, M, D] (any float dtype, contiguous, e.g. [B, S, H, D]) and ``lse`` (natural
-    log) [B, M]. ``kernel``: ``"tiles"`` (programs over (row, request, 128-column block), 16 splits per step),
-    ``"rows"`` (programs over ``ROWS_BLOCK_R``-row blocks walking the splits one by one) or ``"auto"``: rows up to
-    ``ROWS_MAX_SPLITS`` splits, tiles above (H200, 16 heads: 4 splits × 64 requests rows 9.5 µs / tiles 17.7;
-    28 splits × 1 tiles 9.5 / rows 21.8; 218 splits tiles 25.9 / rows 129)."""
+    log) [B, M]. ``kernel``: ``"tiles"`` (programs over (row, request, column block), ``COMBINE_CHUNK`` splits per
+    step), ``"rows"`` (programs over ``ROWS_BLOCK_R``-row blocks walking the splits one by one) or ``"auto"``: rows up
+    to ``ROWS_MAX_SPLITS`` splits, tiles above (H200, 16 heads, when the tiles merge took 16 splits per step: 4 splits
+    × 64 requests rows 9.5 µs / tiles 17.7; 28 splits × 1 tiles 9.5 / rows 21.8; 218 splits tiles 25.9 / rows 129)."""
     from .kernel import _mla_decode_combine_kernel, _mla_decode_combine_tiles_kernel
 
     bsz, num_splits, m_rows, d_latent = o_part.shape

@@ -141,12 +141,12 @@ cvt.rn.f16x2.e4m3x2 $7, h3;
 @constexpr_function
 def q_fragment_layout(width: int) -> gl.SharedLinearLayout:
     """Shared layout of an A operand [16, width] fp16 (q; P' with ``P_FRAG``) in which each lane's fragments are
-    contiguous in the order ``mma.sync`` takes its four registers. With ``k_width`` 4, lane (g, t) of a 32-column block holds rows g and
-    g + 8 at columns 4t … 4t + 3 and 16 + 4t … 16 + 4t + 3; one m16n8k16 takes the pairs 4t, 4t + 1 of both
-    16-column halves (row g | row g + 8 | row g, +16 | row g + 8, +16), the next one the pairs 4t + 2, 4t + 3. So the
-    offset bits walk col+1, row+8, col+16 (one fragment: 16 bytes, one LDS.128), then the lane (col+4, col+8, row+1,
-    +2, +4: a warp's fragments are 512 contiguous bytes, no bank conflict), then col+2 (the second fragment), then
-    the 32-column blocks."""
+    contiguous in the order ``mma.sync`` takes its four registers. With ``k_width`` 4, lane (g, t) of a 32-column
+    block holds rows g and g + 8 at columns 4t … 4t + 3 and 16 + 4t … 16 + 4t + 3; one m16n8k16 takes the pairs 4t,
+    4t + 1 of both 16-column halves (row g | row g + 8 | row g, +16 | row g + 8, +16), the next one the pairs 4t + 2,
+    4t + 3. So the offset bits walk col+1, row+8, col+16 (one fragment: 16 bytes, one LDS.128), then the lane
+    (col+4, col+8, row+1, +2, +4: a warp's fragments are 512 contiguous bytes, no bank conflict), then col+2 (the
+    second fragment), then the 32-column blocks."""
     width = getattr(width, "value", width)
     blocks = [[0, 1 << i] for i in range(5, width.bit_length() - 1)]
     return gl.SharedLinearLayout(offset_bases=[[0, 1], [8, 0], [0, 16], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [0, 2]]
@@ -191,8 +191,8 @@ def _v_operand(lat, chunk: gl.constexpr, w_l: gl.constexpr, b_l: gl.constexpr, N
 
 @gluon.jit
 def _k_operand(lat, chunk: gl.constexpr, CH: gl.constexpr, b_l: gl.constexpr):
-    """The score dot's B operand Kᵀ [CH, BLOCK_N] in fp16: latent columns CH·chunk … of an e4m3 tile in shared memory
-    (cvt e4m3 -> f16: exact)."""
+    """The score dot's B operand Kᵀ [CH, BLOCK_N] in fp16: columns CH·chunk … of an e4m3 tile (latent or rope) in
+    shared memory (cvt e4m3 -> f16: exact)."""
     return lat.slice(chunk * CH, CH, dim=1).permute((1, 0)).load(b_l).to(gl.float16)
 
 
@@ -334,7 +334,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
                 s = mma_v2(q_smem.slice(c * CH, CH, dim=1).load(a_l), _k_operand(la, c, CH, b_l), s)
             for c in gl.static_range(HALF // CH):
                 s = mma_v2(q_smem.slice(HALF + c * CH, CH, dim=1).load(a_l), _k_operand(lb, c, CH, b_l), s)
-            s = mma_v2(qpe_smem.load(a_l), rope_s.index(slot).permute((1, 0)).load(b_l).to(gl.float16), s)
+            s = mma_v2(qpe_smem.load(a_l), _k_operand(rope_s.index(slot), 0, D_ROPE, b_l), s)
 
         s = s * qk_row[:, None]
         if SCALE_MODE == SCALE_TOKEN:
