@@ -119,7 +119,7 @@ def test_ws_variant_bad_inputs(triton_backend):
     with pytest.raises(ValueError, match="config: unknown keys"):
         fp8_gemm(a, a_s, b, b_s, config={"BM": 64}, variant="ws")
     with pytest.raises(ValueError, match="BN in"):
-        fp8_gemm(a, a_s, b, b_s, config={"BN": 256}, variant="ws")
+        fp8_gemm(a, a_s, b, b_s, config={"BN": 32}, variant="ws")
     misaligned = torch.empty(20 * 256 + 1, dtype=FP8, device=triton_backend)[1:].view(20, 256)
     with pytest.raises(ValueError, match="16-byte aligned"):
         fp8_gemm(a, a_s, misaligned, b_s, variant="ws")
@@ -243,3 +243,34 @@ def test_auto_variant_is_ws_on_hopper_past_64_tokens():
         assert torch.equal(fp8_gemm(*small, out_dtype=torch.float32),
                            fp8_gemm(*small, out_dtype=torch.float32, variant="tma"))
     assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)
+
+
+def test_ws_default_config_takes_wide_tiles_only_where_they_add_no_wave():
+    # 132 SMs: 128 x 256 tiles where twice the tiles of 128 x 256 take the waves of the 128 x 128 tiles
+    assert ws_default_config(8192, 7168, 132)["BN"] == 256  # 1792 tiles of 256: 14 waves; 3584 of 128: 28
+    assert ws_default_config(512, 7168, 132)["BN"] == 256  # 112 tiles: 1 wave; 224: 2
+    assert ws_default_config(2048, 2048, 132)["BN"] == 256  # 128: 1; 256: 2
+    assert ws_default_config(2048, 7168, 132)["BN"] == 128  # 448: 4 waves; 896: 7
+    assert ws_default_config(512, 4096, 132)["BN"] == 128  # 64 wide tiles would leave half the SMs idle
+    assert ws_default_config(512, 2048, 132)["BN"] == 128
+    assert ws_default_config(8192)["BN"] == 128  # no N or SM count: the narrow tile
+    assert ws_default_config(8192, 7168, 132, bn_s=64)["BN"] == 128  # a 128-column half needs one weight scale
+
+
+@pytest.mark.gpu
+@SM90
+@pytest.mark.parametrize("m,n,k", [(512, 7168, 256), (300, 800, 384), (1000, 1000, 2048)])
+def test_ws_wide_tiles_match_the_reference(m, n, k):
+    # n = 800: the last 256-column tile's second half lies past N (its weight-scale row is clamped, nothing stored);
+    # n = 1000: ragged inside the second half; 512 x 7168: what "auto" runs with 128 x 256 tiles on an H200
+    a, a_s, b, b_s = _operands(m, n, k, device="cuda", seed=n)
+    ref = fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32)
+    for stages in (3, 4):
+        cfg = {"BN": 256, "GROUP_M": 8, "STAGES": stages, "TMA_STORE": 1}
+        out = poisoned_empty((m, n), torch.bfloat16, "cuda")
+        assert_rel_close(fp8_gemm(a, a_s, b, b_s, out=out, config=cfg, variant="ws").float(), ref, 1e-2, cfg)
+        c32 = fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32, config=dict(cfg, TMA_STORE=0), variant="ws")
+        assert_rel_close(c32, ref, 1e-3, f"fp32 {cfg}")
+    if ws_default_config(m, n, torch.cuda.get_device_properties(0).multi_processor_count)["BN"] == 256:
+        wide = {"BN": 256, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}
+        assert torch.equal(fp8_gemm(a, a_s, b, b_s), fp8_gemm(a, a_s, b, b_s, config=wide, variant="ws"))

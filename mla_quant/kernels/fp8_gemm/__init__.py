@@ -25,7 +25,8 @@ TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a g
 WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE")
 VARIANTS = ("auto", "portable", "tma", "ws")
 WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts}
-                      for bn, st, ts in ((128, 4, 1), (128, 5, 1), (128, 6, 1), (128, 5, 0), (64, 8, 1)))
+                      for bn, st, ts in ((128, 4, 1), (128, 5, 1), (128, 6, 1), (128, 5, 0), (64, 8, 1),
+                                         (256, 3, 1), (256, 4, 1)))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
 # group (two programs per SM: 4 stages of 24 KB each)
@@ -47,11 +48,23 @@ def default_config(m: int) -> dict:
     return {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "PERSISTENT": 0}
 
 
-def ws_default_config(m: int) -> dict:
-    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 4 stages of 32 KB, the output
-    stored by TMA where it can be. H200 sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within
-    2 % at the other two); TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x."""
-    return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}
+def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s: int = 128) -> dict:
+    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 4 stages, the output stored by TMA where it
+    can be, and 128 × 256 tiles where they take no more waves of ``sms`` programs than 128 × 128 tiles take
+    (twice the tiles: 2·⌈t₂₅₆/sms⌉ = ⌈t₁₂₈/sms⌉; needs ``n`` and ``sms``, and weight blocks of 128 columns or a
+    multiple), else 128 × 128.
+
+    H200, sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within 2 % at the other two);
+    TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x. Session 21 (results/sweep_fp8_gemm_ws_h200.json):
+    where the rule takes 128 × 256 it was 0.943-0.985x the time of 128 × 128 at 8 of 9 shapes (1.0 at
+    8192 × 4096 × 7168, within the noise); where it keeps 128 × 128 the wide tiles were 1.07-1.8x slower
+    (2048 × 7168 × 2048: 4 waves for 3.4; 512 × 2048 / 4096 × 7168: half the SMs idle)."""
+    bn = 128
+    if n is not None and sms and bn_s % 128 == 0:
+        tiles_m = cdiv(m, 128)
+        if 2 * cdiv(tiles_m * cdiv(n, 256), sms) <= cdiv(tiles_m * cdiv(n, 128), sms):
+            bn = 256
+    return {"BN": bn, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}
 
 
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
@@ -197,7 +210,7 @@ def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.
 
 
 def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
-    """The warp-specialized Gluon kernel (``kernel_ws.py``): Hopper only, TMA-aligned a and b, bn >= BN."""
+    """The warp-specialized Gluon kernel (``kernel_ws.py``): Hopper only, TMA-aligned a and b, bn >= min(BN, 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -207,22 +220,22 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
         raise ValueError("variant: 'ws' is a Gluon kernel for Hopper (sm_90) GPUs; the interpreter cannot run it")
     m, k = a.shape
     n = b.shape[0]
-    cfg = _tma_variant_config("ws", a, b, ws_default_config(m), config, WS_CONFIG_KEYS)
     bn_s, bk = int(block[0]), int(block[1])
-    if bk != 128 or cfg["BN"] not in (64, 128) or bn_s % cfg["BN"]:
-        raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128) dividing bn; got block {block}, "
-                         f"BN {cfg['BN']}")
+    cfg = _tma_variant_config("ws", a, b, ws_default_config(m, n, num_sms(a.device), bn_s), config, WS_CONFIG_KEYS)
+    sub_n = min(cfg["BN"], 128)  # one wgmma's columns: BN = 256 runs two 128-column halves
+    if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % sub_n:
+        raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
+                         f"got block {block}, BN {cfg['BN']}")
     a_layout = gl.NVMMASharedLayout.get_default_for([128, bk], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([cfg["BN"], bk], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [128, bk], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk], b_layout)
+    b_desc = TensorDescriptor.from_tensor(b, [sub_n, bk], b_layout)  # BN = 256: two boxes per K block
     # 16-bit outputs with TMA-aligned rows leave through shared memory by TMA (64 rows per consumer warp group)
     tma_store = c.element_size() == 2 and cfg["TMA_STORE"] and _tma_ok(c, c)
     c_desc = None
     if tma_store:
         c_gl = gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16
-        c_desc = TensorDescriptor.from_tensor(c, [64, cfg["BN"]],
-                                              gl.NVMMASharedLayout.get_default_for([64, cfg["BN"]], c_gl))
+        c_desc = TensorDescriptor.from_tensor(c, [64, sub_n], gl.NVMMASharedLayout.get_default_for([64, sub_n], c_gl))
     tiles = cdiv(m, 128) * cdiv(n, cfg["BN"])
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,

@@ -2,14 +2,21 @@
 
 One persistent program per SM walks the output tiles (grouped order). Its warps split into three partitions:
 
-* **producer** (one warp, few registers): TMA copies of the A tile [BM, BK] and the B tile [BN, BK] of each K
-  block into a ring of ``STAGES`` shared-memory slots. ``ready[s]`` completes when slot s holds its bytes;
+* **producer** (one warp, few registers): TMA copies of the A tile [BM, BK] and the B tile [BN, BK] (BN = 256:
+  two boxes of [128, BK]) of each K block into a ring of ``STAGES`` shared-memory slots. ``ready[s]`` completes when slot s holds its bytes;
   the producer waits on ``empty[s]`` before refilling s. It runs ahead across tile boundaries.
 * **two consumer warp groups** (four warps each; rows [0, BM/2) and [BM/2, BM) of the tile): per K block one
   async wgmma of their A half against the B tile into a fresh fp32 product, wait, arrive on ``empty[s]``
   (each group arrives once: ``empty`` counts two), then *promote*: ``acc += product · a_scale[row] ·
   b_scale``. The other group's wgmma runs on the tensor cores meanwhile, so the promotion's FFMAs (which
   make ptxas serialize the wgmma chain of a single group, kernel_tma.py) overlap the other group's MMA.
+  With BN = 256 (``_consumer_wide``) a K block is two half-steps of 128 columns, each with its own weight scale.
+
+Registers: Triton gives the 12-warp kernel ``.maxnreg 168``, but ptxas allocates each partition's code within
+its ``setmaxnreg`` budget (232 for the consumers): the 128 × 256 form holds two accumulators [64, 128] and one
+product (64 + 128 fp32 per thread) with no spills. Written as two wgmmas in one loop iteration it spilled
+(736 B): ptxas issued the second half's wgmma before the first half's product was promoted, so two products were
+live; as two iterations of one loop, one per half, with a branch on the half, it cannot.
 
 Phases: slot s is used for the k-th time (k = 0, 1, ...) at ring position ``it = k·STAGES + s`` (``it``
 counts K blocks over all of a program's tiles); ``ready`` flips to parity ``k & 1`` when filled, ``empty``
@@ -17,7 +24,8 @@ to ``k & 1`` when both groups have released it. A fresh barrier counts as having
 producer's first pass (waiting for parity ``(k & 1) ^ 1`` = 1) does not block.
 
 a: e4m3 [M, K] in [BM, BK] TMA tiles; a_scale fp32 [M, K/BK]; b: e4m3 [N, K] in [BN, BK] tiles; b_scale fp32
-[⌈N/BN_S⌉, K/BK] with BN <= BN_S (one weight scale per tile and K block); c [M, N] (row stride ``stride_cm``);
+[⌈N/BN_S⌉, K/BK] with BN <= BN_S, or BN = 256 and 128 | BN_S (one weight scale per 128 columns or fewer and K
+block); c [M, N] (row stride ``stride_cm``);
 K % BK == 0. Rows and columns past M and N read zeros (TMA) and are not stored. The Triton interpreter does not run
 Gluon: the GPU tests (tests/kernels/test_fp8_gemm.py, "ws") check it against the reference, with Triton 3.6 (the
 H200's); ``benchmarks.compile_check fp8_gemm`` compiles it for sm_90 with 3.6 and 3.9.
@@ -25,15 +33,21 @@ H200's); ``benchmarks.compile_check fp8_gemm`` compiles it for sm_90 with 3.6 an
 Measured (H200, results/sweep_fp8_gemm_ws_h200.json): loading each K block's scales one block ahead and storing
 the output through shared memory by TMA (``TMA_STORE``; each group's store drains while its next tile's MMAs
 run) took the kernel's best setting per shape from 0.94-1.31x the bf16 cuBLAS speed to 1.15-1.41x (0.77-0.94x
-``torch._scaled_mm``); 128 x 64 tiles were 1.2-1.5x slower.
+``torch._scaled_mm``); 128 x 64 tiles were 1.2-1.5x slower. 128 × 256 tiles (session 21): 0.94-0.99x the time
+of 128 × 128 where they add no wave (``ws_default_config``'s rule), 1.07-1.8x where they do. Nsight Compute
+(session 21, 8192 × 2048 × 7168, clocks locked at 1.3 GHz): the tensor pipe busy 63 % of the cycles with either
+tile, the L2 64 % (128 × 128) and 42 % (128 × 256) of its peak — so the L2 does not bound it. Half of the sampled
+warp stalls are at CTA barriers: the idle warps of the producer's padded group, and the ``bar.sync`` of 128
+threads that Gluon emits before each ``mbarrier.wait`` and each single-thread ``mbarrier.arrive`` (two per K block
+and group; DeepGEMM has each consumer warp arrive on its own, without a barrier — Gluon 3.6 has no per-warp arrive).
 Tried and left out:
 
 * two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
   (the producer's warp group is padded to four), so ptxas caps every thread at 168 registers — the accumulator
   and two products (192) spill, and ptxas serializes the wgmmas (C7514), also with the K loop unrolled by two;
-* 128 x 256 tiles (a quarter fewer operand bytes per FLOP) with the producer's work folded into the first
-  consumer group, so that 8 warps get 255 registers: correct, but 720 B of spills in the K loop and 2-4x the time
-  of this kernel at all 9 sweep shapes;
+* (session 17) 128 x 256 tiles with one [64, 256] product per group and the producer's work folded into the
+  first consumer group, so that 8 warps get 255 registers: correct, but 720 B of spills in the K loop and 2-4x
+  the time of this kernel at all 9 sweep shapes (the half-step form above replaced it);
 * split-K (a tile's K splits side by side, fp32 partials summed in split order by the last arriving group, for
   shapes whose tiles leave SMs idle): correct, but at 512 x 2048 x 7168 (64 tiles) 2 splits took 26.6 µs against
   25.0 for kernel_tma.py's smaller tiles, and 2-4 splits were 1.4-4x slower elsewhere (the partials' round trip).
@@ -59,6 +73,8 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr):
+    SN: gl.constexpr = b_desc.block_type.shape[0]  # B box rows: BN, or 128 when BN = 256 (two boxes per K block)
+    NB: gl.constexpr = BN // SN
     n_kb = K // BK
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
@@ -68,9 +84,10 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
         for kb in range(n_kb):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes)
             _tma_load(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
-            _tma_load(b_desc, [pid_n * BN, kb * BK], ready.index(s), b_bufs.index(s))
+            for h in gl.static_range(NB):
+                _tma_load(b_desc, [pid_n * BN + h * SN, kb * BK], ready.index(s), b_bufs.index(s * NB + h))
             it += 1
 
 
@@ -127,11 +144,85 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
 
 
 @gluon.jit
+def _consumer_wide(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
+                   HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    """``_consumer`` for BN = 256: each K block runs as two half-steps of 128 columns (one wgmma, one weight
+    scale each), so one product [BM/2, 128] is live beside the two accumulators (64 + 128 registers). The
+    half-steps are iterations of one loop with a branch per half: written as two wgmmas in one iteration,
+    ptxas issues the second before the first is promoted, two products are live and the group spills."""
+    HM: gl.constexpr = BM // 2
+    SN: gl.constexpr = BN // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SN, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    n_kb = K // BK
+    grid_m = gl.cdiv(M, BM)
+    grid_n = gl.cdiv(N, BN)
+    last_bs = gl.cdiv(N, BN_S) - 1
+    zero = gl.zeros([HM, SN], gl.float32, mma)
+    it = 0
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
+        a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
+        b_s_ptr0 = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
+        b_s_ptr1 = bs_ptr + gl.minimum((pid_n * BN + SN) // BN_S, last_bs) * n_kb  # may lie past N: clamped
+        # each half-step's scales are loaded during the half-step before it
+        a_s_next = gl.load(a_s_ptrs)
+        b_s_next = gl.load(b_s_ptr0)
+        acc0 = zero
+        acc1 = zero
+        for j in range(2 * n_kb):
+            kb = j // 2
+            h = j % 2
+            scale = a_s_next * b_s_next
+            jn = gl.minimum(j + 1, 2 * n_kb - 1)
+            a_s_next = gl.load(a_s_ptrs + jn // 2)
+            b_s_next = gl.load(gl.where(jn % 2 == 0, b_s_ptr0, b_s_ptr1) + jn // 2)
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(s).slice(HALF * HM, HM, dim=0)
+            b = b_bufs.index(s * 2 + h).permute((1, 0))  # [BK, SN], K-major as fp8 wgmma needs
+            prod = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+            prod, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(prod, a, b))
+            if h == 0:
+                acc0 += prod * scale[:, None]
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 += prod * scale[:, None]
+                it += 1
+        _store_block(acc0, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma,
+                     SN, TMA_STORE)
+        _store_block(acc1, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN + SN, M, N, stride_cm,
+                     mma, SN, TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_block(acc, c_ptr, c_desc, c_smem, rm, row0, col0, M, N, stride_cm, mma: gl.constexpr, SN: gl.constexpr,
+                 TMA_STORE: gl.constexpr):
+    """One consumer group's [BM/2, SN] output block at (row0, col0); rows ``rm``."""
+    if TMA_STORE:
+        # the previous block's store has read c_smem; this one drains while the next MMAs run
+        tma.store_wait(pendings=0)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [row0, col0], c_smem)
+    else:
+        rn = col0 + gl.arange(0, SN, gl.SliceLayout(0, mma))
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        gl.store(c_ptr + rm[:, None].to(gl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@gluon.jit
 def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    SN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * (BN // SN), SN, BK], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -143,13 +234,22 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
     else:
         c_smem0 = a_bufs
         c_smem1 = a_bufs
-    gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
-                     0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
-                     1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if BN > SN:
+        gl.warp_specialize([
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
+                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
+                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
+                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
+                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
