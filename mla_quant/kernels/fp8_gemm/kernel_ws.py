@@ -173,7 +173,6 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, 
         acc0 = zero
         acc1 = zero
         for j in range(2 * n_kb):
-            kb = j // 2
             h = j % 2
             scale = a_s_next * b_s_next
             jn = gl.minimum(j + 1, 2 * n_kb - 1)
