@@ -84,14 +84,15 @@ def gluon_profile(heads: int, scale: str, folder: str | None) -> int:
         import mla_quant.kernels.mla_decode as md
 
         table, lens = cc._table([100, 200])
-        data, scales = cc._kv_pages("fp8_e4m3", scale, table.numel())
+        kind = "fp8_ds_mla" if scale == "ds_mla" else "fp8_e4m3"  # (ds_mla: FlashMLA's rows, tile scales)
+        data, scales = cc._kv_pages(kind, "token" if scale == "ds_mla" else scale, table.numel())
         q = torch.randn(2, 1, heads, cc.D_LATENT + cc.D_ROPE, dtype=torch.bfloat16)
         print(f"{'setting':10s} regs spill smem/K prog/SM | per attention warp per tile: instr " + " ".join(COLUMNS)
               + " | warp-instr/token")
         for name, setting in GLUON_SETTINGS.items():
             start = len(compiled)
             with module_attrs(md, setting):
-                md.mla_decode(q, data, scales, table, lens, 0.1, "fp8_e4m3", cc.D_LATENT, fp8_dequant="gluon",
+                md.mla_decode(q, data, scales, table, lens, 0.1, kind, cc.D_LATENT, fp8_dequant="gluon",
                               num_splits=2)
                 warps, block_n = md.GLUON_WARPS, md.GLUON_BLOCK_N
             for _, kw, kernel in compiled[start:]:
@@ -107,7 +108,8 @@ def gluon_profile(heads: int, scale: str, folder: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--scale", choices=("token", "tensor"), default="token", help="fp8_e4m3 scale kind")
+    parser.add_argument("--scale", choices=("token", "tensor", "ds_mla"), default="token",
+                        help="fp8_e4m3 scale kind, or fp8_ds_mla pages (--gluon)")
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     parser.add_argument("--only", nargs="*", help="kind_dequant cases to compile (default: all), e.g. fp8_e4m3_fp16")
     parser.add_argument("--buffers", action="store_true", help="print the latent tile's buffer counts (JSON)")

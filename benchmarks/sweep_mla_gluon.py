@@ -9,10 +9,13 @@ attention warps (``GLUON_WARPS``), ``S`` tile slots (``GLUON_STAGES``), the KV s
 SM (``GLUON_PER_SM`` and ``GLUON_PER_SM_SHORT``, whatever the split length), ``ws``: the warp-specialized form
 (``GLUON_WS``), ``sw``: the transposed score dot (``GLUON_SWAP_QK``); ``gluon`` runs the launcher's own settings and
 split plan; ``bitcast`` runs ``fp8_dequant="bitcast"`` (the default before the Gluon kernel), ``bf16`` the launcher
-on BF16 pages of the same shape (the goals' peer). Every setting is captured once in a CUDA graph and timed
+on BF16 pages of the same shape (the goals' peer); ``ds_mla`` the launcher on fp8_ds_mla pages (FlashMLA's 656-byte
+rows; the Gluon kernel since session 21) and ``ds_mla_convert`` those pages through the Triton kernel's conversion
+(their default before). Every setting is captured once in a CUDA graph and timed
 in interleaved rounds (``common.interleaved_graph_us``). Reports per shape the median µs of the rounds, TB/s of the
 pages read, each FP8 setting's time over BF16's (goal of issue #3: ≤ 0.65 at batch ≥ 8) and each Gluon setting's
-relative error against the bitcast's output (both read the same e4m3 bytes: ~2.5e-3 is the bf16 output rounding).
+relative error against the bitcast's output (both read the same e4m3 bytes: ~2.5e-3 is the bf16 output rounding);
+``ds_mla``'s against ``ds_mla_convert``'s.
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda") ->
     q = torch.randn(batch, 1, HEADS, D, device=dev, dtype=torch.bfloat16)
     kv8, sc8 = random_kv_pool("fp8_e4m3", batch * pages, PAGE, D_LATENT, D - D_LATENT, dev)
     kv16 = random_kv_pool("bf16", batch * pages, PAGE, D_LATENT, D - D_LATENT, dev)[0] if "bf16" in settings else None
+    use_ds = any(name.startswith("ds_mla") for name in settings)
+    kvds = random_kv_pool("fp8_ds_mla", batch * pages, PAGE, D_LATENT, D - D_LATENT, dev)[0] if use_ds else None
+
+    def ds(dequant):
+        return lambda: mla_decode(q, kvds, None, table, lens, SCALE, "fp8_ds_mla", D_LATENT, validate=False,
+                                  max_seq_len=ctx, fp8_dequant=dequant)
 
     def fp8(dequant, attrs=None):
         def call():
@@ -64,6 +73,10 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda") ->
                                            max_seq_len=ctx)
         elif name == "bitcast":
             fns[name] = fp8("bitcast")
+        elif name == "ds_mla":
+            fns[name] = ds("auto")
+        elif name == "ds_mla_convert":
+            fns[name] = ds("convert")
         elif name == "gluon":
             fns[name] = fp8("gluon")
         else:
@@ -71,6 +84,9 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda") ->
     o_bit = fp8("bitcast")()[0].float()
     errs = {name: float((fns[name]()[0].float() - o_bit).norm() / o_bit.norm())
             for name in settings if name.startswith("gluon")}
+    if "ds_mla" in settings and "ds_mla_convert" in settings:
+        o_conv = fns["ds_mla_convert"]()[0].float()
+        errs["ds_mla"] = float((fns["ds_mla"]()[0].float() - o_conv).norm() / o_conv.norm())
     times = interleaved_graph_us(fns, rounds=5)
     row = {"batch": batch, "ctx": ctx, "heads": HEADS, "rel_err_vs_bitcast": errs}
     for name, t in times.items():
@@ -78,7 +94,7 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda") ->
             row[name] = t
             continue
         row[name] = round(statistics.median(t), 2)
-        page_bytes = batch * ctx * (2 * D if name == "bf16" else D + 4)
+        page_bytes = batch * ctx * (2 * D if name == "bf16" else 656 if name.startswith("ds_mla") else D + 4)
         row[name + "_TBps"] = round(page_bytes / row[name] / 1e6, 3)
     if isinstance(row.get("bf16"), float):
         for name in settings:

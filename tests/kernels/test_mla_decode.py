@@ -557,7 +557,7 @@ def test_bad_scales_and_options():
 
 def test_gluon_dequant_names_what_it_cannot_run(triton_backend):
     """fp8_dequant="gluon" (a Gluon kernel for Hopper) raises naming the reason instead of running something else:
-    under the interpreter, for fp8_ds_mla pages, and at dims other than 512 + 64."""
+    under the interpreter, for bf16 pages, fp16 queries over fp8_ds_mla pages, and at dims other than 512 + 64."""
     q, data, s, table, seq = (t.to(triton_backend) for t in _small_case("fp8_e4m3"))
     with pytest.raises(ValueError, match="gluon.*512 \\+ 64"):
         mla_decode(q.bfloat16(), data, s, table, seq, 0.1, "fp8_e4m3", 128, fp8_dequant="gluon")
@@ -565,7 +565,10 @@ def test_gluon_dequant_names_what_it_cannot_run(triton_backend):
     q576 = torch.randn(1, 1, 16, 576, dtype=torch.bfloat16)
     pages = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn)
     assert "interpreter" in gluon_fits(q576, pages, "fp8_e4m3", 512)
-    assert "fp8_e4m3" in gluon_fits(q576, pages, "fp8_ds_mla", 512)
+    assert "fp8_ds_mla" in gluon_fits(q576, pages, "bf16", 512)
+    ds_pages = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    assert "interpreter" in gluon_fits(q576, ds_pages, "fp8_ds_mla", 512)
+    assert "q dtype" in gluon_fits(q576.half(), ds_pages, "fp8_ds_mla", 512)  # (its rope dot runs in bf16)
     assert "query rows" in gluon_fits(torch.randn(1, 2, 16, 576, dtype=torch.bfloat16), pages, "fp8_e4m3", 512)
     assert "q dtype" in gluon_fits(q576.float(), pages, "fp8_e4m3", 512)
     assert "64-token tiles" in gluon_fits(q576, torch.zeros(4, 32, 576, dtype=torch.float8_e4m3fn), "fp8_e4m3", 512)
@@ -825,6 +828,7 @@ def test_auto_fp8_dequant_rule(monkeypatch):
     assert _auto_fp8_dequant("fp8_e4m3", q(BITCAST_MIN_ROWS, torch.float32), pages, 1, many) == "bitcast"
     for kind in ("fp8_ds_mla", "bf16"):
         assert _auto_fp8_dequant(kind, q(16), pages, 1, many) == "convert"
+    ds_pages = torch.zeros(4, 64, 656, dtype=torch.uint8)
     unaligned = torch.zeros(4, 64, 577, dtype=torch.float8_e4m3fn)[..., :576]
     assert _auto_fp8_dequant("fp8_e4m3", q(16), unaligned, 1, few) == "convert"
     assert _auto_fp8_dequant("fp8_e4m3", q(128), unaligned, 1, few) == "convert"
@@ -832,8 +836,8 @@ def test_auto_fp8_dequant_rule(monkeypatch):
     assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, few) == "convert"
     monkeypatch.setattr(md, "TMA_LAUNCH", False)
     assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, few) == "convert"
-    # on a Hopper GPU with Gluon: the Gluon kernel wherever gluon_fits (fp8_e4m3, 16-bit q, ≤ 16 rows, 512 + 64,
-    # pages TMA reads in 64-token tiles); the rules above elsewhere
+    # on a Hopper GPU with Gluon: the Gluon kernel wherever gluon_fits (fp8_e4m3 with 16-bit q, fp8_ds_mla with bf16
+    # q, ≤ 16 rows, 512 + 64, pages TMA reads in 64-token tiles); the rules above elsewhere
     monkeypatch.setattr(md, "_is_hopper", lambda device: True)
     monkeypatch.setattr(md, "_gluon_available", lambda: True)
     monkeypatch.setattr(md, "triton_interpreted", lambda: False)
@@ -842,7 +846,9 @@ def test_auto_fp8_dequant_rule(monkeypatch):
     assert _auto_fp8_dequant("fp8_e4m3", q(32), pages, 1, few) == "convert"
     assert _auto_fp8_dequant("fp8_e4m3", q(16, torch.float32), pages, 1, few) == "convert"
     assert _auto_fp8_dequant("fp8_e4m3", q(16), small_pages, 1, few) == "convert"
-    assert _auto_fp8_dequant("fp8_ds_mla", q(16), pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_ds_mla", q(16), ds_pages, 1, few) == "gluon"  # (bf16 queries only)
+    assert _auto_fp8_dequant("fp8_ds_mla", q(16, torch.float16), ds_pages, 1, few) == "convert"
+    assert _auto_fp8_dequant("fp8_ds_mla", q(32), ds_pages, 1, few) == "convert"
     assert _auto_fp8_dequant("fp8_e4m3", q(16), pages, 1, few, d_latent=256) == "convert"
 
 
@@ -1055,4 +1061,77 @@ def test_gluon_dequant_extreme_scales_gpu(lo, hi):
     o_ref, lse_ref = mla_decode_reference(*args)
     out, lse = mla_decode(*args, fp8_dequant="gluon")
     assert rel_err(out.float(), o_ref.float()) < 1e-2, (out[0, 0, 0, :4], o_ref[0, 0, 0, :4])
+    assert torch.allclose(lse, lse_ref, atol=2e-2, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages, ws, p_frag", [(2, True, True), (2, True, False), (3, False, True)])
+@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 64, 1000, 4097]), (16, 1, [130 * 64 + 5]),
+                                                 (8, 2, [100, 3000]), (5, 3, [3, 640]), (1, 1, [77])])
+def test_gluon_ds_mla_matches_reference_gpu(monkeypatch, stages, ws, p_frag, heads, s_q, lengths):
+    """fp8_dequant="gluon" over fp8_ds_mla pages (FlashMLA's 656-byte rows: e4m3 latent, an fp32 scale per 128-value
+    tile, bf16 rope; NaN bytes — scales included — in every unused slot): each latent tile's dot scaled by its
+    token scale, the rope dot in bf16, one P' per tile against its own running maximum. The reference's tolerances,
+    close to the conversion path, every column where it belongs; splits chosen and forced."""
+    import mla_quant.kernels.mla_decode as md
+
+    monkeypatch.setattr(md, "GLUON_STAGES", stages)
+    monkeypatch.setattr(md, "GLUON_WS", ws)
+    monkeypatch.setattr(md, "GLUON_P_FRAG", p_frag)
+    _skip_without_gluon()
+    args = _real_dim_args("fp8_ds_mla", None, heads, s_q, lengths, seed=6)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    o_conv, _ = mla_decode(*args, fp8_dequant="convert")
+    for splits in (None, 1, 7, 200):
+        out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
+        lse = poisoned_empty(lse_ref.shape, device="cuda")
+        mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)
+        assert_all_written(out, "out")
+        assert_all_written(lse, "lse")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        diff = (out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2))
+        per_col = (diff / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
+        assert per_col.max() < 0.25, f"splits={splits}: worst column {int(per_col.argmax())}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        assert rel_err(out.float(), o_conv.float()) < 1e-2
+    assert md._auto_fp8_dequant("fp8_ds_mla", args[0], args[1], len(lengths), max(lengths)) == "gluon"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_gluon_ds_mla_page_sizes_gpu(page_size):
+    """fp8_ds_mla pages of 64 and 256 tokens through the Gluon kernel (a split starting inside a page)."""
+    _skip_without_gluon()
+    args = _real_dim_args("fp8_ds_mla", None, 16, 1, [1, 700, 64 * 70 + 3, 4097], seed=7, page_size=page_size)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    for splits in (None, 1, 3):
+        out, lse = mla_decode(*args, num_splits=splits, fp8_dequant="gluon")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2), f"splits={splits}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lo,hi", [(-12, 6), (-40, 20)])
+def test_gluon_ds_mla_extreme_tile_scales_gpu(lo, hi):
+    """Token scales 2^lo .. 2^hi, each token's four tiles within 2^-6 of its largest, and a request whose latents are
+    all zero with zero scales: the softmax shift takes each token's largest tile scale C, tile c's P' the factor
+    c_c / C ≤ 1, so every P' stays ≤ 1 in fp16 whatever the scales; every tile's columns match the reference on
+    their own. (A tile below 2^-14 of its token's largest would make that factor an fp16 subnormal: docs/mla.md.)"""
+    _skip_without_gluon()
+    q, kv, _, table, seq_lens, _, kind, d_latent = _real_dim_args("fp8_ds_mla", None, 16, 1, [700, 300], seed=8)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tile_scales = kv.view(torch.float32)[..., d_latent // 4: d_latent // 4 + 4]
+    token_exp = torch.randint(lo, hi + 1, tile_scales.shape[:-1] + (1,), device="cuda", generator=g)
+    drawn = torch.exp2((token_exp - torch.randint(0, 7, tile_scales.shape, device="cuda", generator=g)).float())
+    used = table[0, :11].long()  # request 0's pages (700 tokens): the others keep their NaN bytes
+    tile_scales[used] = drawn[used]
+    zero_pages = table[1, :5].long()  # request 1: all-zero latents and rope, zero scales
+    kv[zero_pages] = 0
+    args = (q, kv, None, table, seq_lens, 2e-4, kind, d_latent)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    out, lse = mla_decode(*args, fp8_dequant="gluon")
+    assert rel_err(out.float(), o_ref.float()) < 1e-2, (out[0, 0, 0, :4], o_ref[0, 0, 0, :4])
+    for t in range(4):  # each tile's columns on their own
+        cols = slice(128 * t, 128 * (t + 1))
+        assert rel_err(out[0, ..., cols].float(), o_ref[0, ..., cols].float()) < 1e-2, f"tile {t}"
     assert torch.allclose(lse, lse_ref, atol=2e-2, rtol=1e-4)

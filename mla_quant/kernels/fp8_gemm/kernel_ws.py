@@ -3,8 +3,9 @@
 One persistent program per SM walks the output tiles (grouped order). Its warps split into three partitions:
 
 * **producer** (one warp, few registers): TMA copies of the A tile [BM, BK] and the B tile [BN, BK] (BN = 256:
-  two boxes of [128, BK]) of each K block into a ring of ``STAGES`` shared-memory slots. ``ready[s]`` completes when slot s holds its bytes;
-  the producer waits on ``empty[s]`` before refilling s. It runs ahead across tile boundaries.
+  two boxes of [128, BK]) of each K block into a ring of ``STAGES`` shared-memory slots. ``ready[s]`` completes
+  when slot s holds its bytes; the producer waits on ``empty[s]`` before refilling s. It runs ahead across tile
+  boundaries.
 * **two consumer warp groups** (four warps each; rows [0, BM/2) and [BM/2, BM) of the tile): per K block one
   async wgmma of their A half against the B tile into a fresh fp32 product, wait, arrive on ``empty[s]``
   (each group arrives once: ``empty`` counts two), then *promote*: ``acc += product · a_scale[row] ·

@@ -33,7 +33,8 @@ FP8_DEQUANTS = ("auto", "convert", "bitcast", "fp16", "fp8mma", "fp8mma_pv", "fp
 FP8_MMA_LEVELS = {"fp8mma": 3, "fp8mma_pv": 4, "fp8mma_q1": 1, "fp8mma_pv_q1": 2}
 # "auto" takes the bitcast for fp8_e4m3 pages once a request has this many query rows (s_q * heads): measured on
 # the H200 (benchmarks/results/h200.json, mla_decode rows with variant "bitcast"), 1.30-1.35x faster than the
-# conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion.
+# conversion at 128 heads, 0.92-1.03x at 16 heads; slower for fp8_ds_mla (0.55-1.0x), which keeps the conversion
+# (at <= 16 query rows fp8_ds_mla runs the Gluon kernel since session 21).
 BITCAST_MIN_ROWS = 64
 # ... and the fp8 tensor-core dots ("fp8mma") for fp8_e4m3 pages and bf16 / fp16 queries once a call covers this
 # many cached tokens (batch x max_seq_len): measured on the H200 (run of 71d17aa, mla_decode rows with variant
@@ -179,10 +180,11 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     fp16 queries only, fp32 queries keep the conversion), ``"fp8mma"`` (fp8_e4m3 pages: the score dots take the
     e4m3 bytes unconverted, q rounded to e4m3 with a per-row scale; the PV dot as ``"fp16"``), ``"fp8mma_pv"`` (also
     the PV dot in e4m3, p·scale rounded to e4m3; fp8_ds_mla pages keep the conversion under both; lossier than the
-    others: docs/mla.md, "fp8 tensor-core dots"), ``"gluon"`` (fp8_e4m3 pages of 512 + 64, 16-bit q, at most 16 query
-    rows, a Hopper GPU: kernel_gluon.py, mma.sync in fp16 on the e4m3 bytes read from TMA-staged tiles; raises
-    naming the reason where :func:`gluon_fits` says it cannot run) or ``"auto"`` (default: for fp8_e4m3 pages
-    "gluon" wherever it fits; else the bitcast where it takes ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`);
+    others: docs/mla.md, "fp8 tensor-core dots"), ``"gluon"`` (fp8_e4m3 pages of 512 + 64 with 16-bit q, or
+    fp8_ds_mla pages with bf16 q; at most 16 query rows, a Hopper GPU: kernel_gluon.py, mma.sync in fp16 on the e4m3
+    bytes read from TMA-staged tiles; raises naming the reason where :func:`gluon_fits` says it cannot run) or
+    ``"auto"`` (default: "gluon" wherever it fits; for fp8_e4m3 pages else the bitcast where it takes
+    ``FP8_TMA_CONFIG`` (:func:`takes_tma_launch`);
     else "fp8mma" when q is bf16 / fp16 and batch × max_seq_len (the block table's capacity when not given) ≥
     ``FP8_MMA_MIN_TOKENS``;
     else the bitcast with ≥ ``BITCAST_MIN_ROWS`` query rows per request and 4-byte aligned pages; else the
@@ -243,10 +245,10 @@ def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: 
                       d_latent: int = 512) -> str:
     """What ``fp8_dequant="auto"`` runs for one call (see :func:`mla_decode`): q [B, S, H, D], ``batch`` requests of
     at most ``max_len`` cached tokens."""
-    if kind != "fp8_e4m3":
-        return "convert"
     if gluon_fits(q, kv_data, kind, d_latent) is None:
         return "gluon"
+    if kind != "fp8_e4m3":
+        return "convert"
     if _tma_launch(q, kv_data, kind, fp8_bitcast=True) is not None:
         return "bitcast"
     if q.dtype != torch.float32 and batch * max_len >= FP8_MMA_MIN_TOKENS:
@@ -387,17 +389,18 @@ GLUON_P_FRAG = True
 
 
 def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int) -> str | None:
-    """Why ``fp8_dequant="gluon"`` cannot run this call (None: it can): fp8_e4m3 pages of 512 + 64 values that TMA
-    reads in 64-token tiles, 16-bit queries, at most 16 query rows per request, a Hopper GPU with Gluon."""
-    if kind != "fp8_e4m3":
-        return f"kind {kind!r} (the kernel reads fp8_e4m3 pages)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"q dtype {q.dtype} (bf16 or fp16)"
+    """Why ``fp8_dequant="gluon"`` cannot run this call (None: it can): fp8_e4m3 or fp8_ds_mla pages of 512 + 64
+    values that TMA reads in 64-token tiles, 16-bit queries (bf16 for fp8_ds_mla, whose rope dot runs in bf16), at
+    most 16 query rows per request, a Hopper GPU with Gluon."""
+    if kind not in ("fp8_e4m3", "fp8_ds_mla"):
+        return f"kind {kind!r} (the kernel reads fp8_e4m3 and fp8_ds_mla pages)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or kind == "fp8_ds_mla" and q.dtype != torch.bfloat16:
+        return f"q dtype {q.dtype} ({'bf16' if kind == 'fp8_ds_mla' else 'bf16 or fp16'})"
     if q.shape[1] * q.shape[2] > 16:
         return f"{q.shape[1] * q.shape[2]} query rows per request (at most 16)"
     if d_latent != 512 or q.shape[3] != 576:
         return f"rows of {d_latent} + {q.shape[3] - d_latent} values (512 + 64)"
-    if not _tma_rows(kv_data, kind, GLUON_BLOCK_N):
+    if not _tma_rows(kv_data, "fp8_e4m3", GLUON_BLOCK_N):  # (the same alignment rules for ds_mla's byte rows)
         return ("pages TMA cannot read in 64-token tiles (page size a multiple of 64, contiguous pages, 16-byte "
                 "aligned rows)")
     if triton_interpreted() or not _is_hopper(q.device) or not _gluon_available():
@@ -428,25 +431,35 @@ def _mla_decode_gluon(q, kv_data, kv_scales, block_table, seq_lens, softmax_scal
     pages, _, width = kv_data.shape
     rows = kv_data.view(torch.float8_e4m3fn)
     shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
-    half = d_latent // 2
+    half, d_rope = d_latent // 2, d - d_latent
     lat_desc = TensorDescriptor(rows, shape, strides, [GLUON_BLOCK_N, half],
                                 gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, half], gl.float8e4nv))
-    rope_desc = TensorDescriptor(rows, shape, strides, [GLUON_BLOCK_N, width - d_latent],
-                                 gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, width - d_latent],
-                                                                      gl.float8e4nv))
     mode = _scale_mode(kind, kv_scales)
-    sc_strides = (kv_scales.stride(0), kv_scales.stride(1)) if mode == 1 else (0, 0)
+    warps, swap_qk = GLUON_WARPS, GLUON_SWAP_QK
+    if kind == "fp8_ds_mla":  # rows of [e4m3 latent | fp32 tile scales | bf16 rope]: the rope by a bf16 descriptor
+        rope_col = (d_latent + 4 * (d_latent // DS_MLA_TILE)) // 2
+        rope_desc = TensorDescriptor(kv_data.view(torch.bfloat16), [pages * page_size, width // 2],
+                                     [kv_data.stride(1) // 2, 1], [GLUON_BLOCK_N, d_rope],
+                                     gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, d_rope], gl.bfloat16))
+        _, _, scales, sc_strides = _page_views(kv_data, kv_scales, kind, d_latent)
+        warps, swap_qk = 4, False  # (one output accumulator per latent tile; the scores not transposed)
+    else:
+        rope_col = d_latent
+        rope_desc = TensorDescriptor(rows, shape, strides, [GLUON_BLOCK_N, d_rope],
+                                     gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, d_rope], gl.float8e4nv))
+        scales = kv_scales
+        sc_strides = (kv_scales.stride(0), kv_scales.stride(1)) if mode == 1 else (0, 0)
     _mla_decode_fp8_gluon_kernel[(num_splits, bsz)](
-        q, lat_desc, rope_desc, kv_scales, block_table, seq_lens, o_dst, lse_dst,
+        q, lat_desc, rope_desc, scales, block_table, seq_lens, o_dst, lse_dst,
         softmax_scale * math.log2(math.e), s_q, heads, num_splits, q.stride(0), q.stride(1), q.stride(2),
         *sc_strides, block_table.stride(0),
         D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=mode, SPLIT_OUT=split,
         BLOCK_N=GLUON_BLOCK_N, STAGES=GLUON_STAGES,
-        WS=GLUON_WS, SWAP_QK=GLUON_SWAP_QK, Q_FRAG=GLUON_Q_FRAG,
-        P_FRAG=GLUON_P_FRAG, num_warps=GLUON_WARPS,
+        WS=GLUON_WS, SWAP_QK=swap_qk, Q_FRAG=GLUON_Q_FRAG,
+        P_FRAG=GLUON_P_FRAG, ROPE_COL=rope_col, num_warps=warps,
         **({"maxnreg": GLUON_WS_MAXNREG} if GLUON_WS else {}))
     global _LAST_LAUNCH
-    _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{GLUON_WARPS}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))
+    _LAST_LAUNCH = (num_splits, f"gluon-n{GLUON_BLOCK_N}w{warps}s{GLUON_STAGES}" + ("-ws" if GLUON_WS else ""))
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse

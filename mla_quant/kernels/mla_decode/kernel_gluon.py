@@ -1,4 +1,4 @@
-"""MLA decode over fp8_e4m3 pages for at most 16 query rows, written in Gluon (``fp8_dequant="gluon"``).
+"""MLA decode over fp8_e4m3 (or fp8_ds_mla) pages for at most 16 query rows, written in Gluon (``fp8_dequant="gluon"``).
 
 One program per (KV split, request); tiles of ``BLOCK_N`` = 64 tokens within one page, staged by TMA in a ring of
 ``STAGES`` shared-memory slots (latent as two [64, 256] boxes, rope [64, 64]; e4m3 bytes as stored). With ``WS``
@@ -23,6 +23,13 @@ Every dot is an ``mma.sync`` m16n8k16 in fp16 with the 16 query rows as M, so no
   ``q_fragment_layout``; else Gluon's layout conversion), V is read from the same e4m3 tile as the B operand, as
   32-bit words with the operand's columns permuted (``_v_operand``).
 * ``SWAP_QK`` (off by default: measured slower) computes the scores transposed, S^T = K · qᵀ.
+* fp8_ds_mla pages (``SCALE_TILE``: FlashMLA's rows of 512 e4m3, four fp32 scales c_0..c_3 — one per 128-value
+  tile —, 64 bf16 rope): each 128-column score dot is scaled by its tile's token scale before they are summed, the
+  rope dot runs in bf16 (q_pe as given: bf16 queries only), and the shift takes the token's largest tile scale
+  C = max c_j: p'_t = 2^(s_t + log2 C_t − m), denominator p'/C; tile j's accumulator (exactly one of the four [16,
+  128] accumulators) takes P'_j = p' · c_j / C ≤ 1. A tile below 2^-14 of its token's largest turns that factor
+  into an fp16 subnormal (2^-24 and below: 0) — not seen in real latents (RMS-normalized), but ``"convert"`` has
+  no such limit.
 
 The denominator is kept per lane as a [16, 64] sum (no cross-warp reduction per tile) and reduced once at the
 end. Tokens at or past the request's length may hold anything (NaN) in their page slots: their scores are
@@ -51,6 +58,7 @@ PRODUCER_REGS = gl.constexpr(48)  # registers of the TMA warp (WS)
 LOG2_FLOOR = gl.constexpr(2.0 ** -100)  # token scales below this enter the shift as 2^-100
 SCALE_TOKEN = gl.constexpr(1)
 SCALE_TENSOR = gl.constexpr(2)
+SCALE_TILE = gl.constexpr(3)  # fp8_ds_mla: an fp32 scale per token and 128-value latent tile, bf16 rope
 
 
 @gluon.jit
@@ -68,13 +76,29 @@ def _token_scales(sc_ptr, bt_row, n0, toks, valid, stride_sc_page, stride_sc_row
 
 
 @gluon.jit
-def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HALF: gl.constexpr):
-    """The TMA copies of the tile at page row ``row0`` into ``slot``; ``ready[slot]`` completes with its bytes."""
+def _tile_scales(sc_ptr, bt_row, n0, toks, end, stride_sc_page, stride_sc_row, PAGE_SIZE: gl.constexpr):
+    """fp8_ds_mla: the four latent tiles' scales of the tokens n0 + toks, 0.0 at and past ``end`` (their page slots
+    may hold anything, NaN included: a zero scale keeps them out of every product)."""
+    valid = n0 + toks < end
+    page = gl.load(bt_row + n0 // PAGE_SIZE, mask=n0 < end, other=0)
+    ptrs = sc_ptr + page.to(gl.int64) * stride_sc_page + (n0 % PAGE_SIZE + toks) * stride_sc_row
+    t0 = gl.load(ptrs, mask=valid, other=0.0)
+    t1 = gl.load(ptrs + 1, mask=valid, other=0.0)
+    t2 = gl.load(ptrs + 2, mask=valid, other=0.0)
+    t3 = gl.load(ptrs + 3, mask=valid, other=0.0)
+    return gl.where(valid, t0, 0.0), gl.where(valid, t1, 0.0), gl.where(valid, t2, 0.0), gl.where(valid, t3, 0.0)
+
+
+@gluon.jit
+def _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, row0, HALF: gl.constexpr,
+                ROPE_COL: gl.constexpr):
+    """The TMA copies of the tile at page row ``row0`` into ``slot`` (the rope at column ``ROPE_COL`` of its
+    descriptor's rows); ``ready[slot]`` completes with its bytes."""
     bar = ready.index(slot)
     mbarrier.expect(bar, 2 * lat_desc.block_type.nbytes + rope_desc.block_type.nbytes)
     _tma_load(lat_desc, [row0, 0], bar, lat_a.index(slot))
     _tma_load(lat_desc, [row0, HALF], bar, lat_b.index(slot))
-    _tma_load(rope_desc, [row0, 2 * HALF], bar, rope_s.index(slot))
+    _tma_load(rope_desc, [row0, ROPE_COL], bar, rope_s.index(slot))
 
 
 @gluon.jit
@@ -94,13 +118,15 @@ def _fast_rcp(x):
 
 @gluon.jit
 def _as_words(buf):
-    """An e4m3 tile [rows, width] in shared memory as int32 words [rows, width / 4] (same bytes, same swizzle)."""
+    """An e4m3 (or bf16) tile [rows, width] in shared memory as int32 words [rows, width / 4] (or width / 2): the same
+    bytes, the same swizzle."""
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=buf.type.layout.swizzle_byte_width,
                                                 element_bitwidth=32, rank=2)
+    WORDS: gl.constexpr = buf.shape[1] * buf.dtype.primitive_bitwidth // 32
     if _PUBLIC_REINTERPRET:
-        words = buf.reinterpret(gl.int32, [buf.shape[0], buf.shape[1] // 4], layout)
+        words = buf.reinterpret(gl.int32, [buf.shape[0], WORDS], layout)
     else:
-        words = buf._reinterpret(gl.int32, [buf.shape[0], buf.shape[1] // 4], layout)
+        words = buf._reinterpret(gl.int32, [buf.shape[0], WORDS], layout)
     return words
 
 
@@ -209,7 +235,8 @@ def _natural_columns(acc, NW: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _produce(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
-             PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
+             PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+             ROPE_COL: gl.constexpr):
     """The TMA warp (``WS``): tile i into slot i % STAGES once the consumers released the slot's previous tile;
     the block-table entry of the next tile is read while this one's copy is issued."""
     page = gl.load(bt_row + start // PAGE_SIZE, mask=n_tiles > 0, other=0)
@@ -218,7 +245,8 @@ def _produce(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, st
         page_next = gl.load(bt_row + (n0 + BLOCK_N) // PAGE_SIZE, mask=i + 1 < n_tiles, other=0)
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, _page_row(page, n0, PAGE_SIZE), HALF)
+        _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, slot, _page_row(page, n0, PAGE_SIZE), HALF,
+                    ROPE_COL)
         page = page_next
 
 
@@ -228,7 +256,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
             D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
             SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            WS: gl.constexpr, SWAP_QK: gl.constexpr, P_FRAG: gl.constexpr):
+            WS: gl.constexpr, SWAP_QK: gl.constexpr, P_FRAG: gl.constexpr, ROPE_COL: gl.constexpr):
     """The attention of one (split, request) over its tiles (all the kernel's warps, or the default partition with
     ``WS``: then the TMA warp issues the copies and each tile's slot is released through ``empty``)."""
     BM: gl.constexpr = 16
@@ -247,6 +275,12 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     TW: gl.constexpr = BLOCK_N // 16 if NW > BLOCK_N // 16 else NW
     mma_t: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[TW, NW // TW], instr_shape=[16, 8])
     ta_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_t, k_width=KW)
+    # SCALE_TILE (fp8_ds_mla): the rope dot in bf16 (q_pe as given, the bf16 rope keys as stored)
+    a2_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b2_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    if SCALE_MODE == SCALE_TILE:
+        gl.static_assert(D_LAT == 4 * CH and NCV == 4 and not SWAP_QK,
+                         "fp8_ds_mla: 4 latent tiles of 128, one per output accumulator (4 warps), scores not swapped")
     tb_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_t, k_width=KW)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NW], [1, 0])  # q rows
     M = S_Q * H
@@ -264,7 +298,10 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     q_up = ((268 - ex) << 23).to(gl.float32, bitcast=True)     # 2^(141 - ex)
     q_down = ((ex - 14) << 23).to(gl.float32, bitcast=True)    # 2^(ex - 141)
     q_smem.store((q_lat * q_up[:, None]).to(gl.float16))
-    qpe_smem.store((q_pe * q_up[:, None]).to(gl.float16))
+    if SCALE_MODE == SCALE_TILE:
+        qpe_smem.store(q_pe.to(gl.bfloat16))  # (bf16 queries: exact)
+    else:
+        qpe_smem.store((q_pe * q_up[:, None]).to(gl.float16))
     _cta_barrier()
 
     rows = gl.arange(0, BM, rows_l)
@@ -279,9 +316,12 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             if i < n_tiles:
                 n0 = start + i * BLOCK_N
                 page = gl.load(bt_row + n0 // PAGE_SIZE)
-                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i, _page_row(page, n0, PAGE_SIZE), HALF)
+                _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, i, _page_row(page, n0, PAGE_SIZE), HALF,
+                            ROPE_COL)
     if SCALE_MODE == SCALE_TOKEN:  # tile i's token scales are loaded during tile i - 1
         c_next = _token_scales(sc_ptr, bt_row, start, toks, n_tiles > 0, stride_sc_page, stride_sc_row, PAGE_SIZE)
+    if SCALE_MODE == SCALE_TILE:  # likewise the tile scales
+        t0n, t1n, t2n, t3n = _tile_scales(sc_ptr, bt_row, start, toks, end, stride_sc_page, stride_sc_row, PAGE_SIZE)
 
     m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
     l2 = gl.zeros([BM, BLOCK_N], gl.float32, mma)
@@ -298,13 +338,17 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
                 nj = start + j * BLOCK_N
                 pj = gl.load(bt_row + nj // PAGE_SIZE)
                 _issue_tile(lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, j % STAGES, _page_row(pj, nj, PAGE_SIZE),
-                            HALF)
+                            HALF, ROPE_COL)
         n0 = start + i * BLOCK_N
         tok = n0 + toks
         if SCALE_MODE == SCALE_TOKEN:
             c_t = c_next
             c_next = _token_scales(sc_ptr, bt_row, n0 + BLOCK_N, toks, i + 1 < n_tiles, stride_sc_page,
                                    stride_sc_row, PAGE_SIZE)
+        if SCALE_MODE == SCALE_TILE:
+            t0, t1, t2, t3 = t0n, t1n, t2n, t3n
+            t0n, t1n, t2n, t3n = _tile_scales(sc_ptr, bt_row, n0 + BLOCK_N, toks, end, stride_sc_page,
+                                              stride_sc_row, PAGE_SIZE)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         la = lat_a.index(slot)
@@ -328,6 +372,13 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             ka = rope_s.index(slot).load(ta_l).to(gl.float16)
             st = mma_v2(ka, qpe_smem.permute((1, 0)).load(tb_l), st)
             s = gl.convert_layout(gl.permute(st, (1, 0)), mma)
+        elif SCALE_MODE == SCALE_TILE:  # each latent tile's dot times its per-token scale; the rope in bf16
+            z = gl.zeros([BM, BLOCK_N], gl.float32, mma)
+            s = mma_v2(q_smem.slice(0, CH, dim=1).load(a_l), _k_operand(la, 0, CH, b_l), z) * t0[None, :]
+            s += mma_v2(q_smem.slice(CH, CH, dim=1).load(a_l), _k_operand(la, 1, CH, b_l), z) * t1[None, :]
+            s += mma_v2(q_smem.slice(HALF, CH, dim=1).load(a_l), _k_operand(lb, 0, CH, b_l), z) * t2[None, :]
+            s += mma_v2(q_smem.slice(HALF + CH, CH, dim=1).load(a_l), _k_operand(lb, 1, CH, b_l), z) * t3[None, :]
+            s_rope = mma_v2(qpe_smem.load(a2_l), rope_s.index(slot).permute((1, 0)).load(b2_l), z)
         else:
             s = gl.zeros([BM, BLOCK_N], gl.float32, mma)
             for c in gl.static_range(HALF // CH):
@@ -337,9 +388,14 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
             s = mma_v2(qpe_smem.load(a_l), _k_operand(rope_s.index(slot), 0, D_ROPE, b_l), s)
 
         s = s * qk_row[:, None]
+        if SCALE_MODE == SCALE_TILE:
+            s += s_rope * sm_scale_log2
         if SCALE_MODE == SCALE_TOKEN:
             c_use = gl.maximum(c_t, LOG2_FLOOR)  # (scale 0: an all-zero row, any weight)
             sv = s * c_t[None, :] + _fast_log2(c_use)[None, :]
+        elif SCALE_MODE == SCALE_TILE:  # the shift by the token's largest tile scale C; tile c's P' takes c_c / C
+            c_use = gl.maximum(gl.maximum(gl.maximum(t0, t1), gl.maximum(t2, t3)), LOG2_FLOOR)
+            sv = s + _fast_log2(c_use)[None, :]
         else:
             sv = s
         ok = (tok[None, :] < end) & (tok[None, :] < limit[:, None])
@@ -348,20 +404,48 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(sv - m_use[:, None])
-        if SCALE_MODE == SCALE_TOKEN:
+        if SCALE_MODE == SCALE_TOKEN or SCALE_MODE == SCALE_TILE:
             # p'/c: the same rounded exponent as the numerator's p' (2^(s - m) from s alone drifts from it by
             # the rounding of s + log2 c once |s| ~ 1e8); one multiply instead of an exp2
-            l2 = l2 * alpha[:, None] + gl.where(ok, p * _fast_rcp(c_use)[None, :], 0.0)
+            c_rcp = _fast_rcp(c_use)
+            l2 = l2 * alpha[:, None] + gl.where(ok, p * c_rcp[None, :], 0.0)
         else:
             l2 = l2 * alpha[:, None] + p
         m_i = m_new
-        if P_FRAG:  # P' through a fragment-ordered buffer: each A fragment one LDS.128 in mma.sync's register order
+        if SCALE_MODE == SCALE_TILE:
+            # tile c's V values carry the token's scale c_c: its accumulator takes P'_c = p' · c_c / C <= p' <= 1
+            p0 = (p * (t0 * c_rcp)[None, :]).to(gl.float16)
+            p1 = (p * (t1 * c_rcp)[None, :]).to(gl.float16)
+            p2 = (p * (t2 * c_rcp)[None, :]).to(gl.float16)
+            p3 = (p * (t3 * c_rcp)[None, :]).to(gl.float16)
+            if P_FRAG:  # the four P' through one fragment-ordered buffer [16, 4·BLOCK_N], one barrier
+                p_smem.slice(0, BLOCK_N, dim=1).store(p0)
+                p_smem.slice(BLOCK_N, BLOCK_N, dim=1).store(p1)
+                p_smem.slice(2 * BLOCK_N, BLOCK_N, dim=1).store(p2)
+                p_smem.slice(3 * BLOCK_N, BLOCK_N, dim=1).store(p3)
+                _cta_barrier()
+                p0 = p_smem.slice(0, BLOCK_N, dim=1).load(a_l)
+                p1 = p_smem.slice(BLOCK_N, BLOCK_N, dim=1).load(a_l)
+                p2 = p_smem.slice(2 * BLOCK_N, BLOCK_N, dim=1).load(a_l)
+                p3 = p_smem.slice(3 * BLOCK_N, BLOCK_N, dim=1).load(a_l)
+            else:
+                p0 = gl.convert_layout(p0, a_l)
+                p1 = gl.convert_layout(p1, a_l)
+                p2 = gl.convert_layout(p2, a_l)
+                p3 = gl.convert_layout(p3, a_l)
+            acc0 = mma_v2(p0, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
+            acc1 = mma_v2(p1, _v_operand(la, 1, w_l, b_l, NW), acc1 * alpha[:, None])
+            acc2 = mma_v2(p2, _v_operand(lb, 0, w_l, b_l, NW), acc2 * alpha[:, None])
+            acc3 = mma_v2(p3, _v_operand(lb, 1, w_l, b_l, NW), acc3 * alpha[:, None])
+        elif P_FRAG:  # P' through a fragment-ordered buffer: each A fragment one LDS.128 in mma.sync's register order
             p_smem.store(p.to(gl.float16))
             _cta_barrier()
             pa = p_smem.load(a_l)
         else:
             pa = gl.convert_layout(p.to(gl.float16), a_l)
-        if NCV == 4:
+        if SCALE_MODE == SCALE_TILE:
+            pass
+        elif NCV == 4:
             acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
             acc1 = mma_v2(pa, _v_operand(la, 1, w_l, b_l, NW), acc1 * alpha[:, None])
             acc2 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc2 * alpha[:, None])
@@ -410,7 +494,7 @@ def _mla_decode_fp8_gluon_kernel(
     stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row, stride_bt,
     D_LAT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, SCALE_MODE: gl.constexpr,
     SPLIT_OUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    WS: gl.constexpr, SWAP_QK: gl.constexpr, Q_FRAG: gl.constexpr, P_FRAG: gl.constexpr,
+    WS: gl.constexpr, SWAP_QK: gl.constexpr, Q_FRAG: gl.constexpr, P_FRAG: gl.constexpr, ROPE_COL: gl.constexpr,
 ):
     BM: gl.constexpr = 16
     HALF: gl.constexpr = D_LAT // 2
@@ -427,11 +511,17 @@ def _mla_decode_fp8_gluon_kernel(
 
     if Q_FRAG and not SWAP_QK:  # (the transposed score dot reads q through a permuted view: the row layout)
         q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_fragment_layout(D_LAT))
-        qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_fragment_layout(D_ROPE))
     else:
         q_smem = gl.allocate_shared_memory(gl.float16, [BM, D_LAT], q_sl)
+    if SCALE_MODE == SCALE_TILE:  # q_pe in bf16 for the bf16 rope dot (k_width 2: the row layout)
+        qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, D_ROPE], q_sl)
+    elif Q_FRAG and not SWAP_QK:
+        qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_fragment_layout(D_ROPE))
+    else:
         qpe_smem = gl.allocate_shared_memory(gl.float16, [BM, D_ROPE], q_sl)
-    if P_FRAG:  # the PV dot's A operand, staged per tile in the fragment order (unused otherwise)
+    if P_FRAG and SCALE_MODE == SCALE_TILE:  # one P' per latent tile
+        p_smem = gl.allocate_shared_memory(gl.float16, [BM, 4 * BLOCK_N], q_fragment_layout(4 * BLOCK_N))
+    elif P_FRAG:  # the PV dot's A operand, staged per tile in the fragment order (unused otherwise)
         p_smem = gl.allocate_shared_memory(gl.float16, [BM, BLOCK_N], q_fragment_layout(BLOCK_N))
     else:
         p_smem = qpe_smem
@@ -448,15 +538,16 @@ def _mla_decode_fp8_gluon_kernel(
             (_attend, (q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a,
                        lat_b, rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start,
                        end, n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, P_FRAG)),
+                       D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, P_FRAG,
+                       ROPE_COL)),
             (_produce, (lat_desc, rope_desc, lat_a, lat_b, rope_s, ready, empty, bt_row, start, n_tiles,
-                        PAGE_SIZE, BLOCK_N, STAGES, HALF)),
+                        PAGE_SIZE, BLOCK_N, STAGES, HALF, ROPE_COL)),
         ], [1], [PRODUCER_REGS])
     else:
         _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem, qpe_smem, p_smem, lat_a, lat_b,
                 rope_s, ready, empty, sm_scale_log2, S_Q, H, NUM_SPLITS, b, pid_split, seq_len, start, end,
                 n_tiles, stride_qb, stride_qs, stride_qh, stride_sc_page, stride_sc_row,
-                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, P_FRAG)
+                D_LAT, D_ROPE, PAGE_SIZE, SCALE_MODE, SPLIT_OUT, BLOCK_N, STAGES, WS, SWAP_QK, P_FRAG, ROPE_COL)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
