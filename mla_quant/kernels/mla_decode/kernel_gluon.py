@@ -75,18 +75,36 @@ def _token_scales(sc_ptr, bt_row, n0, toks, valid, stride_sc_page, stride_sc_row
                    mask=(toks < 0) | valid, other=1.0)
 
 
+@constexpr_function
+def tile_scales_layout(tokens) -> gl.DistributedLinearLayout:
+    """Register layout of the tile scales [BLOCK_N, 4]: a token's four scales in one thread's registers (one 16-byte
+    load), the tokens where ``tokens`` (the linear layout of the scores' token vector) puts them."""
+    tokens = getattr(tokens, "value", tokens)
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + [[b[0], 0] for b in tokens.reg_bases],
+                                      lane_bases=[[b[0], 0] for b in tokens.lane_bases],
+                                      warp_bases=[[b[0], 0] for b in tokens.warp_bases], block_bases=[],
+                                      shape=[tokens.shape[0], 4])
+
+
 @gluon.jit
-def _tile_scales(sc_ptr, bt_row, n0, toks, end, stride_sc_page, stride_sc_row, PAGE_SIZE: gl.constexpr):
-    """fp8_ds_mla: the four latent tiles' scales of the tokens n0 + toks, 0.0 at and past ``end`` (their page slots
-    may hold anything, NaN included: a zero scale keeps them out of every product)."""
+def _tile_scales(sc_ptr, bt_row, n0, end, stride_sc_page, stride_sc_row, toks_l: gl.constexpr,
+                 BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """fp8_ds_mla: the four latent tiles' scales of the tokens n0 … n0 + BLOCK_N - 1 as four [BLOCK_N] vectors in
+    ``toks_l``, 0.0 at and past ``end`` (their page slots may hold anything, NaN included: a zero scale keeps them out
+    of every product). One 16-byte load per token."""
+    sc_l: gl.constexpr = tile_scales_layout(gl.to_linear_layout(toks_l, [BLOCK_N]))
+    toks = gl.arange(0, BLOCK_N, gl.SliceLayout(1, sc_l))
+    tile = gl.arange(0, 4, gl.SliceLayout(0, sc_l))
     valid = n0 + toks < end
     page = gl.load(bt_row + n0 // PAGE_SIZE, mask=n0 < end, other=0)
-    ptrs = sc_ptr + page.to(gl.int64) * stride_sc_page + (n0 % PAGE_SIZE + toks) * stride_sc_row
-    t0 = gl.load(ptrs, mask=valid, other=0.0)
-    t1 = gl.load(ptrs + 1, mask=valid, other=0.0)
-    t2 = gl.load(ptrs + 2, mask=valid, other=0.0)
-    t3 = gl.load(ptrs + 3, mask=valid, other=0.0)
-    return gl.where(valid, t0, 0.0), gl.where(valid, t1, 0.0), gl.where(valid, t2, 0.0), gl.where(valid, t3, 0.0)
+    # (a row's four scales are 16-byte aligned in FlashMLA's layout: 656-byte rows, the scales at byte 512)
+    rows = sc_ptr + page.to(gl.int64) * stride_sc_page + gl.multiple_of((n0 % PAGE_SIZE + toks) * stride_sc_row, 4)
+    c = gl.load(rows[:, None] + tile[None, :], mask=valid[:, None], other=0.0)   # [BLOCK_N, 4]
+    even, odd = gl.split(gl.reshape(c, [BLOCK_N, 2, 2]))                        # tiles (0, 2), (1, 3)
+    c0, c2 = gl.split(even)
+    c1, c3 = gl.split(odd)
+    return (gl.convert_layout(c0, toks_l), gl.convert_layout(c1, toks_l), gl.convert_layout(c2, toks_l),
+            gl.convert_layout(c3, toks_l))
 
 
 @gluon.jit
@@ -321,7 +339,8 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
     if SCALE_MODE == SCALE_TOKEN:  # tile i's token scales are loaded during tile i - 1
         c_next = _token_scales(sc_ptr, bt_row, start, toks, n_tiles > 0, stride_sc_page, stride_sc_row, PAGE_SIZE)
     if SCALE_MODE == SCALE_TILE:  # likewise the tile scales
-        t0n, t1n, t2n, t3n = _tile_scales(sc_ptr, bt_row, start, toks, end, stride_sc_page, stride_sc_row, PAGE_SIZE)
+        t0n, t1n, t2n, t3n = _tile_scales(sc_ptr, bt_row, start, end, stride_sc_page, stride_sc_row, cols_l, BLOCK_N,
+                                          PAGE_SIZE)
 
     m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
     l2 = gl.zeros([BM, BLOCK_N], gl.float32, mma)
@@ -347,8 +366,8 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
                                    stride_sc_row, PAGE_SIZE)
         if SCALE_MODE == SCALE_TILE:
             t0, t1, t2, t3 = t0n, t1n, t2n, t3n
-            t0n, t1n, t2n, t3n = _tile_scales(sc_ptr, bt_row, n0 + BLOCK_N, toks, end, stride_sc_page,
-                                              stride_sc_row, PAGE_SIZE)
+            t0n, t1n, t2n, t3n = _tile_scales(sc_ptr, bt_row, n0 + BLOCK_N, end, stride_sc_page, stride_sc_row,
+                                              cols_l, BLOCK_N, PAGE_SIZE)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         la = lat_a.index(slot)
