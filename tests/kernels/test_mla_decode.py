@@ -978,6 +978,26 @@ def _skip_without_gluon():
         pytest.skip("needs a Hopper GPU with Gluon")
 
 
+def _assert_gluon_matches(args, o_peer):
+    """fp8_dequant="gluon" on ``args`` with the splits chosen, one, 7 and 200 (more than tiles): every output written,
+    within the reference's tolerances, each column where it belongs (a column stored in another's place would be
+    off by ~100 %; one head of one request is a single value), and close to ``o_peer`` (another path's output over
+    the same bytes)."""
+    o_ref, lse_ref = mla_decode_reference(*args)
+    for splits in (None, 1, 7, 200):
+        out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
+        lse = poisoned_empty(lse_ref.shape, device="cuda")
+        mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)
+        assert_all_written(out, "out")
+        assert_all_written(lse, "lse")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        diff = (out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2))
+        per_col = (diff / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
+        assert per_col.max() < 0.25, f"splits={splits}: worst column {int(per_col.argmax())}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        assert rel_err(out.float(), o_peer.float()) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps, stages, ws, swap, q_frag, p_frag", [
     (4, 2, False, False, False, False), (8, 3, False, True, False, False), (4, 2, True, False, False, False),
@@ -1005,21 +1025,7 @@ def test_gluon_dequant_matches_reference_gpu(monkeypatch, warps, stages, ws, swa
     monkeypatch.setattr(md, "GLUON_P_FRAG", p_frag)
     _skip_without_gluon()
     args = _real_dim_args("fp8_e4m3", tensor_scale, heads, s_q, lengths, seed=3)
-    o_ref, lse_ref = mla_decode_reference(*args)
-    o_bit, _ = mla_decode(*args, fp8_dequant="bitcast")
-    for splits in (None, 1, 7, 200):
-        out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
-        lse = poisoned_empty(lse_ref.shape, device="cuda")
-        mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)
-        assert_all_written(out, "out")
-        assert_all_written(lse, "lse")
-        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
-        diff = (out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2))
-        per_col = (diff / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
-        # (a column stored in another's place would be off by ~100 %; one head of one request is a single value)
-        assert per_col.max() < 0.25, f"splits={splits}: worst column {int(per_col.argmax())}"
-        assert torch.allclose(lse, lse_ref, atol=2e-2)
-        assert rel_err(out.float(), o_bit.float()) < 1e-2
+    _assert_gluon_matches(args, mla_decode(*args, fp8_dequant="bitcast")[0])
     q16 = args[0].half()
     o16, lse16 = mla_decode(q16, *args[1:], fp8_dequant="gluon")
     o16_ref, lse16_ref = mla_decode_reference(q16, *args[1:])
@@ -1071,8 +1077,8 @@ def test_gluon_dequant_extreme_scales_gpu(lo, hi):
 def test_gluon_ds_mla_matches_reference_gpu(monkeypatch, stages, ws, p_frag, heads, s_q, lengths):
     """fp8_dequant="gluon" over fp8_ds_mla pages (FlashMLA's 656-byte rows: e4m3 latent, an fp32 scale per 128-value
     tile, bf16 rope; NaN bytes — scales included — in every unused slot): each latent tile's dot scaled by its
-    token scale, the rope dot in bf16, one P' per tile against its own running maximum. The reference's tolerances,
-    close to the conversion path, every column where it belongs; splits chosen and forced."""
+    token scale, the rope dot in bf16, tile j's P' = p'·c_j / C. The reference's tolerances, close to the conversion
+    path, every column where it belongs; splits chosen and forced."""
     import mla_quant.kernels.mla_decode as md
 
     monkeypatch.setattr(md, "GLUON_STAGES", stages)
@@ -1080,20 +1086,7 @@ def test_gluon_ds_mla_matches_reference_gpu(monkeypatch, stages, ws, p_frag, hea
     monkeypatch.setattr(md, "GLUON_P_FRAG", p_frag)
     _skip_without_gluon()
     args = _real_dim_args("fp8_ds_mla", None, heads, s_q, lengths, seed=6)
-    o_ref, lse_ref = mla_decode_reference(*args)
-    o_conv, _ = mla_decode(*args, fp8_dequant="convert")
-    for splits in (None, 1, 7, 200):
-        out = poisoned_empty(o_ref.shape, dtype=torch.bfloat16, device="cuda")
-        lse = poisoned_empty(lse_ref.shape, device="cuda")
-        mla_decode(*args, num_splits=splits, fp8_dequant="gluon", out=out, lse=lse)
-        assert_all_written(out, "out")
-        assert_all_written(lse, "lse")
-        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
-        diff = (out.float() - o_ref.float()).pow(2).sum(dim=(0, 1, 2))
-        per_col = (diff / o_ref.float().pow(2).sum(dim=(0, 1, 2))).sqrt()
-        assert per_col.max() < 0.25, f"splits={splits}: worst column {int(per_col.argmax())}"
-        assert torch.allclose(lse, lse_ref, atol=2e-2)
-        assert rel_err(out.float(), o_conv.float()) < 1e-2
+    _assert_gluon_matches(args, mla_decode(*args, fp8_dequant="convert")[0])
     assert md._auto_fp8_dequant("fp8_ds_mla", args[0], args[1], len(lengths), max(lengths)) == "gluon"
 
 

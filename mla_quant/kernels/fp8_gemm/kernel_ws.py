@@ -100,7 +100,6 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
     HM: gl.constexpr = BM // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     n_kb = K // BK
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
@@ -129,17 +128,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
             mbarrier.arrive(empty.index(s), count=1)
             acc += prod * scale[:, None]
             it += 1
-        if TMA_STORE:
-            # the previous tile's store has read c_smem; this one drains while the next tile's MMAs run
-            tma.store_wait(pendings=0)
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _tma_store(c_desc, [pid_m * BM + HALF * HM, pid_n * BN], c_smem)
-        else:
-            rn = pid_n * BN + gl.arange(0, BN, cols_l)
-            mask = (rm < M)[:, None] & (rn < N)[None, :]
-            gl.store(c_ptr + rm[:, None].to(gl.int64) * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-                     mask=mask)
+        _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma, BN,
+                     TMA_STORE)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
