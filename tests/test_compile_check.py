@@ -98,6 +98,20 @@ def test_host_overhead_times_each_launcher_without_a_gpu():
     assert 0 < float(line.split()[1]) < 1e5, line
 
 
+def _gluon_loop_counts(*flags: str) -> tuple[dict[str, int], int, int]:
+    """``benchmarks.mla_decode_sass --gluon [flags]`` in a subprocess (fake Hopper, sm_90): the default setting's row
+    -> (its per-attention-warp, per-tile instruction counts by column, registers at launch, spill bytes)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode_sass", "--gluon", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("setting")).split("|")[1].split()
+    row = next(line for line in lines if line.startswith("ws "))
+    regs, spills = (int(v) for v in row.split("|")[0].split()[1:3])
+    return dict(zip(header[header.index("instr"):], (int(v) for v in row.split("|")[1].split()))), regs, spills
+
+
 @pytest.mark.slow
 def test_gluon_decode_reads_v_as_words_on_sm90():
     """Compiled for sm_90 (fake Hopper, a subprocess): the Gluon fp8 decode's tile loop per attention warp issues
@@ -105,15 +119,7 @@ def test_gluon_decode_reads_v_as_words_on_sm90():
     V's operand from 32-bit words (64 PRMT; Triton's own byte-wise lowering was 256 LDS.U8 + 256 PRMT) and the A
     operands of q and P' from whole fragments, without spills and within 128 registers at launch (two programs per
     SM)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode_sass", "--gluon"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    header = next(line for line in lines if line.startswith("setting")).split("|")[1].split()
-    row = next(line for line in lines if line.startswith("ws "))
-    regs, spills = (int(v) for v in row.split("|")[0].split()[1:3])
-    counts = dict(zip(header[header.index("instr"):], (int(v) for v in row.split("|")[1].split())))
+    counts, regs, spills = _gluon_loop_counts()
     assert (counts["HMMA"], counts["F2FP"], counts["PRMT"]) == (136, 276, 64), counts
     # the A fragments of q and P' read as one LDS.128 each in mma.sync's register order (GLUON_Q_FRAG, GLUON_P_FRAG):
     # 997 instructions, 127 shared loads (q in the row layout: 1383, 163; P' by layout conversion: 1133)
@@ -122,18 +128,10 @@ def test_gluon_decode_reads_v_as_words_on_sm90():
 
 @pytest.mark.slow
 def test_gluon_decode_over_ds_mla_pages_on_sm90():
-    """The same kernel over fp8_ds_mla pages (FlashMLA's rows, compiled for sm_90 in a subprocess): the same 136 mma.sync
-    per attention warp and tile (4 latent score dots scaled per tile, the rope dot in bf16, 4 PV dots), no spills,
-    128 registers at launch, and each token's four tile scales in one 16-byte load — 5 global loads per tile, not 17
-    (scalar loads read 0.84-1.01x BF16 on the H200 where the vector loads read 0.75-0.82x)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.mla_decode_sass", "--gluon", "--scale", "ds_mla"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    header = next(line for line in lines if line.startswith("setting")).split("|")[1].split()
-    row = next(line for line in lines if line.startswith("ws "))
-    regs, spills = (int(v) for v in row.split("|")[0].split()[1:3])
-    counts = dict(zip(header[header.index("instr"):], (int(v) for v in row.split("|")[1].split())))
+    """The same kernel over fp8_ds_mla pages (FlashMLA's rows): the same 136 mma.sync per attention warp and tile (4
+    latent score dots scaled per tile, the rope dot in bf16, 4 PV dots), no spills, 128 registers at launch, and each
+    token's four tile scales in one 16-byte load — 5 global loads per tile, not 17 (scalar loads read 0.84-1.01x BF16
+    on the H200 where the vector loads read 0.75-0.82x)."""
+    counts, regs, spills = _gluon_loop_counts("--scale", "ds_mla")
     assert counts["HMMA"] == 136 and counts["LDG"] <= 6, counts
     assert counts["instr"] < 1200 and spills == 0 and regs <= 128, (counts, regs, spills)

@@ -34,8 +34,8 @@ H200's); ``benchmarks.compile_check fp8_gemm`` compiles it for sm_90 with 3.6 an
 Measured (H200, results/sweep_fp8_gemm_ws_h200.json): loading each K block's scales one block ahead and storing
 the output through shared memory by TMA (``TMA_STORE``; each group's store drains while its next tile's MMAs
 run) took the kernel's best setting per shape from 0.94-1.31x the bf16 cuBLAS speed to 1.15-1.41x (0.77-0.94x
-``torch._scaled_mm``); 128 x 64 tiles were 1.2-1.5x slower. 128 × 256 tiles (session 21): 0.94-0.99x the time
-of 128 × 128 where they add no wave (``ws_default_config``'s rule), 1.07-1.8x where they do. Nsight Compute
+``torch._scaled_mm``); 128 x 64 tiles were 1.2-1.5x slower. 128 × 256 tiles (session 21): 0.94-1.03x the time
+of 128 × 128 (median 0.965) where they add no wave (``ws_default_config``'s rule), 1.07-1.8x where they do. Nsight Compute
 (session 21, 8192 × 2048 × 7168, clocks locked at 1.3 GHz): the tensor pipe busy 63 % of the cycles with either
 tile, the L2 64 % (128 × 128) and 42 % (128 × 256) of its peak — so the L2 does not bound it. Half of the sampled
 warp stalls are at CTA barriers: the idle warps of the producer's padded group, and the ``bar.sync`` of 128
@@ -224,12 +224,13 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
     else:
         c_smem0 = a_bufs
         c_smem1 = a_bufs
+    # (a constexpr choice of the consumer function is not expressible: one warp_specialize per form)
     if BN > SN:
         gl.warp_specialize([
-            (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
-                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
-            (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
-                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K,
+                              stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K,
+                              stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
