@@ -35,12 +35,13 @@ Measured (H200, results/sweep_fp8_gemm_ws_h200.json): loading each K block's sca
 the output through shared memory by TMA (``TMA_STORE``; each group's store drains while its next tile's MMAs
 run) took the kernel's best setting per shape from 0.94-1.31x the bf16 cuBLAS speed to 1.15-1.41x (0.77-0.94x
 ``torch._scaled_mm``); 128 x 64 tiles were 1.2-1.5x slower. 128 × 256 tiles (session 21): 0.94-1.03x the time
-of 128 × 128 (median 0.965) where they add no wave (``ws_default_config``'s rule), 1.07-1.8x where they do. Nsight Compute
-(session 21, 8192 × 2048 × 7168, clocks locked at 1.3 GHz): the tensor pipe busy 63 % of the cycles with either
-tile, the L2 64 % (128 × 128) and 42 % (128 × 256) of its peak — so the L2 does not bound it. Half of the sampled
-warp stalls are at CTA barriers: the idle warps of the producer's padded group, and the ``bar.sync`` of 128
-threads that Gluon emits before each ``mbarrier.wait`` and each single-thread ``mbarrier.arrive`` (two per K block
-and group; DeepGEMM has each consumer warp arrive on its own, without a barrier — Gluon 3.6 has no per-warp arrive).
+of 128 × 128 (median 0.965) where they add no wave (``ws_default_config``'s rule), 1.07-1.8x where they do.
+Nsight Compute (session 21, 8192 × 2048 × 7168, clocks locked at 1.3 GHz): the tensor pipe busy 63 % of the
+cycles with either tile, the L2 64 % (128 × 128) and 42 % (128 × 256) of its peak — so the L2 does not bound it.
+Half of the sampled warp stalls are at CTA barriers: the idle warps of the producer's padded group, and the
+``bar.sync`` of 128 threads that Gluon emits before each ``mbarrier.wait`` and each single-thread
+``mbarrier.arrive`` (two per K block and group; DeepGEMM has each consumer warp arrive on its own, without a
+barrier — Gluon 3.6 has no per-warp arrive).
 Tried and left out:
 
 * two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
