@@ -431,6 +431,7 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
         else:
             l2 = l2 * alpha[:, None] + p
         m_i = m_new
+        # the PV dots' A operands: one P' per output accumulator (the same P' for all four unless SCALE_TILE)
         if SCALE_MODE == SCALE_TILE:
             # tile c's V values carry the token's scale c_c: its accumulator takes P'_c = p' · c_c / C <= p' <= 1
             p0 = (p * (t0 * c_rcp)[None, :]).to(gl.float16)
@@ -452,26 +453,24 @@ def _attend(q_ptr, lat_desc, rope_desc, sc_ptr, bt_row, out_ptr, lse_ptr, q_smem
                 p1 = gl.convert_layout(p1, a_l)
                 p2 = gl.convert_layout(p2, a_l)
                 p3 = gl.convert_layout(p3, a_l)
+        else:
+            if P_FRAG:  # P' through a fragment-ordered buffer: each A fragment one LDS.128 in mma.sync's register order
+                p_smem.store(p.to(gl.float16))
+                _cta_barrier()
+                p0 = p_smem.load(a_l)
+            else:
+                p0 = gl.convert_layout(p.to(gl.float16), a_l)
+            p1 = p0
+            p2 = p0
+            p3 = p0
+        if NCV == 4:
             acc0 = mma_v2(p0, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
             acc1 = mma_v2(p1, _v_operand(la, 1, w_l, b_l, NW), acc1 * alpha[:, None])
             acc2 = mma_v2(p2, _v_operand(lb, 0, w_l, b_l, NW), acc2 * alpha[:, None])
             acc3 = mma_v2(p3, _v_operand(lb, 1, w_l, b_l, NW), acc3 * alpha[:, None])
-        elif P_FRAG:  # P' through a fragment-ordered buffer: each A fragment one LDS.128 in mma.sync's register order
-            p_smem.store(p.to(gl.float16))
-            _cta_barrier()
-            pa = p_smem.load(a_l)
         else:
-            pa = gl.convert_layout(p.to(gl.float16), a_l)
-        if SCALE_MODE == SCALE_TILE:
-            pass
-        elif NCV == 4:
-            acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
-            acc1 = mma_v2(pa, _v_operand(la, 1, w_l, b_l, NW), acc1 * alpha[:, None])
-            acc2 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc2 * alpha[:, None])
-            acc3 = mma_v2(pa, _v_operand(lb, 1, w_l, b_l, NW), acc3 * alpha[:, None])
-        else:
-            acc0 = mma_v2(pa, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
-            acc1 = mma_v2(pa, _v_operand(lb, 0, w_l, b_l, NW), acc1 * alpha[:, None])
+            acc0 = mma_v2(p0, _v_operand(la, 0, w_l, b_l, NW), acc0 * alpha[:, None])
+            acc1 = mma_v2(p0, _v_operand(lb, 0, w_l, b_l, NW), acc1 * alpha[:, None])
         if WS:  # every warp of the partition has read the slot: the TMA warp may refill it
             _cta_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
