@@ -25,7 +25,7 @@ Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``i
 GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows
 ``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV
 without the double buffer (``gemv="planes"``), ``int4_g32_frag`` the MMA-fragment form (``gemv="fragments"``, the
-decode path at every token count), on the same experts and routings (``speedup_vs_int4_g32`` > 1
+decode path at every token count), ``int4_g32_half2`` the fp16x2 form (``gemv="half2"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1
 means that form beats the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of
 5a85563 and before are the double-buffered form when it was opt-in. There, too, rows ``int4_g32_unfused`` time
 the aligned decode path (``fused_moe(..., decode_fusion=False)``: ``moe_align``, the two GEMVs, the combine launch)
@@ -64,7 +64,7 @@ SETS = 8  # routings cycled per timing
 # decode_fusion="auto": fused at one token)
 GEMV_FORMATS = {"int4_g32_tile": {"gemv": "tile"}, "int4_g32_planes": {"gemv": "planes"},
                 "int4_g32_unfused": {"decode_fusion": False}, "int4_g32_fused": {"decode_fusion": True},
-                "int4_g32_frag": {"gemv": "fragments"}}
+                "int4_g32_frag": {"gemv": "fragments"}, "int4_g32_half2": {"gemv": "half2"}}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 

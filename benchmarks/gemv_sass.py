@@ -22,7 +22,8 @@ import torch
 from benchmarks import compile_check as cc
 from benchmarks.sass_tools import collect_compiled, loop_profile, opcode
 
-COLUMNS = ("LDG", "LDG128", "STS", "LDS", "BAR", "SHFL", "LOP3", "SHF", "FADD", "FMUL", "FFMA", "IMAD", "PRMT")
+COLUMNS = ("LDG", "LDG128", "STS", "LDS", "BAR", "SHFL", "LOP3", "SHF", "FADD", "FMUL", "FFMA", "IMAD", "PRMT",
+           "HFMA2", "HADD2")
 HIDDEN, INTER, EXPERTS = 7168, 2048, 4  # Kimi K2.6 widths; the number of experts does not change the code
 
 

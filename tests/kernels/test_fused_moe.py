@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -426,6 +428,7 @@ def test_decode_fusion_auto_fuses_one_token_only(triton_backend, monkeypatch):
 @pytest.mark.parametrize("kind,act_quant,gemv,dtype", [("int4_group", False, "planes", torch.float32),
                                                        ("int4_group", False, "tile", torch.float32),
                                                        ("int4_group", False, "prefetch", torch.bfloat16),
+                                                       ("int4_group", False, "half2", torch.bfloat16),
                                                        ("bf16", False, "prefetch", torch.float32),
                                                        ("fp8_block", False, "prefetch", torch.float32),
                                                        ("fp8_block", True, "prefetch", torch.float32)])
@@ -664,3 +667,156 @@ def test_gpu_fragment_gemv_real_widths(t, dtype):
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
     assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"fragments vs reference T={t} {dtype}")
     assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"fragments vs planes T={t} {dtype}")
+
+
+# --- gemv="half2": fp16x2 arithmetic on activation pairs (kernels/_half2_gemv.py), bf16 / fp16 activations ---
+
+def test_pair_order_is_the_documented_layout():
+    """pairs[r, 128b + 32i + w % 32] = (x[8w + i], x[8w + i + 4]) · 2^-e in fp16 (low lane first), w the word in
+    block b, and scales[r, run] = 2^e with the run's largest magnitude · 2^-e in [128, 256), exactly (a layout
+    op), for the kernel and the reference; K = 352 (one whole block of 256 and a ragged one), a zero run, and
+    runs of very large and very small values."""
+    from mla_quant.kernels._half2_gemv import pair_order, pair_order_reference
+
+    a = torch.randn(3, 352)
+    a[0, 32:64] = 0.0
+    a[1, 64:96] *= 2.0**60
+    a[2, 96:128] *= 2.0**-60
+    a = a.to(torch.bfloat16)
+    pairs, scales = pair_order(a)
+    assert pairs.shape == (3, 256) and scales.shape == (3, 16)
+    want_s = torch.zeros(3, 16)
+    want = torch.zeros(3, 256, dtype=torch.int32)
+    for r in range(3):
+        for run in range(16):
+            m = a[r, 32 * run:32 * run + 32].float().abs().max().item() if run < 11 else 0.0
+            e = max(min(math.frexp(m)[1] - 1 - 7, 121), -126) if m > 0 else -126
+            want_s[r, run] = 2.0**e
+        for w in range(32 * 2):
+            for i in range(4):
+                lanes = [a[r, k].float() / want_s[r, w // 4] if k < 352 else torch.tensor(0.0)
+                         for k in (8 * w + i, 8 * w + i + 4)]  # / 2^e: exact
+                bits = [int(v.to(torch.float16).view(torch.int16)) & 0xFFFF for v in lanes]
+                want[r, 128 * (w // 32) + 32 * i + w % 32] = (bits[0] | (bits[1] << 16)) - ((bits[1] >> 15) << 32)
+    assert torch.equal(scales, want_s)
+    assert torch.equal(pairs, want)
+    ref_pairs, ref_scales = pair_order_reference(a)
+    assert torch.equal(ref_pairs, want) and torch.equal(ref_scales, want_s)
+    for dtype in (torch.float16, torch.float32):
+        assert all(torch.equal(p, q) for p, q in zip(pair_order(a.to(dtype)), pair_order_reference(a.to(dtype))))
+
+
+# (hidden, intermediate, group, dtype, tokens): K blocks (256 interpreted) whole; ragged last blocks (352, 96);
+# groups of 64; fp16; one token (the decode path) and several (the aligned path)
+HALF2_CASES = [(512, 256, 32, torch.bfloat16, 1), (352, 96, 32, torch.bfloat16, 2), (384, 256, 64, torch.float16, 1),
+               (160, 128, 32, torch.float16, 3)]
+
+
+@pytest.mark.parametrize("hidden,inter,group,dtype,tokens", HALF2_CASES)
+def test_half2_gemv_matches_reference_and_the_plane_gemv(triton_backend, monkeypatch, hidden, inter, group, dtype,
+                                                         tokens):
+    """Interpreted, run_dot sums the same fp16 activation lanes in fp32, so the form equals the plane GEMV up to
+    summation order (the GPU's fp16 chains are checked bit for bit by test_gpu_half2_run_dot_is_its_reference)."""
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 3, hidden, inter, seed=11, group_size=group, device=dev)
+    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+    w, ids = routing(tokens, 3, 2, seed=11, device=dev)
+    ids[-1, 1] = -1  # a dropped slot
+    shared_out = torch.randn(tokens, hidden, device=dev).to(dtype)
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="planes",
+                       shared_out=shared_out)
+    _poison_allocations(monkeypatch)  # h, its run scales: read only where written
+    out = poisoned_empty((tokens, hidden), dtype, dev)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="half2",
+                    shared_out=shared_out, out=out)
+    assert got is out
+    what = f"half2 H={hidden} I={inter} g{group} {dtype} T={tokens}"
+    assert_rel_close(got.float().cpu(), planes.float().cpu(), 2e-3, f"{what} vs the plane GEMV")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              group_size=group, shared_out=shared_out.cpu())
+    assert_rel_close(got.float().cpu(), ref.float(), 2e-2, what)
+
+
+def test_half2_gemv_names_what_it_cannot_take(triton_backend):
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 3, 128, 64, seed=1, device=dev)
+    w, ids = routing(1, 3, 2, device=dev)
+    with pytest.raises(ValueError, match="half2.*float32.*bf16 / fp16"):
+        fused_moe(torch.randn(1, 128, device=dev), w, ids, gate, up, down, kind="int4_group", block_m=1,
+                  gemv="half2")
+
+
+@pytest.mark.gpu
+def test_gpu_half2_run_dot_is_its_reference():
+    """The inline-PTX block of one run (run_dot) on random words and activation pairs equals its numpy emulation
+    (run_dot_reference: every fp16 fma rounded once) bit for bit, including runs of the largest pair values."""
+    import triton
+    import triton.language as tl
+
+    from mla_quant.kernels._half2_gemv import load_pairs, load_words, pair_offsets, pair_order, run_dot, \
+        run_dot_reference
+
+    @triton.jit
+    def probe(w_ptr, x_ptr, out_ptr, R: tl.constexpr):
+        run = tl.arange(0, R)
+        tl.store(out_ptr + run, run_dot(load_words(w_ptr + 4 * run, False), load_pairs(x_ptr + pair_offsets(run),
+                                                                                        False), False))
+
+    runs = 256
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(-2**31, 2**31 - 1, (runs * 4,), generator=g, dtype=torch.int32)
+    words[:16] = 0  # all codes -8 in the first runs: the largest partial sums
+    x = torch.randn(1, 32 * runs, generator=g).to(torch.bfloat16)
+    pairs, _ = pair_order(x)
+    out = torch.full((runs,), float("nan"), device="cuda")
+    probe[(1,)](words.cuda(), pairs.cuda(), out, R=runs, num_warps=4)
+    r = torch.arange(runs)[:, None]
+    index = 128 * (r // 8) + 4 * (r % 8) + 32 * (torch.arange(16) // 4) + torch.arange(16) % 4
+    assert_bitwise_equal(out.cpu(), run_dot_reference(words.view(runs, 4), pairs[0].cpu()[index]), "run_dot")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_half2_gemv_real_widths(t, dtype):
+    """Kimi's widths, top-8, the shared output and dropped slots, compiled (the 128-bit loads, the fp16x2 PTX, h
+    stored as pairs): against the reference, the plane GEMV (fp32 products), and itself (bitwise)."""
+    gate, up, down = experts("int4_group", 24, 7168, 2048, seed=5, device="cuda")
+    x, w, ids, shared_out = _kimi_decode_inputs(t, dtype, 24)
+    outs = []
+    for _ in range(2):
+        out = poisoned_empty((t, 7168), dtype, "cuda")
+        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="half2",
+                              shared_out=shared_out, out=out))
+    assert_bitwise_equal(outs[0], outs[1], f"half2 twice T={t}")
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes", shared_out=shared_out)
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
+    assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"half2 vs reference T={t} {dtype}")
+    assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"half2 vs planes T={t} {dtype}")
+
+
+def test_half2_run_dot_reference_is_within_its_fp16_bound():
+    """The emulated fp16 chains (run_dot_reference) stay within the bound docs/moe.md states: each of a lane's
+    16 fp16 roundings errs by at most half an fp16 ulp of that partial sum (below 2^15), so a run's error is at
+    most 2 · 16 · 2^-11 · 2^15 / 2 in the worst case and about 2^-11 of the run's magnitudes in practice."""
+    from mla_quant.kernels._half2_gemv import pair_order, run_dot_reference
+
+    runs = 512
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(-2**31, 2**31 - 1, (runs, 4), generator=g, dtype=torch.int32)
+    x = torch.randn(1, 32 * runs, generator=g).to(torch.bfloat16)
+    pairs, _ = pair_order(x)
+    r = torch.arange(runs)[:, None]
+    lanes = pairs[0][128 * (r // 8) + 4 * (r % 8) + 32 * (torch.arange(16) // 4) + torch.arange(16) % 4]
+    low = (lanes & 0xFFFF).to(torch.int16).view(torch.float16).double()
+    high = ((lanes >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).double()
+    u, i = torch.arange(16) % 4, torch.arange(16) // 4
+    w = words.long()[:, u] & 0xFFFFFFFF
+    exact = (((w >> 4 * i) & 0xF) - 8.0) * low + (((w >> (4 * i + 16)) & 0xF) - 8.0) * high
+    got = run_dot_reference(words, lanes).double()
+    err = (got - exact.sum(1)).abs()
+    magnitude = exact.abs().sum(1)
+    assert err.max() <= 32 * 2.0**-11 * 2**15 / 2
+    assert (err / magnitude).median() < 2.0**-11, "typical error"
+    assert (err > 0).any(), "fp16 rounding happened (the emulation is not the fp32 sum)"

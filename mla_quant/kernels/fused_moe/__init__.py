@@ -27,8 +27,9 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # the INT4 GEMV (block_m == 1): nibble planes with a register double buffer of the next K block's words (the
 # default: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
-# plain planes, the previous tile form, or mma.sync on fragments built in registers (fragments.py; the decode path)
-GEMV_FORMS = ("prefetch", "planes", "tile", "fragments")
+# plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode path),
+# or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x)
+GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2")
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -186,6 +187,8 @@ def fused_moe(
     block = tuple(int(b) for b in block)
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
+    if gemv == "half2" and kind == "int4_group" and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemv='half2': x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
     if int4_tile not in INT4_TILE_FORMS:
         raise ValueError(f"int4_tile: {int4_tile!r} not in {INT4_TILE_FORMS}")
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
@@ -204,9 +207,10 @@ def fused_moe(
             raise ValueError(f"gemv='fragments': {problem}")
         return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
+    from .._half2_gemv import RUN_K, pair_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
-                         moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_planes_autotuned,
-                         moe_gemv_prefetch_autotuned)
+                         moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_half2_autotuned,
+                         moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -228,6 +232,7 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
+    half2 = kind == "int4_group" and bm == 1 and gemv == "half2"
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
@@ -236,12 +241,15 @@ def fused_moe(
     if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
+    elif half2:  # activation pairs in; the gate-up epilogue writes h as pairs and run scales
+        consts.update(H_DT=_TL_DTYPES[x.dtype])
+        tuned = moe_gemv_half2_autotuned
     elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the gate-up
         tuned = moe_gemm_plane_tile_autotuned  # epilogue writes h so too)
     else:
         tuned = moe_gemv_autotuned if bm == 1 else moe_gemm_autotuned
     # interpreted: one small tile (the interpreter is slow and has nothing to tune)
-    if planes:
+    if planes or half2:
         interp_bk = PLANE_BLOCK_K
     elif plane_tile:  # the plane dots' K (BLOCK_K/8 words) must be >= 16
         interp_bk = max(128, group_size)
@@ -250,22 +258,24 @@ def fused_moe(
     interp_bn = 64  # ragged N tiles at the tests' widths (multiples of the group)
     programs = num_assignments if direct else expert_ids.numel()
 
-    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), **extra):
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), dst_scale=None, **extra):
         keys = WEIGHT_KEYS[kind]
         w1_main, w3_main = w1[keys[0]], w3[keys[0]]
         w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
         w3_s = w3[keys[1]] if len(keys) > 1 else w3_main
         counters, res, shared = combine or (dst, dst, dst)  # (unread unless direct)
+        dst_scale = dst if dst_scale is None else dst_scale  # (unread unless half2 and gated)
         launch_args = (a, a_scale, w1_main, w1_s, w3_main, w3_s, dst, routing_weights,
-                       sorted_ids, expert_ids, num_padded, counters, res, shared,
+                       sorted_ids, expert_ids, num_padded, counters, res, shared, dst_scale,
                        num_assignments, n, k, top_k if gated else 1, num_experts, counters.numel(),
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
-                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0))
+                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0),
+                       dst_scale.stride(0))
         if interpret:
             grid = (programs, cdiv(n, interp_bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
                                    BLOCK_K=interp_bk, EVEN_K=k % interp_bk == 0,
-                                   PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile)
+                                   PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile, HALF2=half2)
         else:
             grid = lambda meta: (programs, cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             tuned[grid](*launch_args, GATED=gated, **consts, **extra, **pdl)
@@ -276,12 +286,18 @@ def fused_moe(
         xa, xa_scale = quant(x, act_group, ue8m0)
     elif planes:
         xa = xa_scale = plane_order(x)  # once per call, shared by every expert
+    elif half2:
+        xa, xa_scale = pair_order(x)
     elif plane_tile:
         xa = xa_scale = plane_order(x, scaled=False)
     else:
         xa, xa_scale = x, x
+    h_scale = None
     if planes:  # h as nibble planes (fp32, whole plane blocks) for the down projection's plane GEMV
         h = torch.empty((num_assignments, plane_width(inter)), dtype=torch.float32, device=x.device)
+    elif half2:  # h as pairs (int32, whole pair blocks) and run scales for the down projection's half2 GEMV
+        h = torch.empty((num_assignments, plane_width(inter) // 2), dtype=torch.int32, device=x.device)
+        h_scale = torch.empty((num_assignments, plane_width(inter) // RUN_K), dtype=torch.float32, device=x.device)
     elif plane_tile:  # h as unscaled planes in x's dtype for the down projection's plane tile
         h = torch.empty((num_assignments, plane_width(inter)), dtype=x.dtype, device=x.device)
     else:
@@ -297,10 +313,10 @@ def fused_moe(
         counters = torch.empty(tokens * cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
         combine = (counters, result, shared)
         zero_block = next_power_of_2(cdiv(counters.numel(), num_assignments))
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, h_scale, COUNTERS=zero_block)
     else:
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
-    ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, dst_scale=h_scale)
+    ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h_scale if half2 else h)
     if direct:  # the combine happens in the down launch, as each token's rows arrive
         gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, combine, TOP_K=top_k,
              HAS_SHARED=shared_out is not None)

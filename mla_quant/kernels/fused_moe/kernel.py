@@ -51,8 +51,9 @@ from functools import partial
 import triton
 import triton.language as tl
 
-from .._gemm_utils import (PLANE_WORDS, autotune_bench, int4_codes, int4_plane_gemv_step, load_k, plane_offsets,
-                           plane_scale, reduce_arrivals)
+from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, int4_codes, int4_plane_gemv_step, load_k,
+                           plane_offsets, plane_scale, reduce_arrivals)
+from .._half2_gemv import load_pairs, load_words, pair_offsets, run_dot, store_pair_order
 from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
@@ -160,6 +161,59 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 
 
 @triton.jit
+def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N, K, stride_at, stride_ast,
+                     stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """The half2 GEMV of one assignment (``HALF2``; ``a_row``: its row of ``a``, pairs from
+    ``_half2_gemv.pair_order``, run scales at ``as_ptr``) against columns n0..n0+BLOCK_N of one expert: fp32
+    [1, BLOCK_N] sums (gate, and up when GATED). Tiles are [BLOCK_K/32, BLOCK_N/2] runs (4 words each), the even
+    and odd columns in two tiles that share each run's 16 activation pairs; each run is one inline-PTX block of
+    fp16x2 arithmetic (``_half2_gemv.run_dot``) scaled by group scale × activation run scale in fp32. Columns past
+    N re-read column N - 1 and runs past K (unless EVEN_K) the first run, zeroed (never stored)."""
+    rr = tl.arange(0, BLOCK_K // 32)[:, None] + tl.zeros((1, BLOCK_N // 2), dtype=tl.int32)  # full tile shape
+    c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[None, :]
+    even = tl.minimum(c, N - 1).to(tl.int64) * stride_wn
+    odd = tl.minimum(c + 1, N - 1).to(tl.int64) * stride_wn
+    even_s = tl.minimum(c, N - 1).to(tl.int64) * stride_sn
+    odd_s = tl.minimum(c + 1, N - 1).to(tl.int64) * stride_sn
+    a_ptr += a_row * stride_at
+    as_ptr += a_row * stride_ast
+    acc1e = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
+    acc1o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
+    acc3e = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
+    acc3o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        run = k0 // 32 + rr
+        ok = run < K // 32
+        if not EVEN_K:  # runs past K read the first run, zeroed
+            run = tl.where(ok, run, 0)
+        x = load_pairs(a_ptr + pair_offsets(run), INTERPRET)
+        xs = _load_in_place(as_ptr + run, ok, True, INTERPRET)
+        w_off, s_off = 4 * run, 32 * run // GROUP
+        acc1e += _half2_term(w1_ptr + even + w_off, s1_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+        acc1o += _half2_term(w1_ptr + odd + w_off, s1_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+        if GATED:
+            acc3e += _half2_term(w3_ptr + even + w_off, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+            acc3o += _half2_term(w3_ptr + odd + w_off, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+    return _interleave(acc1e, acc1o, BLOCK_N), _interleave(acc3e, acc3o, BLOCK_N)
+
+
+@triton.jit
+def _half2_term(w_ptrs, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """Run sums × group scale × activation run scale for one column tile (zero where not ``ok`` unless EVEN_K)."""
+    term = run_dot(load_words(w_ptrs, INTERPRET), x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET) * xs)
+    if not EVEN_K:
+        term = tl.where(ok, term, 0.0)
+    return term
+
+
+@triton.jit
+def _interleave(even, odd, BLOCK_N: tl.constexpr):
+    """Column sums of the even and odd column tiles [R, BLOCK_N/2] -> [1, BLOCK_N] in column order."""
+    return tl.reshape(tl.join(tl.sum(even, axis=0), tl.sum(odd, axis=0)), (1, BLOCK_N))
+
+
+@triton.jit
 def _bf16_plane_codes(words, I: tl.constexpr):
     """bf16 codes n - 8 of nibble I of each word, two words per instruction (inline PTX, pack=2: the pair of
     words (w0, w1) -> one 32-bit register of two bf16 lanes): PRMT takes the 16-bit halves holding nibble I of
@@ -228,19 +282,21 @@ def _combine_on_arrival(res, pid_m, pid_n, rn, N, y_ptr, stride_yt, count_ptr, r
 @triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
-        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr,
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr, out_s_ptr,
         A, N, K, a_div, E, num_counters,
         stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot, stride_rt, stride_st,
+        stride_ost,
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
-        PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
         HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
-    # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N].
+    # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a (and out when GATED) in pair order,
+    # as_ptr (out_s_ptr) their run scales.
     # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
     # ids outside [0, E) skipped); the gate-up launch zeroes the down launch's counters (COUNTERS per program m),
     # the down launch combines each token's rows into res (+ shared) as they arrive (_combine_on_arrival).
@@ -272,7 +328,11 @@ def _moe_gemm_kernel(
     s1_ptr += e * stride_se
     w3_ptr += e * stride_we
     s3_ptr += e * stride_se
-    if PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
+    if HALF2:  # INT4 half2 GEMV (BLOCK_M == 1): a separate loop, see _int4_half2_gemv
+        acc1, acc3 = _int4_half2_gemv(a_ptr, as_ptr, tl.sum(tl.where(row_ok, a_rows, 0)), w1_ptr, s1_ptr, w3_ptr,
+                                      s3_ptr, pid_n * BLOCK_N, N, K, stride_at, stride_ast, stride_wn, stride_sn,
+                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
+    elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
                                       INTERPRET, PREFETCH)
@@ -297,7 +357,7 @@ def _moe_gemm_kernel(
             if GATED:
                 acc3 = _int4_plane_tile_step(a_ptrs, a_ok, w3_ptr + w_off + k0 // 8, s3_ptr + s_off + k0 // GROUP,
                                              w_ok, acc3, a_ptr.dtype.element_ty, IEEE, INTERPRET, EVEN_K)
-    elif not PLANES:
+    elif not (PLANES or HALF2):
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = (rk < K)[None, :]
@@ -334,10 +394,15 @@ def _moe_gemm_kernel(
                     acc1 = _mma(a, w1.to(a_ptr.dtype.element_ty), acc1, IEEE, INTERPRET)
                     if GATED:
                         acc3 = _mma(a, w3.to(a_ptr.dtype.element_ty), acc3, IEEE, INTERPRET)
-    if BLOCK_M == 1 and not PLANES:
+    if BLOCK_M == 1 and not (PLANES or HALF2):
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
-    if GATED and (PLANES or PLANE_TILE):  # h in plane order for the down projection's plane GEMV / tile
+    if GATED and HALF2:  # h rounded to H_DT, in pair order with run scales for the down projection's half2 GEMV
+        h = tl.reshape((acc1 * tl.sigmoid(acc1) * acc3).to(H_DT).to(tl.float32), (BLOCK_N,))
+        row = tl.sum(rows).to(tl.int64)  # the one row (BLOCK_M == 1); nothing stored for a padding row
+        store_pair_order(h, row, pid_n * BLOCK_N, tl.where(row < A, N, 0), out_ptr, out_s_ptr, stride_ot,
+                         stride_ost, BLOCK_N)
+    elif GATED and (PLANES or PLANE_TILE):  # h in plane order for the down projection's plane GEMV / tile
         res = acc1 * tl.sigmoid(acc1) * acc3
         i = rn % 8
         if PLANES:  # rounded to H_DT, stored as fp32 planes (scaled by 16^-j)
@@ -467,6 +532,13 @@ def _autotuned(configs):
 GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 8, 1),
                                 (16, 1024, 8, 1), (64, 256, 8, 1)])
 
+# INT4 half2 GEMV (HALF2): [BLOCK_K/32, BLOCK_N/2] runs per column tile (even / odd columns); BLOCK_N a multiple of
+# 32 (the gate-up epilogue stores whole runs of h), BLOCK_K of 32. 32x1024 w4 (gate-up) and 64x512 w8 (down)
+# spilled 16 B at Kimi widths (Triton 3.6, benchmarks.gemv_sass): not candidates.
+GEMV_HALF2_CONFIGS = [triton.Config({**c.kwargs, "HALF2": True}, num_warps=c.num_warps, num_stages=c.num_stages)
+                      for c in _configs([(32, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 1), (64, 512, 4, 1),
+                                         (32, 1024, 8, 1), (64, 256, 8, 1)])]
+
 # INT4 plane tensor-core tile (PLANE_TILE, BLOCK_M > 1, fused_moe(..., int4_tile="planes")): each dot's K is
 # BLOCK_K/8 words (>= 16 for the bf16 MMA), so BLOCK_K >= 128; the usual pruning (_prune) applies. 64x512 spilled
 # (228 B, gate-up at BLOCK_M 16, Triton 3.6): not a candidate.
@@ -477,6 +549,7 @@ PLANE_TILE_CONFIGS = [triton.Config({**c.kwargs, "PLANE_TILE": True}, num_warps=
 moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemm_plane_tile_autotuned = _autotuned(PLANE_TILE_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
+moe_gemv_half2_autotuned = _autotuned(GEMV_HALF2_CONFIGS)
 # gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
 moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
                                                         num_stages=c.num_stages) for c in GEMV_PLANES_CONFIGS])

@@ -1,0 +1,110 @@
+"""The INT4 half2 GEMV (``fused_moe(..., gemv="half2")``, docs/moe.md "The half2 GEMV") against the plane GEMV at
+Kimi decode, in one GPU call.
+
+    python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16]
+
+Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
+per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the default GEMV
+(``prefetch``), the plain planes, ``half2`` autotuned and ``half2`` with each candidate tile pinned (gate-up and
+down alike), and at one token ``fused_moe`` on BF16 and FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16
+and ≥ 1.6× FP8). Per form also the largest |difference| to the reference over max |reference| on the first
+routing, and whether two calls give the same bits.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+
+from mla_quant.kernels.fused_moe import fused_moe, fused_moe_reference
+from mla_quant.kernels.fused_moe import kernel as moe_kernel
+from mla_quant.modules.experts import kernel_args
+
+from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
+from .common import interleaved_graph_us, measure_ceilings, meta, sweep_args, Context
+
+
+def _tile_name(cfg) -> str:
+    return f"half2_{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}w{cfg.num_warps}"
+
+
+def _pinned(cfg):
+    """Restrict the half2 autotuner to ``cfg`` (its cache cleared: the next call compiles that tile)."""
+    tuner = moe_kernel.moe_gemv_half2_autotuned
+    tuner.configs = [cfg]
+    tuner.cache.clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sweep_args(__doc__, "sweep_moe_half2_h200.json", None, argv,
+                      lambda ap: ap.add_argument("--tokens", default="1,4,16"))
+    if args is None:
+        return 1
+    ctx = Context(device="cuda", quick=False)
+    measure_ceilings(ctx)
+    dev, tokens_all = "cuda", [int(t) for t in args.tokens.split(",")]
+    all_configs = list(moe_kernel.GEMV_HALF2_CONFIGS)
+    result = {"meta": meta(ctx), "about": __doc__.splitlines()[0], "rows": []}
+    with torch.inference_mode():
+        experts = {name: _random_experts(name, dev)[0] for name in FORMATS}
+        for t in tokens_all:
+            routings = _routings(t, dev)
+            xs = [torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(SETS)]
+
+            def routed(name, **form):
+                p = experts[name]
+                return [fused_moe(x, w, ids, p["gate_proj"], p["up_proj"], p["down_proj"], **kernel_args(FORMATS[name]),
+                                  **form) for x, (w, ids) in zip(xs, routings)]
+
+            def setting(name, cfgs=None, **form):
+                def fn():
+                    if cfgs is not None:
+                        _pinned(cfgs)
+                    return routed(name, **form)
+                return fn
+
+            fns = {"prefetch": setting("int4_g32", block_m=1), "planes": setting("int4_g32", block_m=1, gemv="planes"),
+                   "half2": setting("int4_g32", None, block_m=1, gemv="half2")}
+            for cfg in all_configs:
+                fns[_tile_name(cfg)] = setting("int4_g32", cfg, block_m=1, gemv="half2")
+            if t == 1:
+                fns["bf16"] = setting("bf16")
+                fns["fp8_block"] = setting("fp8_block")
+            # "half2" (autotuned) is captured before any pin; restore the full list for the error checks after
+            rounds = interleaved_graph_us(fns, reps=SETS, rounds=5)
+            moe_kernel.moe_gemv_half2_autotuned.configs = all_configs
+            moe_kernel.moe_gemv_half2_autotuned.cache.clear()
+            x0, (w0, ids0) = xs[0], routings[0]
+            p = experts["int4_g32"]
+            ref = fused_moe_reference(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group")
+            errs, same = {}, {}
+            for form in ("prefetch", "planes", "half2"):
+                kw = {"gemv": form}
+                a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
+                              block_m=1, **kw)
+                b = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
+                              block_m=1, **kw)
+                errs[form] = float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+                same[form] = bool(torch.equal(a, b))
+            chosen = {str(k): str(v) for k, v in moe_kernel.moe_gemv_half2_autotuned.cache.items()}
+            us = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in rounds.items()}
+            row = {"tokens": t, "us": us, "rounds": rounds, "err_vs_reference": errs, "deterministic": same,
+                   "half2_autotuned_configs": chosen}
+            base = us["prefetch"]
+            row["speedup_vs_prefetch"] = {k: round(base / v, 3) for k, v in us.items() if isinstance(v, float)}
+            if t == 1:
+                for peer in ("bf16", "fp8_block"):
+                    if isinstance(us.get(peer), float):
+                        row[f"vs_{peer}"] = {k: round(us[peer] / v, 3) for k, v in us.items()
+                                             if isinstance(v, float) and k not in ("bf16", "fp8_block")}
+            result["rows"].append(row)
+            print(json.dumps({k: row[k] for k in row if k != "rounds"}), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
