@@ -214,19 +214,3 @@ def run_dot(w, x, INTERPRET: tl.constexpr):
                                                               x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11],
                                                               x[12], x[13], x[14], x[15]],
                                      dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def store_pair_order(h, row, n0, N, dst_ptr, scale_ptr, stride_dst, stride_scale, BLOCK_N: tl.constexpr):
-    """Store fp32 ``h`` [BLOCK_N] (columns ``n0 + j`` of one row, n0 a multiple of 32, BLOCK_N too) in pair order:
-    the pairs of each run of 32 columns and its scale (columns ≥ N, whole runs since N % 32 == 0, not stored:
-    N = 0 stores nothing)."""
-    v = tl.reshape(h, (BLOCK_N // 32, 4, 2, 4))  # run r, word u, lane l, plane i: column 32r + 8u + 4l + i
-    m = tl.max(tl.max(tl.max(tl.abs(v), axis=3), axis=2), axis=1)
-    down, up = run_exponent(m)
-    pairs = f16_pairs(tl.permute(v * down[:, None, None, None], (0, 1, 3, 2)))  # [runs, u, i]
-    run = n0 // 32 + tl.arange(0, BLOCK_N // 32)
-    pos = pair_offsets(run)[:, None, None] + tl.arange(0, 4)[None, :, None] + 32 * tl.arange(0, 4)[None, None, :]
-    ok = run * 32 < N
-    tl.store(dst_ptr + row * stride_dst + pos, pairs, mask=ok[:, None, None])
-    tl.store(scale_ptr + row * stride_scale + run, up, mask=ok)

@@ -299,7 +299,7 @@ def test_plane_gemv_matches_reference_and_the_tile_gemv(triton_backend, hidden, 
 
 
 
-def test_plane_order_is_the_documented_permutation():
+def test_plane_order_is_the_documented_permutation(triton_backend):
     """planes[r, 256b + 32i + w] = a[r, 8(32b + w) + i] · 16^-j(i), zeros past K, exactly (a layout op), for
     the kernel and the reference; K = 352: one whole block of 256 and one of 12 words."""
     from mla_quant.kernels._gemm_utils import plane_order, plane_order_reference, plane_width
@@ -311,8 +311,9 @@ def test_plane_order_is_the_documented_permutation():
         w, i = divmod(k, 8)
         want[:, 256 * (w // 32) + 32 * i + w % 32] = a[:, k] * 16.0 ** -(i if i < 5 else i - 5)
     assert torch.equal(plane_order_reference(a), want)
-    assert torch.equal(plane_order(a), want)
-    assert torch.equal(plane_order(a.to(torch.bfloat16)), plane_order_reference(a.to(torch.bfloat16)))
+    assert torch.equal(plane_order(a.to(triton_backend)).cpu(), want)
+    bf16 = a.to(torch.bfloat16)
+    assert torch.equal(plane_order(bf16.to(triton_backend)).cpu(), plane_order_reference(bf16))
 
 
 @pytest.mark.gpu
@@ -521,7 +522,7 @@ def test_int4_form_keywords_are_checked_and_the_tile_form_leaves_the_gemv_alone(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unscaled_plane_order_is_the_permutation(dtype):
+def test_unscaled_plane_order_is_the_permutation(triton_backend, dtype):
     """plane_order(a, scaled=False)[r, 256b + 32i + w] = a[r, 8(32b + w) + i] in a's dtype, zeros past K."""
     from mla_quant.kernels._gemm_utils import plane_order, plane_order_reference, plane_width
 
@@ -531,7 +532,7 @@ def test_unscaled_plane_order_is_the_permutation(dtype):
         w, i = divmod(k, 8)
         want[:, 256 * (w // 32) + 32 * i + w % 32] = a[:, k]
     assert torch.equal(plane_order_reference(a, scaled=False), want)
-    assert torch.equal(plane_order(a, scaled=False), want)
+    assert torch.equal(plane_order(a.to(triton_backend), scaled=False).cpu(), want)
 
 
 @pytest.mark.gpu
@@ -671,7 +672,7 @@ def test_gpu_fragment_gemv_real_widths(t, dtype):
 
 # --- gemv="half2": fp16x2 arithmetic on activation pairs (kernels/_half2_gemv.py), bf16 / fp16 activations ---
 
-def test_pair_order_is_the_documented_layout():
+def test_pair_order_is_the_documented_layout(triton_backend):
     """pairs[r, 128b + 32i + w % 32] = (x[8w + i], x[8w + i + 4]) · 2^-e in fp16 (low lane first), w the word in
     block b, and scales[r, run] = 2^e with the run's largest magnitude · 2^-e in [128, 256), exactly (a layout
     op), for the kernel and the reference; K = 352 (one whole block of 256 and a ragged one), a zero run, and
@@ -683,7 +684,7 @@ def test_pair_order_is_the_documented_layout():
     a[1, 64:96] *= 2.0**60
     a[2, 96:128] *= 2.0**-60
     a = a.to(torch.bfloat16)
-    pairs, scales = pair_order(a)
+    pairs, scales = (t.cpu() for t in pair_order(a.to(triton_backend)))
     assert pairs.shape == (3, 256) and scales.shape == (3, 16)
     want_s = torch.zeros(3, 16)
     want = torch.zeros(3, 256, dtype=torch.int32)
@@ -703,7 +704,8 @@ def test_pair_order_is_the_documented_layout():
     ref_pairs, ref_scales = pair_order_reference(a)
     assert torch.equal(ref_pairs, want) and torch.equal(ref_scales, want_s)
     for dtype in (torch.float16, torch.float32):
-        assert all(torch.equal(p, q) for p, q in zip(pair_order(a.to(dtype)), pair_order_reference(a.to(dtype))))
+        got = pair_order(a.to(dtype).to(triton_backend))
+        assert all(torch.equal(p.cpu(), q) for p, q in zip(got, pair_order_reference(a.to(dtype))))
 
 
 # (hidden, intermediate, group, dtype, tokens): K blocks (256 interpreted) whole; ragged last blocks (352, 96);

@@ -207,7 +207,7 @@ def fused_moe(
             raise ValueError(f"gemv='fragments': {problem}")
         return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
-    from .._half2_gemv import RUN_K, pair_order
+    from .._half2_gemv import pair_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
                          moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_half2_autotuned,
                          moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
@@ -241,8 +241,7 @@ def fused_moe(
     if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
-    elif half2:  # activation pairs in; the gate-up epilogue writes h as pairs and run scales
-        consts.update(H_DT=_TL_DTYPES[x.dtype])
+    elif half2:  # activation pairs in (x, then h: pair_order between the launches)
         tuned = moe_gemv_half2_autotuned
     elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the gate-up
         tuned = moe_gemm_plane_tile_autotuned  # epilogue writes h so too)
@@ -258,19 +257,17 @@ def fused_moe(
     interp_bn = 64  # ragged N tiles at the tests' widths (multiples of the group)
     programs = num_assignments if direct else expert_ids.numel()
 
-    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), dst_scale=None, **extra):
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), **extra):
         keys = WEIGHT_KEYS[kind]
         w1_main, w3_main = w1[keys[0]], w3[keys[0]]
         w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
         w3_s = w3[keys[1]] if len(keys) > 1 else w3_main
         counters, res, shared = combine or (dst, dst, dst)  # (unread unless direct)
-        dst_scale = dst if dst_scale is None else dst_scale  # (unread unless half2 and gated)
         launch_args = (a, a_scale, w1_main, w1_s, w3_main, w3_s, dst, routing_weights,
-                       sorted_ids, expert_ids, num_padded, counters, res, shared, dst_scale,
+                       sorted_ids, expert_ids, num_padded, counters, res, shared,
                        num_assignments, n, k, top_k if gated else 1, num_experts, counters.numel(),
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
-                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0),
-                       dst_scale.stride(0))
+                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0))
         if interpret:
             grid = (programs, cdiv(n, interp_bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
@@ -292,12 +289,8 @@ def fused_moe(
         xa = xa_scale = plane_order(x, scaled=False)
     else:
         xa, xa_scale = x, x
-    h_scale = None
     if planes:  # h as nibble planes (fp32, whole plane blocks) for the down projection's plane GEMV
         h = torch.empty((num_assignments, plane_width(inter)), dtype=torch.float32, device=x.device)
-    elif half2:  # h as pairs (int32, whole pair blocks) and run scales for the down projection's half2 GEMV
-        h = torch.empty((num_assignments, plane_width(inter) // 2), dtype=torch.int32, device=x.device)
-        h_scale = torch.empty((num_assignments, plane_width(inter) // RUN_K), dtype=torch.float32, device=x.device)
     elif plane_tile:  # h as unscaled planes in x's dtype for the down projection's plane tile
         h = torch.empty((num_assignments, plane_width(inter)), dtype=x.dtype, device=x.device)
     else:
@@ -313,10 +306,15 @@ def fused_moe(
         counters = torch.empty(tokens * cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
         combine = (counters, result, shared)
         zero_block = next_power_of_2(cdiv(counters.numel(), num_assignments))
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, h_scale, COUNTERS=zero_block)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block)
     else:
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, dst_scale=h_scale)
-    ha, ha_scale = quant(h, act_group, ue8m0) if act_quant else (h, h_scale if half2 else h)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
+    if act_quant:
+        ha, ha_scale = quant(h, act_group, ue8m0)
+    elif half2:  # h (rounded to x's dtype as in every form) as pairs for the down projection's half2 GEMV
+        ha, ha_scale = pair_order(h)
+    else:
+        ha = ha_scale = h
     if direct:  # the combine happens in the down launch, as each token's rows arrive
         gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, combine, TOP_K=top_k,
              HAS_SHARED=shared_out is not None)

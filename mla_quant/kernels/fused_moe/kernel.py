@@ -53,7 +53,7 @@ import triton.language as tl
 
 from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, int4_codes, int4_plane_gemv_step, load_k,
                            plane_offsets, plane_scale, reduce_arrivals)
-from .._half2_gemv import load_pairs, load_words, pair_offsets, run_dot, store_pair_order
+from .._half2_gemv import load_pairs, load_words, pair_offsets, run_dot
 from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
@@ -282,10 +282,9 @@ def _combine_on_arrival(res, pid_m, pid_n, rn, N, y_ptr, stride_yt, count_ptr, r
 @triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
-        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr, out_s_ptr,
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr,
         A, N, K, a_div, E, num_counters,
         stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot, stride_rt, stride_st,
-        stride_ost,
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -295,8 +294,8 @@ def _moe_gemm_kernel(
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
         HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
-    # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a (and out when GATED) in pair order,
-    # as_ptr (out_s_ptr) their run scales.
+    # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
+    # scales.
     # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
     # ids outside [0, E) skipped); the gate-up launch zeroes the down launch's counters (COUNTERS per program m),
     # the down launch combines each token's rows into res (+ shared) as they arrive (_combine_on_arrival).
@@ -397,12 +396,7 @@ def _moe_gemm_kernel(
     if BLOCK_M == 1 and not (PLANES or HALF2):
         acc1 = tl.reshape(tl.sum(acc1, axis=1), (1, BLOCK_N))
         acc3 = tl.reshape(tl.sum(acc3, axis=1), (1, BLOCK_N))
-    if GATED and HALF2:  # h rounded to H_DT, in pair order with run scales for the down projection's half2 GEMV
-        h = tl.reshape((acc1 * tl.sigmoid(acc1) * acc3).to(H_DT).to(tl.float32), (BLOCK_N,))
-        row = tl.sum(rows).to(tl.int64)  # the one row (BLOCK_M == 1); nothing stored for a padding row
-        store_pair_order(h, row, pid_n * BLOCK_N, tl.where(row < A, N, 0), out_ptr, out_s_ptr, stride_ot,
-                         stride_ost, BLOCK_N)
-    elif GATED and (PLANES or PLANE_TILE):  # h in plane order for the down projection's plane GEMV / tile
+    if GATED and (PLANES or PLANE_TILE):  # h in plane order for the down projection's plane GEMV / tile
         res = acc1 * tl.sigmoid(acc1) * acc3
         i = rn % 8
         if PLANES:  # rounded to H_DT, stored as fp32 planes (scaled by 16^-j)
@@ -532,12 +526,12 @@ def _autotuned(configs):
 GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 8, 1),
                                 (16, 1024, 8, 1), (64, 256, 8, 1)])
 
-# INT4 half2 GEMV (HALF2): [BLOCK_K/32, BLOCK_N/2] runs per column tile (even / odd columns); BLOCK_N a multiple of
-# 32 (the gate-up epilogue stores whole runs of h), BLOCK_K of 32. 32x1024 w4 (gate-up) and 64x512 w8 (down)
-# spilled 16 B at Kimi widths (Triton 3.6, benchmarks.gemv_sass): not candidates.
+# INT4 half2 GEMV (HALF2): [BLOCK_K/32, BLOCK_N/2] runs per column tile (even / odd columns), BLOCK_K a multiple of
+# 256. Narrow N tiles: at one Kimi token the gate-up has 8 x 2048 / BLOCK_N programs, and 32-wide tiles (512
+# programs, under four per SM) measured 1.35x the plane GEMV's time.
 GEMV_HALF2_CONFIGS = [triton.Config({**c.kwargs, "HALF2": True}, num_warps=c.num_warps, num_stages=c.num_stages)
-                      for c in _configs([(32, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 1), (64, 512, 4, 1),
-                                         (32, 1024, 8, 1), (64, 256, 8, 1)])]
+                      for c in _configs([(8, 512, 2, 1), (16, 512, 4, 1), (8, 1024, 2, 1), (16, 1024, 4, 1),
+                                         (16, 1024, 8, 1), (32, 512, 4, 1)])]
 
 # INT4 plane tensor-core tile (PLANE_TILE, BLOCK_M > 1, fused_moe(..., int4_tile="planes")): each dot's K is
 # BLOCK_K/8 words (>= 16 for the bf16 MMA), so BLOCK_K >= 128; the usual pruning (_prune) applies. 64x512 spilled
