@@ -345,7 +345,7 @@ def test_prefetch_gemv_equals_the_plane_gemv(triton_backend, hidden, inter):
     out = poisoned_empty((2, hidden), torch.float32, dev)
     got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="prefetch", out=out)
     planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes")
-    assert torch.equal(got, planes)  # the same products in the same order; only the load schedule differs
+    _assert_same_sums(got, planes, "prefetch vs planes")  # the same products; only the load schedule differs
     assert torch.equal(got, fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)), "the default"
 
 
@@ -374,8 +374,18 @@ def _decode_paths(monkeypatch, x, w, ids, gate, up, down, what, kind="int4_group
         assert got is out
         outs.append(got)
     assert_bitwise_equal(outs[0], outs[1], f"{what}: fused, called twice")
-    assert_bitwise_equal(outs[0], outs[2], f"{what}: fused vs aligned")
+    _assert_same_sums(outs[0], outs[2], f"{what}: fused vs aligned")
     return outs[0]
+
+
+def _assert_same_sums(got, other, what):
+    """Two launch paths that run the same products per tile: bitwise equal interpreted (one fixed tile); on the
+    GPU each path's launches are autotuned apart (DIRECT and the form are in the key), so their K tiles and hence
+    the fp32 summation order may differ: equal within fp32 (bf16) rounding there."""
+    if got.is_cuda:
+        assert_rel_close(got.float(), other.float(), 1e-5 if got.dtype == torch.float32 else 4e-3, what)
+    else:
+        assert_bitwise_equal(got, other, what)
 
 
 # (tokens, top_k, shared_out, dropped slots, hidden): hidden 96 and 160 are ragged against the interpreted N tile
@@ -756,7 +766,7 @@ def test_gpu_half2_run_dot_is_its_reference():
     import triton
     import triton.language as tl
 
-    from mla_quant.kernels._half2_gemv import load_pairs, load_words, pair_offsets, pair_order, run_dot, \
+    from mla_quant.kernels._half2_gemv import load_pairs, load_words, pair_offsets, pair_order_reference, run_dot, \
         run_dot_reference
 
     @triton.jit
@@ -770,7 +780,7 @@ def test_gpu_half2_run_dot_is_its_reference():
     words = torch.randint(-2**31, 2**31 - 1, (runs * 4,), generator=g, dtype=torch.int32)
     words[:16] = 0  # all codes -8 in the first runs: the largest partial sums
     x = torch.randn(1, 32 * runs, generator=g).to(torch.bfloat16)
-    pairs, _ = pair_order(x)
+    pairs, _ = pair_order_reference(x)
     out = torch.full((runs,), float("nan"), device="cuda")
     probe[(1,)](words.cuda(), pairs.cuda(), out, R=runs, num_warps=4)
     r = torch.arange(runs)[:, None]
@@ -802,13 +812,13 @@ def test_half2_run_dot_reference_is_within_its_fp16_bound():
     """The emulated fp16 chains (run_dot_reference) stay within the bound docs/moe.md states: each of a lane's
     16 fp16 roundings errs by at most half an fp16 ulp of that partial sum (below 2^15), so a run's error is at
     most 2 · 16 · 2^-11 · 2^15 / 2 in the worst case and about 2^-11 of the run's magnitudes in practice."""
-    from mla_quant.kernels._half2_gemv import pair_order, run_dot_reference
+    from mla_quant.kernels._half2_gemv import pair_order_reference, run_dot_reference
 
     runs = 512
     g = torch.Generator().manual_seed(5)
     words = torch.randint(-2**31, 2**31 - 1, (runs, 4), generator=g, dtype=torch.int32)
     x = torch.randn(1, 32 * runs, generator=g).to(torch.bfloat16)
-    pairs, _ = pair_order(x)
+    pairs, _ = pair_order_reference(x)
     r = torch.arange(runs)[:, None]
     lanes = pairs[0][128 * (r // 8) + 4 * (r % 8) + 32 * (torch.arange(16) // 4) + torch.arange(16) % 4]
     low = (lanes & 0xFFFF).to(torch.int16).view(torch.float16).double()

@@ -530,8 +530,8 @@ GEMV_PLANES_CONFIGS = _configs([(16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1
 # 256. Narrow N tiles: at one Kimi token the gate-up has 8 x 2048 / BLOCK_N programs, and 32-wide tiles (512
 # programs, under four per SM) measured 1.35x the plane GEMV's time.
 GEMV_HALF2_CONFIGS = [triton.Config({**c.kwargs, "HALF2": True}, num_warps=c.num_warps, num_stages=c.num_stages)
-                      for c in _configs([(8, 512, 2, 1), (16, 512, 4, 1), (8, 1024, 2, 1), (16, 1024, 4, 1),
-                                         (16, 1024, 8, 1), (32, 512, 4, 1)])]
+                      for c in _configs([(8, 512, 2, 1), (8, 1024, 2, 1), (8, 1024, 1, 1), (4, 1024, 1, 1),
+                                         (4, 1024, 2, 1), (4, 512, 1, 1), (16, 512, 4, 1)])]
 
 # INT4 plane tensor-core tile (PLANE_TILE, BLOCK_M > 1, fused_moe(..., int4_tile="planes")): each dot's K is
 # BLOCK_K/8 words (>= 16 for the bf16 MMA), so BLOCK_K >= 128; the usual pruning (_prune) applies. 64x512 spilled
