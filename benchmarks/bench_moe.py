@@ -21,13 +21,15 @@ rows also carry ``alt_block_m`` / ``alt_us``: the other decode path (GEMV vs 16-
 Rows ``int4_g32_fast`` / ``int4_g32_fast2`` in results up to 5a85563 timed ``fused_moe(..., fast_dequant=1 / 2)``,
 the FAST_DEQUANT levels removed after that run (0.40-0.61x the plane tile above 16 tokens, equal below).
 
-Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default plane
-GEMV with a register double buffer (``gemv="prefetch"``, the default after the H200 run of 5a85563), and rows
-``int4_g32_tile`` time the previous GEMV (``fused_moe(..., gemv="tile")``), ``int4_g32_planes`` the plane GEMV
-without the double buffer (``gemv="planes"``), ``int4_g32_frag`` the MMA-fragment form (``gemv="fragments"``, the
-decode path at every token count), ``int4_g32_half2`` the fp16x2 form (``gemv="half2"``), on the same experts and routings (``speedup_vs_int4_g32`` > 1
-means that form beats the default; docs/moe.md "The INT4 plane GEMV"). Rows ``int4_g32_prefetch`` in results of
-5a85563 and before are the double-buffered form when it was opt-in. There, too, rows ``int4_g32_unfused`` time
+Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default
+(``gemv="auto"`` since a62b0c3's H200 run: the plane GEMV with a register double buffer at one token, the fp16x2
+GEMV from two), and rows ``int4_g32_prefetch`` time the plane GEMV with the double buffer (``gemv="prefetch"``;
+results of a62b0c3 and before: the default itself, except 5a85563 and before, where the double buffer was opt-in),
+``int4_g32_half2`` the fp16x2 form (``gemv="half2"``), ``int4_g32_tile`` the previous GEMV (``gemv="tile"``),
+``int4_g32_planes`` the plane GEMV without the double buffer (``gemv="planes"``), ``int4_g32_frag`` the
+MMA-fragment form (``gemv="fragments"``, the decode path at every token count), on the same experts and routings
+(``speedup_vs_int4_g32`` > 1 means that form beats the default; docs/moe.md "The INT4 plane GEMV", "The half2
+GEMV"). There, too, rows ``int4_g32_unfused`` time
 the aligned decode path (``fused_moe(..., decode_fusion=False)``: ``moe_align``, the two GEMVs, the combine launch)
 and ``int4_g32_fused`` the fused one (``decode_fusion=True``: no align; the combine done by the down GEMV's
 last-arriving program of each token and tile; docs/moe.md "The decode path"); the default ``"auto"`` fuses at one
@@ -64,7 +66,8 @@ SETS = 8  # routings cycled per timing
 # decode_fusion="auto": fused at one token)
 GEMV_FORMATS = {"int4_g32_tile": {"gemv": "tile"}, "int4_g32_planes": {"gemv": "planes"},
                 "int4_g32_unfused": {"decode_fusion": False}, "int4_g32_fused": {"decode_fusion": True},
-                "int4_g32_frag": {"gemv": "fragments"}, "int4_g32_half2": {"gemv": "half2"}}
+                "int4_g32_frag": {"gemv": "fragments"}, "int4_g32_half2": {"gemv": "half2"},
+                "int4_g32_prefetch": {"gemv": "prefetch"}}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 

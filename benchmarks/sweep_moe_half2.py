@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                     return routed(name, **form)
                 return fn
 
-            fns = {"prefetch": setting("int4_g32", block_m=1), "planes": setting("int4_g32", block_m=1, gemv="planes"),
+            fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"), "planes": setting("int4_g32", block_m=1, gemv="planes"),
                    "half2": setting("int4_g32", None, block_m=1, gemv="half2")}
             for cfg in all_configs:
                 fns[_tile_name(cfg)] = setting("int4_g32", cfg, block_m=1, gemv="half2")

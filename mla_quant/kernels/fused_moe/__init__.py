@@ -30,6 +30,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode path),
 # or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x)
 GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2")
+# gemv="auto" (the default): half2 from this many tokens for bf16 / fp16 x, prefetch below and for fp32 x (H200,
+# Kimi experts, interleaved rounds of a62b0c3: half2 at 4 tokens 1.09x, at 16 1.15x the prefetch planes; at one
+# token 0.95x; results/sweep_moe_half2_h200.json)
+HALF2_MIN_TOKENS = 2
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -154,7 +158,7 @@ def fused_moe(
     shared_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
-    gemv: str = "prefetch",
+    gemv: str = "auto",
     int4_tile: str = "planes",
     decode_fusion: bool | str = "auto",
 ) -> torch.Tensor:
@@ -164,9 +168,13 @@ def fused_moe(
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
     overrides :func:`choose_block_m` (GPU path only).
-    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"planes"`` (the activations re-ordered into fp32 nibble
-    planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (default: the same with
-    the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200) or
+    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"auto"`` (default: ``"half2"`` from ``HALF2_MIN_TOKENS``
+    tokens with bf16 / fp16 x, else ``"prefetch"``), ``"planes"`` (the activations re-ordered into fp32 nibble
+    planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same with
+    the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200),
+    ``"half2"`` (bf16 / fp16 x only: the activations as fp16 pairs with a power-of-two scale per 32, each pair of
+    weights one LOP3 + one HFMA2, runs of 32 products summed in fp16 then scaled in fp32 — about twice the
+    rounding error of the fp32 forms, still below bf16's; docs/moe.md "The half2 GEMV") or
     ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile) or ``"fragments"`` (``mma.sync`` on
     operand fragments each thread builds in its registers, as ``w4a16_gemm``'s fragment kernel: the decode path
     without align or combine launch at any token count; bf16 / fp16 x with scales of x's dtype and 16-byte aligned
@@ -185,8 +193,11 @@ def fused_moe(
     if decode_fusion not in (True, False, "auto"):
         raise ValueError(f"decode_fusion: {decode_fusion!r} must be True, False or 'auto'")
     block = tuple(int(b) for b in block)
-    if gemv not in GEMV_FORMS:
-        raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
+    if gemv not in GEMV_FORMS + ("auto",):
+        raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS + ('auto',)}")
+    if gemv == "auto":
+        half2_ok = x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+        gemv = "half2" if half2_ok and x.shape[0] >= HALF2_MIN_TOKENS else "prefetch"
     if gemv == "half2" and kind == "int4_group" and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gemv='half2': x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
     if int4_tile not in INT4_TILE_FORMS:
