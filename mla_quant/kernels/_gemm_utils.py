@@ -159,6 +159,22 @@ def int4_plane_dot(words, a_ptrs, a_mask, EVEN: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
+def ld4(ptrs):
+    """16 bytes at each pointer (16-byte aligned) as four int32, one 128-bit load, in the pointers' layout (an
+    inline-asm load gets no layout of its own: see :func:`_load_in_place`)."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def four_words(ptrs, INTERPRET: tl.constexpr):
+    """The 4 int32 words at each (16-byte aligned) pointer: one 128-bit load (four loads under the interpreter)."""
+    if INTERPRET:
+        return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
+    return ld4(ptrs)
+
+
+@triton.jit
 def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
     """``ptrs`` loaded as fp32 in the layout the pointers already have: an inline-asm load is not a tl.load,
     so Triton's coalescing does not give it a layout of its own (which here would cost a shared-memory

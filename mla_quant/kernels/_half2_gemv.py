@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm_utils import PLANE_BLOCK_K, plane_width
+from ._gemm_utils import PLANE_BLOCK_K, ld4, plane_width
 
 PAIR_BLOCK = tl.constexpr(PLANE_BLOCK_K // 2)  # int32 pairs per block of 256 K (4 pair planes of 32 words)
 RUN_K = 32  # K per run: 4 words, the unit of one run sum and one activation scale
@@ -158,22 +158,6 @@ def run_dot_reference(words: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def ld4(ptrs):
-    """16 bytes at each pointer (16-byte aligned) as four int32, one 128-bit load, in the pointers' layout (an
-    inline-asm load gets no layout of its own: see ``_gemm_utils._load_in_place``)."""
-    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def load_words(ptrs, INTERPRET: tl.constexpr):
-    """The 4 words of a run at each pointer (its first word) as four int32 tensors."""
-    if INTERPRET:
-        return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
-    return ld4(ptrs)
-
-
-@triton.jit
 def load_pairs(ptrs, INTERPRET: tl.constexpr):
     """The 4 pair planes of a run's 4 words (``ptrs``: :func:`pair_offsets` of the run in a pair-order row) as
     16 int32 tensors, pair plane i of word u at index 4i + u."""
@@ -199,7 +183,7 @@ def _lane(p, HIGH: tl.constexpr):
 
 @triton.jit
 def run_dot(w, x, INTERPRET: tl.constexpr):
-    """Σ over a run's 32 K of (n - 8) · x' in fp32, for words ``w`` (4 tensors, :func:`load_words`) and pairs
+    """Σ over a run's 32 K of (n - 8) · x' in fp32, for words ``w`` (4 tensors, ``_gemm_utils.four_words``) and pairs
     ``x`` (16 tensors, :func:`load_pairs`, broadcastable to the words). On the GPU one inline-PTX block of
     fp16x2 arithmetic (module docstring); interpreted, the same products summed in fp32."""
     if INTERPRET:

@@ -766,13 +766,14 @@ def test_gpu_half2_run_dot_is_its_reference():
     import triton
     import triton.language as tl
 
-    from mla_quant.kernels._half2_gemv import load_pairs, load_words, pair_offsets, pair_order_reference, run_dot, \
+    from mla_quant.kernels._gemm_utils import four_words
+    from mla_quant.kernels._half2_gemv import load_pairs, pair_offsets, pair_order_reference, run_dot, \
         run_dot_reference
 
     @triton.jit
     def probe(w_ptr, x_ptr, out_ptr, R: tl.constexpr):
         run = tl.arange(0, R)
-        tl.store(out_ptr + run, run_dot(load_words(w_ptr + 4 * run, False), load_pairs(x_ptr + pair_offsets(run),
+        tl.store(out_ptr + run, run_dot(four_words(w_ptr + 4 * run, False), load_pairs(x_ptr + pair_offsets(run),
                                                                                         False), False))
 
     runs = 256

@@ -51,9 +51,9 @@ from functools import partial
 import triton
 import triton.language as tl
 
-from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, int4_codes, int4_plane_gemv_step, load_k,
-                           plane_offsets, plane_scale, reduce_arrivals)
-from .._half2_gemv import load_pairs, load_words, pair_offsets, run_dot
+from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, four_words, int4_codes, int4_plane_gemv_step,
+                           load_k, plane_offsets, plane_scale, reduce_arrivals)
+from .._half2_gemv import load_pairs, pair_offsets, run_dot
 from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
@@ -201,7 +201,7 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
 @triton.jit
 def _half2_term(w_ptrs, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
     """Run sums × group scale × activation run scale for one column tile (zero where not ``ok`` unless EVEN_K)."""
-    term = run_dot(load_words(w_ptrs, INTERPRET), x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET) * xs)
+    term = run_dot(four_words(w_ptrs, INTERPRET), x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET) * xs)
     if not EVEN_K:
         term = tl.where(ok, term, 0.0)
     return term

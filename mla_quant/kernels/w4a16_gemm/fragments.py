@@ -38,8 +38,8 @@ the bit tricks and the PTX. docs/moe.md "W4A16 at 2-16 tokens: MMA fragments in 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import store_split_k
-from .kernel import _ld4, planes1_split
+from .._gemm_utils import four_words, ld4, store_split_k
+from .kernel import planes1_split
 
 # split-K of the fragment kernel: the one-launch GEMV's rule (double while every split keeps a K block and the grid
 # stays within ~PER_SM programs per SM)
@@ -139,14 +139,6 @@ def _word_step(w_top, w_bot, s_top, s_bot, xw, acc, DT: tl.constexpr, W: tl.cons
 
 
 @triton.jit
-def _four_words(ptrs, INTERPRET: tl.constexpr):
-    """The 4 int32 words at each (16-byte aligned) pointer: one 128-bit load (four loads under the interpreter)."""
-    if INTERPRET:
-        return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
-    return _ld4(ptrs)
-
-
-@triton.jit
 def _x_words(ptrs, X_VEC: tl.constexpr, INTERPRET: tl.constexpr):
     """The raw loads of a word's 8 activations of each lane's token (``ptrs`` at element 8w; addresses always valid):
     four int32 words (GPU: one 128-bit load with ``X_VEC``, else four 32-bit loads) or 8 values (interpreter)."""
@@ -156,7 +148,7 @@ def _x_words(ptrs, X_VEC: tl.constexpr, INTERPRET: tl.constexpr):
             vals = vals + (tl.load(ptrs + j).to(tl.float32),)
         return vals
     if X_VEC:
-        return _ld4(ptrs)
+        return ld4(ptrs)
     x32 = ptrs.to(tl.pointer_type(tl.int32), bitcast=True)
     return tl.load(x32), tl.load(x32 + 1), tl.load(x32 + 2), tl.load(x32 + 3)
 
@@ -201,8 +193,8 @@ def _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP: tl.constexpr, NT: tl.const
                 xw = xw + (_x_words(x_rows[n] + kc + 8 * q, X_VEC, INTERPRET),)
         ws = ()
         for t in tl.static_range(TILES):
-            ws = ws + ((_four_words(w_rows[2 * t] + kc // 8, INTERPRET),
-                        _four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET),
+            ws = ws + ((four_words(w_rows[2 * t] + kc // 8, INTERPRET),
+                        four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET),
                         tl.load(s_rows[2 * t] + kc // GROUP), tl.load(s_rows[2 * t + 1] + kc // GROUP)),)
         loads = loads + ((xw, ws),)
     return loads

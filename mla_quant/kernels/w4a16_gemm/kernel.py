@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, autotune_bench, grouped_tile, int4_codes,
-                           int4_plane_gemv_step, load_k, m_bucket, plane_offsets, split_k_for, store_split_k)
+                           int4_plane_gemv_step, ld4, load_k, m_bucket, plane_offsets, split_k_for, store_split_k)
 from .._host import cdiv
 
 
@@ -63,15 +63,15 @@ def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.co
     [BK/8, 1] point at element 8w of each word w, so plane i is ``x_ptrs + i``, loaded in the words' row layout
     (the row is L1/L2-resident) and converted to fp32; the plane scale 16^-j(i) goes onto the codes
     (:func:`_x_products`), not the activations. The same exact products, in the same order. ``VEC`` (x 16-byte
-    aligned, unmasked, compiled): each word's 8 activations come in 128-bit loads (``_ld4``: one for bf16/fp16,
+    aligned, unmasked, compiled): each word's 8 activations come in 128-bit loads (``ld4``: one for bf16/fp16,
     two for fp32) and are split in registers (bf16: a shift or a mask per value); otherwise one strided scalar
     load per plane."""
     hi = words >> 20
     if VEC and EVEN and not INTERPRET:
         DT: tl.constexpr = x_ptrs.dtype.element_ty
-        v0, v1, v2, v3 = _ld4(x_ptrs)
+        v0, v1, v2, v3 = ld4(x_ptrs)
         if DT == tl.float32:
-            v4, v5, v6, v7 = _ld4(x_ptrs + 4)
+            v4, v5, v6, v7 = ld4(x_ptrs + 4)
             acc = _x_products(words, hi, v0.to(tl.float32, bitcast=True), 0, INTERPRET)
             acc += _x_products(words, hi, v1.to(tl.float32, bitcast=True), 1, INTERPRET)
             acc += _x_products(words, hi, v2.to(tl.float32, bitcast=True), 2, INTERPRET)
@@ -115,14 +115,6 @@ def _x_products(words, hi, a, I: tl.constexpr, INTERPRET: tl.constexpr):
                                          dtype=tl.int32, is_pure=True, pack=1)
     inv: tl.constexpr = 1.0 / (16 ** J)
     return tl.fma(bits.to(tl.float32, bitcast=True), inv, -(8388608.0 + 8.0 * (16 ** J)) * inv) * a
-
-
-@triton.jit
-def _ld4(ptrs):
-    """16 bytes at each pointer (16-byte aligned) as four int32, one 128-bit load, in the pointers' layout (an
-    inline-asm load gets no layout of its own: see ``_gemm_utils._load_in_place``)."""
-    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
