@@ -26,7 +26,7 @@ from .reference import KINDS, dequantize_expert, fused_moe_reference
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # the INT4 GEMV (block_m == 1): nibble planes with a register double buffer of the next K block's words (the
-# default: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
+# default at one token: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
 # plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode path),
 # or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x)
 GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2")
