@@ -665,19 +665,26 @@ def test_fragment_gemv_names_what_it_cannot_take(triton_backend):
 def test_gpu_fragment_gemv_real_widths(t, dtype):
     """Kimi's widths, top-8, the shared output and dropped slots, compiled (the MMA fragments, the PTX bit tricks,
     the split-K gate-up): against the reference, the plane GEMV, and itself (bitwise)."""
-    gate, up, down = _frag_experts(24, 7168, 2048, 32, dtype, "cuda", seed=5)
+    _assert_gpu_gemv_form("fragments", _frag_experts(24, 7168, 2048, 32, dtype, "cuda", seed=5), t, dtype,
+                          decode_fusion=True)
+
+
+def _assert_gpu_gemv_form(form, projections, t, dtype, **planes_kw):
+    """An INT4 GEMV form at Kimi's widths (24 experts, top-8, the shared output and dropped slots), compiled: into
+    poisoned outputs twice (bitwise the same), against the reference and the plane GEMV (``planes_kw``: its path)."""
+    gate, up, down = projections
     x, w, ids, shared_out = _kimi_decode_inputs(t, dtype, 24)
     outs = []
     for _ in range(2):
         out = poisoned_empty((t, 7168), dtype, "cuda")
-        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="fragments",
+        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv=form,
                               shared_out=shared_out, out=out))
-    assert_bitwise_equal(outs[0], outs[1], f"fragments twice T={t}")
-    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes", decode_fusion=True,
-                       shared_out=shared_out)
+    assert_bitwise_equal(outs[0], outs[1], f"{form} twice T={t}")
+    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes", shared_out=shared_out,
+                       **planes_kw)
     ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
-    assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"fragments vs reference T={t} {dtype}")
-    assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"fragments vs planes T={t} {dtype}")
+    assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"{form} vs reference T={t} {dtype}")
+    assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"{form} vs planes T={t} {dtype}")
 
 
 # --- gemv="half2": fp16x2 arithmetic on activation pairs (kernels/_half2_gemv.py), bf16 / fp16 activations ---
@@ -759,6 +766,13 @@ def test_half2_gemv_names_what_it_cannot_take(triton_backend):
                   gemv="half2")
 
 
+def _run_lanes(pairs_row: torch.Tensor, runs: int) -> torch.Tensor:
+    """A pair-order row's 16 pairs of each of its first ``runs`` runs, [runs, 16] (pair plane i of word u at 4i + u),
+    as run_dot and run_dot_reference take them."""
+    r, j = torch.arange(runs)[:, None], torch.arange(16)
+    return pairs_row[128 * (r // 8) + 4 * (r % 8) + 32 * (j // 4) + j % 4]
+
+
 @pytest.mark.gpu
 def test_gpu_half2_run_dot_is_its_reference():
     """The inline-PTX block of one run (run_dot) on random words and activation pairs equals its numpy emulation
@@ -784,29 +798,16 @@ def test_gpu_half2_run_dot_is_its_reference():
     pairs, _ = pair_order_reference(x)
     out = torch.full((runs,), float("nan"), device="cuda")
     probe[(1,)](words.cuda(), pairs.cuda(), out, R=runs, num_warps=4)
-    r = torch.arange(runs)[:, None]
-    index = 128 * (r // 8) + 4 * (r % 8) + 32 * (torch.arange(16) // 4) + torch.arange(16) % 4
-    assert_bitwise_equal(out.cpu(), run_dot_reference(words.view(runs, 4), pairs[0].cpu()[index]), "run_dot")
+    assert_bitwise_equal(out.cpu(), run_dot_reference(words.view(runs, 4), _run_lanes(pairs[0], runs)), "run_dot")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_half2_gemv_real_widths(t, dtype):
-    """Kimi's widths, top-8, the shared output and dropped slots, compiled (the 128-bit loads, the fp16x2 PTX, h
-    stored as pairs): against the reference, the plane GEMV (fp32 products), and itself (bitwise)."""
-    gate, up, down = experts("int4_group", 24, 7168, 2048, seed=5, device="cuda")
-    x, w, ids, shared_out = _kimi_decode_inputs(t, dtype, 24)
-    outs = []
-    for _ in range(2):
-        out = poisoned_empty((t, 7168), dtype, "cuda")
-        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="half2",
-                              shared_out=shared_out, out=out))
-    assert_bitwise_equal(outs[0], outs[1], f"half2 twice T={t}")
-    planes = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="planes", shared_out=shared_out)
-    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
-    assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"half2 vs reference T={t} {dtype}")
-    assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"half2 vs planes T={t} {dtype}")
+    """The half2 form compiled (the 128-bit loads, the fp16x2 PTX, h pair-ordered between the launches) at Kimi's
+    widths: against the reference, the plane GEMV (fp32 products), and itself (bitwise)."""
+    _assert_gpu_gemv_form("half2", experts("int4_group", 24, 7168, 2048, seed=5, device="cuda"), t, dtype)
 
 
 def test_half2_run_dot_reference_is_within_its_fp16_bound():
@@ -820,8 +821,7 @@ def test_half2_run_dot_reference_is_within_its_fp16_bound():
     words = torch.randint(-2**31, 2**31 - 1, (runs, 4), generator=g, dtype=torch.int32)
     x = torch.randn(1, 32 * runs, generator=g).to(torch.bfloat16)
     pairs, _ = pair_order_reference(x)
-    r = torch.arange(runs)[:, None]
-    lanes = pairs[0][128 * (r // 8) + 4 * (r % 8) + 32 * (torch.arange(16) // 4) + torch.arange(16) % 4]
+    lanes = _run_lanes(pairs[0], runs)
     low = (lanes & 0xFFFF).to(torch.int16).view(torch.float16).double()
     high = ((lanes >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).double()
     u, i = torch.arange(16) % 4, torch.arange(16) // 4
