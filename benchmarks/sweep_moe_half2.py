@@ -1,12 +1,12 @@
 """The INT4 half2 GEMV (``fused_moe(..., gemv="half2")``, docs/moe.md "The half2 GEMV") against the plane GEMV at
 Kimi decode, in one GPU call.
 
-    python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16]
+    python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16] [--pin FORMS]
 
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
 per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the default GEMV
-(``prefetch``), the plain planes, ``half2`` autotuned and ``half2`` with each candidate tile pinned (gate-up and
-down alike), and at one token ``fused_moe`` on BF16 and FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16
+(``prefetch``), the plain planes, ``half2`` and ``half2_prefetch`` autotuned and with each candidate tile pinned
+(gate-up and down alike), and at one token ``fused_moe`` on BF16 and FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16
 and ≥ 1.6× FP8). Per form also the largest |difference| to the reference over max |reference| on the first
 routing, and whether two calls give the same bits.
 """
@@ -25,26 +25,33 @@ from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
 from .common import interleaved_graph_us, measure_ceilings, meta, sweep_args, Context
 
 
-def _tile_name(cfg) -> str:
-    return f"half2_{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}w{cfg.num_warps}"
+def _tile_name(cfg, form="half2") -> str:
+    return f"{form}_{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}w{cfg.num_warps}"
 
 
-def _pinned(cfg):
-    """Restrict the half2 autotuner to ``cfg`` (its cache cleared: the next call compiles that tile)."""
-    tuner = moe_kernel.moe_gemv_half2_autotuned
+def _tuner(form):
+    return moe_kernel.moe_gemv_half2_prefetch_autotuned if form == "half2_prefetch" else \
+        moe_kernel.moe_gemv_half2_autotuned
+
+
+def _pinned(cfg, form="half2"):
+    """Restrict the autotuner of ``form`` to ``cfg`` (its cache cleared: the next call compiles that tile)."""
+    tuner = _tuner(form)
     tuner.configs = [cfg]
     tuner.cache.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sweep_args(__doc__, "sweep_moe_half2_h200.json", None, argv,
-                      lambda ap: ap.add_argument("--tokens", default="1,4,16"))
+                      lambda ap: (ap.add_argument("--tokens", default="1,4,16"),
+                                  ap.add_argument("--pin", default="half2,half2_prefetch",
+                                                  help="forms whose tiles are also timed pinned, comma-separated")))
     if args is None:
         return 1
     ctx = Context(device="cuda", quick=False)
     measure_ceilings(ctx)
     dev, tokens_all = "cuda", [int(t) for t in args.tokens.split(",")]
-    all_configs = list(moe_kernel.GEMV_HALF2_CONFIGS)
+    all_configs = {form: list(_tuner(form).configs) for form in ("half2", "half2_prefetch")}
     result = {"meta": meta(ctx), "about": __doc__.splitlines()[0], "rows": []}
     with torch.inference_mode():
         experts = {name: _random_experts(name, dev)[0] for name in FORMATS}
@@ -60,26 +67,30 @@ def main(argv: list[str] | None = None) -> int:
             def setting(name, cfgs=None, **form):
                 def fn():
                     if cfgs is not None:
-                        _pinned(cfgs)
+                        _pinned(cfgs, form["gemv"])
                     return routed(name, **form)
                 return fn
 
-            fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"), "planes": setting("int4_g32", block_m=1, gemv="planes"),
-                   "half2": setting("int4_g32", None, block_m=1, gemv="half2")}
-            for cfg in all_configs:
-                fns[_tile_name(cfg)] = setting("int4_g32", cfg, block_m=1, gemv="half2")
+            fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"),
+                   "planes": setting("int4_g32", block_m=1, gemv="planes"),
+                   "half2": setting("int4_g32", None, block_m=1, gemv="half2"),
+                   "half2_prefetch": setting("int4_g32", None, block_m=1, gemv="half2_prefetch")}
+            for form, cfgs in all_configs.items():
+                for cfg in (cfgs if form in args.pin.split(",") else ()):
+                    fns[_tile_name(cfg, form)] = setting("int4_g32", cfg, block_m=1, gemv=form)
             if t == 1:
                 fns["bf16"] = setting("bf16")
                 fns["fp8_block"] = setting("fp8_block")
             # "half2" (autotuned) is captured before any pin; restore the full list for the error checks after
             rounds = interleaved_graph_us(fns, reps=SETS, rounds=5)
-            moe_kernel.moe_gemv_half2_autotuned.configs = all_configs
-            moe_kernel.moe_gemv_half2_autotuned.cache.clear()
+            for form, cfgs in all_configs.items():
+                _tuner(form).configs = cfgs
+                _tuner(form).cache.clear()
             x0, (w0, ids0) = xs[0], routings[0]
             p = experts["int4_g32"]
             ref = fused_moe_reference(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group")
             errs, same = {}, {}
-            for form in ("prefetch", "planes", "half2"):
+            for form in ("prefetch", "planes", "half2", "half2_prefetch"):
                 kw = {"gemv": form}
                 a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
                               block_m=1, **kw)
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                               block_m=1, **kw)
                 errs[form] = float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
                 same[form] = bool(torch.equal(a, b))
-            chosen = {str(k): str(v) for k, v in moe_kernel.moe_gemv_half2_autotuned.cache.items()}
+            chosen = {form: {str(k): str(v) for k, v in _tuner(form).cache.items()} for form in all_configs}
             us = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in rounds.items()}
             row = {"tokens": t, "us": us, "rounds": rounds, "err_vs_reference": errs, "deterministic": same,
                    "half2_autotuned_configs": chosen}

@@ -726,14 +726,16 @@ def test_pair_order_is_the_documented_layout(triton_backend):
 
 
 # (hidden, intermediate, group, dtype, tokens): K blocks (256 interpreted) whole; ragged last blocks (352, 96);
-# groups of 64; fp16; one token (the decode path) and several (the aligned path)
-HALF2_CASES = [(512, 256, 32, torch.bfloat16, 1), (352, 96, 32, torch.bfloat16, 2), (384, 256, 64, torch.float16, 1),
-               (160, 128, 32, torch.float16, 3)]
+# groups of 64; fp16; one token (the decode path) and several (the aligned path); the prefetch form (the next K
+# block's words one block ahead, the last run re-read past K) on a ragged and a whole-block case
+HALF2_CASES = [(512, 256, 32, torch.bfloat16, 1, "half2"), (352, 96, 32, torch.bfloat16, 2, "half2"),
+               (384, 256, 64, torch.float16, 1, "half2"), (160, 128, 32, torch.float16, 3, "half2"),
+               (352, 96, 32, torch.bfloat16, 2, "half2_prefetch"), (768, 256, 32, torch.float16, 1, "half2_prefetch")]
 
 
-@pytest.mark.parametrize("hidden,inter,group,dtype,tokens", HALF2_CASES)
+@pytest.mark.parametrize("hidden,inter,group,dtype,tokens,form", HALF2_CASES)
 def test_half2_gemv_matches_reference_and_the_plane_gemv(triton_backend, monkeypatch, hidden, inter, group, dtype,
-                                                         tokens):
+                                                         tokens, form):
     """Interpreted, run_dot sums the same fp16 activation lanes in fp32, so the form equals the plane GEMV up to
     summation order (the GPU's fp16 chains are checked bit for bit by test_gpu_half2_run_dot_is_its_reference)."""
     dev = triton_backend
@@ -746,10 +748,10 @@ def test_half2_gemv_matches_reference_and_the_plane_gemv(triton_backend, monkeyp
                        shared_out=shared_out)
     _poison_allocations(monkeypatch)  # h, its run scales: read only where written
     out = poisoned_empty((tokens, hidden), dtype, dev)
-    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv="half2",
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", group_size=group, block_m=1, gemv=form,
                     shared_out=shared_out, out=out)
     assert got is out
-    what = f"half2 H={hidden} I={inter} g{group} {dtype} T={tokens}"
+    what = f"{form} H={hidden} I={inter} g{group} {dtype} T={tokens}"
     assert_rel_close(got.float().cpu(), planes.float().cpu(), 2e-3, f"{what} vs the plane GEMV")
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
@@ -804,10 +806,11 @@ def test_gpu_half2_run_dot_is_its_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_half2_gemv_real_widths(t, dtype):
-    """The half2 form compiled (the 128-bit loads, the fp16x2 PTX, h pair-ordered between the launches) at Kimi's
+@pytest.mark.parametrize("form", ["half2", "half2_prefetch"])
+def test_gpu_half2_gemv_real_widths(t, dtype, form):
+    """The half2 forms compiled (the 128-bit loads, the fp16x2 PTX, h pair-ordered between the launches) at Kimi's
     widths: against the reference, the plane GEMV (fp32 products), and itself (bitwise)."""
-    _assert_gpu_gemv_form("half2", experts("int4_group", 24, 7168, 2048, seed=5, device="cuda"), t, dtype)
+    _assert_gpu_gemv_form(form, experts("int4_group", 24, 7168, 2048, seed=5, device="cuda"), t, dtype)
 
 
 def test_half2_run_dot_reference_is_within_its_fp16_bound():

@@ -29,7 +29,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # default at one token: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
 # plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode path),
 # or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x)
-GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2")
+GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2", "half2_prefetch")
 # gemv="auto" (the default): half2 from this many tokens for bf16 / fp16 x, prefetch below and for fp32 x (H200,
 # Kimi experts, interleaved rounds of a62b0c3: half2 at 4 tokens 1.09x, at 16 1.15x the prefetch planes; at one
 # token 0.95x; results/sweep_moe_half2_h200.json)
@@ -198,7 +198,7 @@ def fused_moe(
     if gemv == "auto":
         half2_ok = x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
         gemv = "half2" if half2_ok and x.shape[0] >= HALF2_MIN_TOKENS else "prefetch"
-    if gemv == "half2" and kind == "int4_group" and x.dtype not in (torch.bfloat16, torch.float16):
+    if gemv.startswith("half2") and kind == "int4_group" and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gemv='half2': x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
     if int4_tile not in INT4_TILE_FORMS:
         raise ValueError(f"int4_tile: {int4_tile!r} not in {INT4_TILE_FORMS}")
@@ -221,6 +221,7 @@ def fused_moe(
     from .._half2_gemv import pair_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
                          moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_half2_autotuned,
+                         moe_gemv_half2_prefetch_autotuned,
                          moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
 
     tokens, hidden = x.shape
@@ -243,7 +244,7 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, bm)
 
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
-    half2 = kind == "int4_group" and bm == 1 and gemv == "half2"
+    half2 = kind == "int4_group" and bm == 1 and gemv.startswith("half2")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
@@ -253,7 +254,7 @@ def fused_moe(
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned
     elif half2:  # activation pairs in (x, then h: pair_order between the launches)
-        tuned = moe_gemv_half2_autotuned
+        tuned = moe_gemv_half2_prefetch_autotuned if gemv == "half2_prefetch" else moe_gemv_half2_autotuned
     elif plane_tile:  # its configs set PLANE_TILE (the tile reads unscaled planes in x's dtype, the gate-up
         tuned = moe_gemm_plane_tile_autotuned  # epilogue writes h so too)
     else:
@@ -283,7 +284,8 @@ def fused_moe(
             grid = (programs, cdiv(n, interp_bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
                                    BLOCK_K=interp_bk, EVEN_K=k % interp_bk == 0,
-                                   PREFETCH=planes and gemv == "prefetch", PLANE_TILE=plane_tile, HALF2=half2)
+                                   PREFETCH=(planes or half2) and gemv.endswith("prefetch"),
+                                   PLANE_TILE=plane_tile, HALF2=half2)
         else:
             grid = lambda meta: (programs, cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             tuned[grid](*launch_args, GATED=gated, **consts, **extra, **pdl)

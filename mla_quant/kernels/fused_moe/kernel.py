@@ -163,13 +163,15 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 @triton.jit
 def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N, K, stride_at, stride_ast,
                      stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
     """The half2 GEMV of one assignment (``HALF2``; ``a_row``: its row of ``a``, pairs from
     ``_half2_gemv.pair_order``, run scales at ``as_ptr``) against columns n0..n0+BLOCK_N of one expert: fp32
     [1, BLOCK_N] sums (gate, and up when GATED). Tiles are [BLOCK_K/32, BLOCK_N/2] runs (4 words each), the even
     and odd columns in two tiles that share each run's 16 activation pairs; each run is one inline-PTX block of
     fp16x2 arithmetic (``_half2_gemv.run_dot``) scaled by group scale × activation run scale in fp32. Columns past
-    N re-read column N - 1 and runs past K (unless EVEN_K) the first run, zeroed (never stored)."""
+    N re-read column N - 1 and runs past K (unless EVEN_K) the first run, zeroed (never stored). PREFETCH: the next
+    K block's words are loaded before this block's arithmetic (a register double buffer; past K the last run is
+    read again)."""
     rr = tl.arange(0, BLOCK_K // 32)[:, None] + tl.zeros((1, BLOCK_N // 2), dtype=tl.int32)  # full tile shape
     c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[None, :]
     even = tl.minimum(c, N - 1).to(tl.int64) * stride_wn
@@ -182,6 +184,13 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     acc1o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
     acc3e = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
     acc3o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
+    if PREFETCH:  # the first K block's words (runs past K: the first run)
+        w_off = 4 * tl.where(rr < K // 32, rr, 0)
+        n1e = four_words(w1_ptr + even + w_off, INTERPRET)
+        n1o = four_words(w1_ptr + odd + w_off, INTERPRET)
+        if GATED:
+            n3e = four_words(w3_ptr + even + w_off, INTERPRET)
+            n3o = four_words(w3_ptr + odd + w_off, INTERPRET)
     for k0 in range(0, K, BLOCK_K):
         run = k0 // 32 + rr
         ok = run < K // 32
@@ -190,18 +199,34 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
         x = load_pairs(a_ptr + pair_offsets(run), INTERPRET)
         xs = _load_in_place(as_ptr + run, ok, True, INTERPRET)
         w_off, s_off = 4 * run, 32 * run // GROUP
-        acc1e += _half2_term(w1_ptr + even + w_off, s1_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
-        acc1o += _half2_term(w1_ptr + odd + w_off, s1_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+        if PREFETCH:  # this block's words were loaded one block ago; start the next block's
+            w1e, w1o = n1e, n1o
+            w_next = 4 * tl.minimum(run + BLOCK_K // 32, K // 32 - 1)
+            n1e = four_words(w1_ptr + even + w_next, INTERPRET)
+            n1o = four_words(w1_ptr + odd + w_next, INTERPRET)
+            if GATED:
+                w3e, w3o = n3e, n3o
+                n3e = four_words(w3_ptr + even + w_next, INTERPRET)
+                n3o = four_words(w3_ptr + odd + w_next, INTERPRET)
+        else:
+            w1e = four_words(w1_ptr + even + w_off, INTERPRET)
+            w1o = four_words(w1_ptr + odd + w_off, INTERPRET)
+            if GATED:
+                w3e = four_words(w3_ptr + even + w_off, INTERPRET)
+                w3o = four_words(w3_ptr + odd + w_off, INTERPRET)
+        acc1e += _half2_term(w1e, s1_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+        acc1o += _half2_term(w1o, s1_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
         if GATED:
-            acc3e += _half2_term(w3_ptr + even + w_off, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
-            acc3o += _half2_term(w3_ptr + odd + w_off, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+            acc3e += _half2_term(w3e, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
+            acc3o += _half2_term(w3o, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
     return _interleave(acc1e, acc1o, BLOCK_N), _interleave(acc3e, acc3o, BLOCK_N)
 
 
 @triton.jit
-def _half2_term(w_ptrs, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """Run sums × group scale × activation run scale for one column tile (zero where not ``ok`` unless EVEN_K)."""
-    term = run_dot(four_words(w_ptrs, INTERPRET), x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET) * xs)
+def _half2_term(words, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """Run sums × group scale × activation run scale for one column tile's ``words`` (``four_words``; zero where not
+    ``ok`` unless EVEN_K)."""
+    term = run_dot(words, x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET) * xs)
     if not EVEN_K:
         term = tl.where(ok, term, 0.0)
     return term
@@ -330,7 +355,7 @@ def _moe_gemm_kernel(
     if HALF2:  # INT4 half2 GEMV (BLOCK_M == 1): a separate loop, see _int4_half2_gemv
         acc1, acc3 = _int4_half2_gemv(a_ptr, as_ptr, tl.sum(tl.where(row_ok, a_rows, 0)), w1_ptr, s1_ptr, w3_ptr,
                                       s3_ptr, pid_n * BLOCK_N, N, K, stride_at, stride_ast, stride_wn, stride_sn,
-                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET)
+                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH)
     elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
@@ -544,6 +569,9 @@ moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemm_plane_tile_autotuned = _autotuned(PLANE_TILE_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 moe_gemv_half2_autotuned = _autotuned(GEMV_HALF2_CONFIGS)
+# gemv="half2_prefetch": the half2 GEMV with a register double buffer of the next K block's words (PREFETCH)
+moe_gemv_half2_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
+                                                              num_stages=c.num_stages) for c in GEMV_HALF2_CONFIGS])
 # gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
 moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
                                                         num_stages=c.num_stages) for c in GEMV_PLANES_CONFIGS])
