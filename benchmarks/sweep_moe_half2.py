@@ -4,10 +4,11 @@ Kimi decode, in one GPU call.
     python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16] [--pin FORMS]
 
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
-per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the default GEMV
-(``prefetch``), the plain planes, ``half2`` and ``half2_prefetch`` autotuned and with each candidate tile pinned
-(gate-up and down alike), and at one token ``fused_moe`` on BF16 and FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16
-and ≥ 1.6× FP8). Per form also the largest |difference| to the reference over max |reference| on the first
+per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the plane GEMV with
+prefetch (``prefetch``, the default until session 23), the plain planes, ``half2`` and ``half2_prefetch`` (the
+default for bf16 x since) autotuned and with each candidate tile of the forms in ``--pin`` pinned (gate-up and down
+alike), ``half2_prefetch`` with ``pair_order`` launched without PDL, and at one token ``fused_moe`` on BF16 and
+FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16 and ≥ 1.6× FP8). Per form also the largest |difference| to the reference over max |reference| on the first
 routing, and whether two calls give the same bits.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import torch
 
 from mla_quant.kernels.fused_moe import fused_moe, fused_moe_reference
+from mla_quant.kernels import _half2_gemv as H
 from mla_quant.kernels.fused_moe import kernel as moe_kernel
 from mla_quant.modules.experts import kernel_args
 
@@ -71,7 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                     return routed(name, **form)
                 return fn
 
+            def no_pair_pdl():  # pair_order launched plainly (the launch before session 23)
+                H.PAIR_ORDER_PDL = False
+                try:
+                    return routed("int4_g32", block_m=1, gemv="half2_prefetch")
+                finally:
+                    H.PAIR_ORDER_PDL = True
+
             fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"),
+                   "half2_prefetch_plain_pair_order": no_pair_pdl,
                    "planes": setting("int4_g32", block_m=1, gemv="planes"),
                    "half2": setting("int4_g32", None, block_m=1, gemv="half2"),
                    "half2_prefetch": setting("int4_g32", None, block_m=1, gemv="half2_prefetch")}

@@ -30,9 +30,12 @@ import triton
 import triton.language as tl
 
 from ._gemm_utils import PLANE_BLOCK_K, ld4, plane_width
+from ._pdl import pdl_launch
+from ._triton_utils import grid_dependency_sync
 
 PAIR_BLOCK = tl.constexpr(PLANE_BLOCK_K // 2)  # int32 pairs per block of 256 K (4 pair planes of 32 words)
 RUN_K = 32  # K per run: 4 words, the unit of one run sum and one activation scale
+PAIR_ORDER_PDL = True  # pair_order launched with PDL (where _pdl allows it); a sweep setting
 
 
 @triton.jit
@@ -60,8 +63,9 @@ def f16_pairs(v):
 
 
 @triton.jit
-def _pair_order_kernel(src_ptr, dst_ptr, scale_ptr, K, stride_src, stride_dst, stride_scale):
+def _pair_order_kernel(src_ptr, dst_ptr, scale_ptr, K, stride_src, stride_dst, stride_scale, PDL: tl.constexpr):
     # program (row, block b of 256 K): x as [run r, plane i, word u, lane l], k = 256b + 8(4r + u) + i + 4l
+    grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     r = tl.arange(0, 8)[:, None, None, None]
@@ -81,14 +85,17 @@ def _pair_order_kernel(src_ptr, dst_ptr, scale_ptr, K, stride_src, stride_dst, s
 
 def pair_order(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, K] activations (last dim contiguous) -> ``(pairs, scales)`` in pair order (module docstring):
-    int32 [R, plane_width(K) / 2] and fp32 [R, plane_width(K) / 32]. One small Triton launch."""
+    int32 [R, plane_width(K) / 2] and fp32 [R, plane_width(K) / 32]. One small Triton launch, with PDL on Hopper
+    (``_pdl``: scheduled while the kernel before it runs, e.g. the gate-up GEMV whose h it orders)."""
     rows, k = a.shape
     width = plane_width(k)
     pairs = torch.empty((rows, width // 2), dtype=torch.int32, device=a.device)
     scales = torch.empty((rows, width // RUN_K), dtype=torch.float32, device=a.device)
     if rows and k:
         _pair_order_kernel[(rows, width // PLANE_BLOCK_K)](a, pairs, scales, k, a.stride(0), pairs.stride(0),
-                                                           scales.stride(0), num_warps=2)
+                                                           scales.stride(0), num_warps=2,
+                                                           **(pdl_launch(a.device, "pair_order") if PAIR_ORDER_PDL
+                                                              else {"PDL": False}))
     return pairs, scales
 
 

@@ -21,12 +21,14 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable kernel's; SPLIT_K optional
 TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
-# / by TMA from shared memory where the output allows it)
-WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE")
+# / by TMA from shared memory where the output allows it; KSPLIT 0 / 1 (optional, BN 128): [64, BN] tiles, the two
+# groups on alternate K blocks of each, for shapes whose 128-row tiles leave SMs idle)
+WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT")
 VARIANTS = ("auto", "portable", "tma", "ws")
-WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts}
-                      for bn, st, ts in ((128, 4, 1), (128, 5, 1), (128, 6, 1), (128, 5, 0), (64, 8, 1),
-                                         (256, 3, 1), (256, 4, 1)))
+WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {})}
+                      for bn, st, ts, ks in ((128, 4, 1, 0), (128, 5, 1, 0), (128, 6, 1, 0), (128, 5, 0, 0),
+                                             (64, 8, 1, 0), (256, 3, 1, 0), (256, 4, 1, 0), (128, 4, 1, 1),
+                                             (128, 6, 1, 1), (128, 7, 1, 1), (128, 6, 0, 1)))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
 # group (two programs per SM: 4 stages of 24 KB each)
@@ -226,9 +228,13 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % sub_n:
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
                          f"got block {block}, BN {cfg['BN']}")
-    a_layout = gl.NVMMASharedLayout.get_default_for([128, bk], gl.float8e4nv)
+    ksplit = bool(cfg.get("KSPLIT", 0))
+    if ksplit and cfg["BN"] == 256:
+        raise ValueError("config: KSPLIT takes BN 64 or 128 (one [64, BN] product per warp group)")
+    bm = 64 if ksplit else 128
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(a, [128, bk], a_layout)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)
     b_desc = TensorDescriptor.from_tensor(b, [sub_n, bk], b_layout)  # BN = 256: two boxes per K block
     # 16-bit outputs with TMA-aligned rows leave through shared memory by TMA (64 rows per consumer warp group)
     tma_store = c.element_size() == 2 and cfg["TMA_STORE"] and _tma_ok(c, c)
@@ -236,9 +242,9 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     if tma_store:
         c_gl = gl.bfloat16 if c.dtype == torch.bfloat16 else gl.float16
         c_desc = TensorDescriptor.from_tensor(c, [64, sub_n], gl.NVMMASharedLayout.get_default_for([64, sub_n], c_gl))
-    tiles = cdiv(m, 128) * cdiv(n, cfg["BN"])
+    tiles = cdiv(m, bm) * cdiv(n, cfg["BN"])
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
-        a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=128, BN=cfg["BN"], BK=bk,
-        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), num_warps=4)
+        a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=bm, BN=cfg["BN"], BK=bk,
+        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), KSPLIT=ksplit, num_warps=4)
     return c
 

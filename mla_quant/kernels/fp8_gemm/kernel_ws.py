@@ -191,6 +191,61 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, 
 
 
 @gluon.jit
+def _consumer_ksplit(a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr, c_desc,
+                     c_smem, M, N, K, stride_cm, HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr,
+                     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                     TMA_STORE: gl.constexpr):
+    """``KSPLIT``: both warp groups on the same [BM = 64, BN] tile, group HALF on the K blocks kb ≡ HALF (mod 2) (the
+    producer's ring is unchanged: K block kb of the program's t-th tile sits at ring position t·n_kb + kb). At the
+    tile's end group 1 hands its fp32 sum to group 0 through ``red_smem`` (``red_full`` / ``red_empty``, one
+    completion per tile), and group 0 adds it and stores the tile."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    n_kb = K // BK
+    grid_m = gl.cdiv(M, BM)
+    grid_n = gl.cdiv(N, BN)
+    zero = gl.zeros([BM, BN], gl.float32, mma)
+    base = 0  # ring position of the tile's first K block
+    t = 0  # tiles done by this program
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        rm = pid_m * BM + gl.arange(0, BM, rows_l)
+        a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
+        b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
+        k_first = gl.minimum(HALF, n_kb - 1)
+        a_s_next = gl.load(a_s_ptrs + k_first)
+        b_s_next = gl.load(b_s_ptr + k_first)
+        acc = zero
+        for kb in range(HALF, n_kb, 2):
+            scale = a_s_next * b_s_next
+            kn = gl.minimum(kb + 2, n_kb - 1)
+            a_s_next = gl.load(a_s_ptrs + kn)
+            b_s_next = gl.load(b_s_ptr + kn)
+            it = base + kb
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(s)
+            b = b_bufs.index(s).permute((1, 0))  # [BK, BN], K-major as fp8 wgmma needs
+            prod = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+            prod, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(prod, a, b))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += prod * scale[:, None]
+        if HALF == 1:
+            mbarrier.wait(red_empty.index(0), (t & 1) ^ 1)  # group 0 has read the previous tile's sum
+            red_smem.store(acc)
+            mbarrier.arrive(red_full.index(0), count=1)
+        else:
+            mbarrier.wait(red_full.index(0), t & 1)
+            acc += red_smem.load(mma)
+            mbarrier.arrive(red_empty.index(0), count=1)
+            _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM, pid_n * BN, M, N, stride_cm, mma, BN, TMA_STORE)
+        base += n_kb
+        t += 1
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _store_block(acc, c_ptr, c_desc, c_smem, rm, row0, col0, M, N, stride_cm, mma: gl.constexpr, SN: gl.constexpr,
                  TMA_STORE: gl.constexpr):
     """One consumer group's [BM/2, SN] output block at (row0, col0); rows ``rm``."""
@@ -210,7 +265,8 @@ def _store_block(acc, c_ptr, c_desc, c_smem, rm, row0, col0, M, N, stride_cm, mm
 @gluon.jit
 def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+                        KSPLIT: gl.constexpr = False):
     SN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * (BN // SN), SN, BK], b_desc.layout)
@@ -218,15 +274,33 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warp group
-    if TMA_STORE:  # one output staging buffer per consumer warp group
+        mbarrier.init(empty.index(i), count=1 if KSPLIT else 2)  # one arrival per consumer warp group using it
+    if TMA_STORE and KSPLIT:  # (group 0 stores every tile)
+        c_smem0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c_smem1 = c_smem0
+    elif TMA_STORE:  # one output staging buffer per consumer warp group
         c_smem0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
         c_smem1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     else:
         c_smem0 = a_bufs
         c_smem1 = a_bufs
     # (a constexpr choice of the consumer function is not expressible: one warp_specialize per form)
-    if BN > SN:
+    if KSPLIT:  # [64, BN] tiles, the groups on alternate K blocks; group 1's sum handed over through shared memory
+        red_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+        red_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        red_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(red_full.index(0), count=1)
+        mbarrier.init(red_empty.index(0), count=1)
+        gl.warp_specialize([
+            (_consumer_ksplit, (a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr,
+                                c_desc, c_smem0, M, N, K, stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_consumer_ksplit, (a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr,
+                                c_desc, c_smem0, M, N, K, stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        mbarrier.invalidate(red_full.index(0))
+        mbarrier.invalidate(red_empty.index(0))
+    elif BN > SN:
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K,
                               stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),

@@ -26,14 +26,13 @@ from .reference import KINDS, dequantize_expert, fused_moe_reference
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # the INT4 GEMV (block_m == 1): nibble planes with a register double buffer of the next K block's words (the
-# default at one token: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at 16), the
-# plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode path),
-# or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x)
+# default for fp32 x: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at
+# 16), the plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode
+# path), or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x), plain or with the next K block's
+# words prefetched likewise. gemv="auto" (the default) takes half2_prefetch for bf16 / fp16 x, prefetch for fp32 x:
+# H200, Kimi experts, interleaved rounds of 1eb45a1 (results/sweep_moe_half2_h200.json): one token half2_prefetch
+# 69.0 µs, prefetch 73.6, half2 76.8; 16 tokens 855.1, 1083.4, 869.4
 GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2", "half2_prefetch")
-# gemv="auto" (the default): half2 from this many tokens for bf16 / fp16 x, prefetch below and for fp32 x (H200,
-# Kimi experts, interleaved rounds of a62b0c3: half2 at 4 tokens 1.09x, at 16 1.15x the prefetch planes; at one
-# token 0.95x; results/sweep_moe_half2_h200.json)
-HALF2_MIN_TOKENS = 2
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -168,13 +167,14 @@ def fused_moe(
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
     overrides :func:`choose_block_m` (GPU path only).
-    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"auto"`` (default: ``"half2"`` from ``HALF2_MIN_TOKENS``
-    tokens with bf16 / fp16 x, else ``"prefetch"``), ``"planes"`` (the activations re-ordered into fp32 nibble
+    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"auto"`` (default: ``"half2_prefetch"`` with bf16 / fp16
+    x, ``"prefetch"`` with fp32 x), ``"planes"`` (the activations re-ordered into fp32 nibble
     planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same with
     the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200),
     ``"half2"`` (bf16 / fp16 x only: the activations as fp16 pairs with a power-of-two scale per 32, each pair of
     weights one LOP3 + one HFMA2, runs of 32 products summed in fp16 then scaled in fp32 — about twice the
-    rounding error of the fp32 forms, still below bf16's; docs/moe.md "The half2 GEMV") or
+    rounding error of the fp32 forms, still below bf16's; docs/moe.md "The half2 GEMV"), ``"half2_prefetch"`` (the
+    same with the next K block's words loaded one block ahead) or
     ``"tile"`` (the previous form: a dequantized [BLOCK_N, BLOCK_K] fp32 tile) or ``"fragments"`` (``mma.sync`` on
     operand fragments each thread builds in its registers, as ``w4a16_gemm``'s fragment kernel: the decode path
     without align or combine launch at any token count; bf16 / fp16 x with scales of x's dtype and 16-byte aligned
@@ -197,9 +197,9 @@ def fused_moe(
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS + ('auto',)}")
     if gemv == "auto":
         half2_ok = x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
-        gemv = "half2" if half2_ok and x.shape[0] >= HALF2_MIN_TOKENS else "prefetch"
+        gemv = "half2_prefetch" if half2_ok else "prefetch"
     if gemv.startswith("half2") and kind == "int4_group" and x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gemv='half2': x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
+        raise ValueError(f"gemv={gemv!r}: x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
     if int4_tile not in INT4_TILE_FORMS:
         raise ValueError(f"int4_tile: {int4_tile!r} not in {INT4_TILE_FORMS}")
     if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):

@@ -21,7 +21,7 @@ one B column per group; 1.6-2.5 SASS instructions per weight against 3.7-3.9 her
 one Kimi token on the H200 (session 10: Triton routes each plane's B operand through shared memory, two barriers
 per plane); it was removed. docs/moe.md "Where the INT4 GEMV time goes (measured)".
 
-``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default) or ``"planes"``) runs the
+``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default for fp32 x) or ``"planes"``) runs the
 plane GEMV (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive
 as fp32 nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` (the
 default) adds a register double buffer of the next K block's words.
@@ -569,9 +569,11 @@ moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemm_plane_tile_autotuned = _autotuned(PLANE_TILE_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 moe_gemv_half2_autotuned = _autotuned(GEMV_HALF2_CONFIGS)
-# gemv="half2_prefetch": the half2 GEMV with a register double buffer of the next K block's words (PREFETCH)
-moe_gemv_half2_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
-                                                              num_stages=c.num_stages) for c in GEMV_HALF2_CONFIGS])
+# gemv="half2_prefetch": the half2 GEMV with a register double buffer of the next K block's words (PREFETCH); not
+# 8 x 1024 on one warp, whose gate-up spills with it (168 registers, 108 B; sm_90, Triton 3.6, benchmarks.gemv_sass)
+moe_gemv_half2_prefetch_autotuned = _autotuned([
+    triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps, num_stages=c.num_stages)
+    for c in GEMV_HALF2_CONFIGS if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) != (8, 1024, 1)])
 # gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
 moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
                                                         num_stages=c.num_stages) for c in GEMV_PLANES_CONFIGS])
