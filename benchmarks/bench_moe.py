@@ -22,13 +22,15 @@ Rows ``int4_g32_fast`` / ``int4_g32_fast2`` in results up to 5a85563 timed ``fus
 the FAST_DEQUANT levels removed after that run (0.40-0.61x the plane tile above 16 tokens, equal below).
 
 Where the INT4 experts run as a GEMV (``block_m == 1``: 1, 4 and 16 tokens), ``int4_g32`` is the default
-(``gemv="auto"``: since 1eb45a1's H200 sweep the fp16x2 GEMV with a register double buffer at every token count
-for bf16 x; in a62b0c3's run the plane GEMV with the double buffer at one token, the plain fp16x2 GEMV from two), and rows ``int4_g32_prefetch`` time the plane GEMV with the double buffer (``gemv="prefetch"``;
-results of a62b0c3 and before: the default itself, except 5a85563 and before, where the double buffer was opt-in),
-``int4_g32_half2`` the fp16x2 form without the double buffer (``gemv="half2"``), ``int4_g32_tile`` the previous GEMV (``gemv="tile"``),
-``int4_g32_planes`` the plane GEMV without the double buffer (``gemv="planes"``), ``int4_g32_frag`` the
-MMA-fragment form (``gemv="fragments"``, the decode path at every token count), on the same experts and routings
-(``speedup_vs_int4_g32`` > 1 means that form beats the default; docs/moe.md "The INT4 plane GEMV", "The half2
+(``gemv="auto"``: since session 23 the fp16x2 GEMV with a register double buffer at one token and without it from
+two, for the bench's bf16 x; in a62b0c3's run the plane GEMV with the double buffer at one token), and rows
+``int4_g32_prefetch`` time the plane GEMV with the double buffer (``gemv="prefetch"``; results of a62b0c3 and
+before: the default itself, except 5a85563 and before, where the double buffer was opt-in), ``int4_g32_half2`` the
+fp16x2 form without the double buffer (``gemv="half2"``), ``int4_g32_half2_prefetch`` with it
+(``gemv="half2_prefetch"``), ``int4_g32_tile`` the previous GEMV (``gemv="tile"``), ``int4_g32_planes`` the plane
+GEMV without the double buffer (``gemv="planes"``), ``int4_g32_frag`` the MMA-fragment form (``gemv="fragments"``,
+the decode path at every token count), on the same experts and routings (``speedup_vs_int4_g32`` > 1 means that form
+beats the default; docs/moe.md "The INT4 plane GEMV", "The half2
 GEMV"). There, too, rows ``int4_g32_unfused`` time
 the aligned decode path (``fused_moe(..., decode_fusion=False)``: ``moe_align``, the two GEMVs, the combine launch)
 and ``int4_g32_fused`` the fused one (``decode_fusion=True``: no align; the combine done by the down GEMV's
@@ -62,12 +64,12 @@ E, HIDDEN, INTER, TOP_K, SCALE = 384, 7168, 2048, 8, 2.827
 TOKENS = (1, 4, 16, 64, 256, 1024)
 FORMATS = {"bf16": BF16(), "fp8_block": FP8Block(), "int4_g32": Int4Group(32)}
 SETS = 8  # routings cycled per timing
-# row format -> fused_moe keywords, rows where block_m == 1 beside int4_g32 (the defaults: gemv="auto" =
-# "half2_prefetch" for the bench's bf16 x, decode_fusion="auto": fused at one token)
+# row format -> fused_moe keywords, rows where block_m == 1 beside int4_g32 (the defaults: gemv="auto", for the
+# bench's bf16 x "half2_prefetch" at one token and "half2" above; decode_fusion="auto": fused at one token)
 GEMV_FORMATS = {"int4_g32_tile": {"gemv": "tile"}, "int4_g32_planes": {"gemv": "planes"},
                 "int4_g32_unfused": {"decode_fusion": False}, "int4_g32_fused": {"decode_fusion": True},
                 "int4_g32_frag": {"gemv": "fragments"}, "int4_g32_half2": {"gemv": "half2"},
-                "int4_g32_prefetch": {"gemv": "prefetch"}}
+                "int4_g32_prefetch": {"gemv": "prefetch"}, "int4_g32_half2_prefetch": {"gemv": "half2_prefetch"}}
 # fused_moe(int4_tile="dequant") -> row format, at these token counts beside int4_g32 (the plane tile)
 DEQUANT_TILE_FORMAT, DEQUANT_TILE_TOKENS = "int4_g32_dequant_tile", (16, 64, 256, 1024)
 

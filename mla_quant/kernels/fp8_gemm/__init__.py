@@ -50,17 +50,29 @@ def default_config(m: int) -> dict:
     return {"BM": 64, "BN": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "PERSISTENT": 0}
 
 
+def _ksplit_fills(m: int, n: int, sms: int) -> bool:
+    """Where the ws kernel takes ``KSPLIT``: its 128 × 128 tiles would fill under 90 % of the ``sms`` SMs, while
+    [64, 128] tiles fill 90-100 % of them in one wave."""
+    return cdiv(m, 128) * cdiv(n, 128) < 0.9 * sms and 0.9 * sms <= cdiv(m, 64) * cdiv(n, 128) <= sms
+
+
 def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s: int = 128) -> dict:
     """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 4 stages, the output stored by TMA where it
     can be, and 128 × 256 tiles where they take no more waves of ``sms`` programs than 128 × 128 tiles take
     (twice the tiles: 2·⌈t₂₅₆/sms⌉ = ⌈t₁₂₈/sms⌉; needs ``n`` and ``sms``, and weight blocks of 128 columns or a
-    multiple), else 128 × 128.
+    multiple), else 128 × 128; ``KSPLIT`` [64, 128] tiles with 7 stages where 128-row tiles would leave SMs idle and
+    64-row tiles fill one wave (:func:`_ksplit_fills`).
 
     H200, sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within 2 % at the other two);
     TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x. Session 21 (results/sweep_fp8_gemm_ws_h200.json):
     where the rule takes 128 × 256 it was 0.943-0.985x the time of 128 × 128 at 8 of 9 shapes (1.0 at
     8192 × 4096 × 7168, within the noise); where it keeps 128 × 128 the wide tiles were 1.07-1.8x slower
-    (2048 × 7168 × 2048: 4 waves for 3.4; 512 × 2048 / 4096 × 7168: half the SMs idle)."""
+    (2048 × 7168 × 2048: 4 waves for 3.4; 512 × 2048 / 4096 × 7168: half the SMs idle). Session 23 (same file,
+    6cf5cd6): KSPLIT at 512 × 2048 × 7168 (128 tiles of 64 rows) 19.6 µs with 7 stages (20.2 with 6, 21.9 with 4)
+    against 25.0 for the tma kernel "auto" took before and 29.0 for 128 × 128; at the 7 other prefill shapes of
+    M = 512 and 2048 (256-1536 tiles of 64 rows) 1.1-1.5x the time of this rule's choice."""
+    if n is not None and sms and bn_s % 128 == 0 and _ksplit_fills(m, n, sms):
+        return {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1}
     bn = 128
     if n is not None and sms and bn_s % 128 == 0:
         tiles_m = cdiv(m, 128)
@@ -71,14 +83,15 @@ def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s
 
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
     """``variant="auto"``: on Hopper past 64 tokens with TMA-aligned operands "ws" when its 128 × 128 tiles fill
-    ~90 % of the SMs or more (bk = 128, bn a multiple of 128, no configuration of another variant pinned), else
-    "tma"; "portable" otherwise (and under the interpreter). H200: "ws" took 0.79-0.97x the time of "tma"'s default
-    at all 9 prefill shapes of the sweep of 518d14e (128-1536 tiles; results/sweep_fp8_gemm_ws_h200.json), but
-    1.23x at 512 x 2048 x 7168 (64 tiles: half the SMs idle; bench gemm of 15dad33)."""
+    ~90 % of the SMs or more, or its KSPLIT 64-row tiles fill one wave (:func:`_ksplit_fills`) (bk = 128, bn a
+    multiple of 128, no configuration of another variant pinned), else "tma"; "portable" otherwise (and under the
+    interpreter). H200: "ws" took 0.79-0.97x the time of "tma"'s default at all 9 prefill shapes of the sweep of
+    518d14e (128-1536 tiles; results/sweep_fp8_gemm_ws_h200.json), but 1.23x at 512 x 2048 x 7168 (64 tiles: half
+    the SMs idle; bench gemm of 15dad33), where KSPLIT took 0.78x (session 23: 19.6 against 25.0 µs)."""
     if m <= 64 or interpreted or not _tma_ok(a, b) or not _is_hopper(a.device):
         return "portable"
-    n = b.shape[0]
-    fills = cdiv(m, 128) * cdiv(n, 128) >= 0.9 * num_sms(a.device)
+    n, sms = b.shape[0], num_sms(a.device)
+    fills = cdiv(m, 128) * cdiv(n, 128) >= 0.9 * sms or _ksplit_fills(m, n, sms)
     ws_ok = fills and int(block[1]) == 128 and int(block[0]) % 128 == 0 and _gluon_available()
     return "ws" if ws_ok and set(config or {}) <= set(WS_CONFIG_KEYS) else "tma"
 

@@ -29,10 +29,13 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # default for fp32 x: 1.02-1.04x the plain planes in the H200 runs of 8b4c3e0 and 5a85563 at one Kimi token and at
 # 16), the plain planes, the previous tile form, mma.sync on fragments built in registers (fragments.py; the decode
 # path), or fp16x2 arithmetic on activation pairs (_half2_gemv.py; bf16 / fp16 x), plain or with the next K block's
-# words prefetched likewise. gemv="auto" (the default) takes half2_prefetch for bf16 / fp16 x, prefetch for fp32 x:
-# H200, Kimi experts, interleaved rounds of 1eb45a1 (results/sweep_moe_half2_h200.json): one token half2_prefetch
-# 69.0 µs, prefetch 73.6, half2 76.8; 16 tokens 855.1, 1083.4, 869.4
+# words prefetched likewise.
 GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2", "half2_prefetch")
+# gemv="auto" (the default) for bf16 / fp16 x: half2_prefetch up to this many tokens, half2 above; prefetch for fp32
+# x. H200, Kimi experts, interleaved rounds (results/sweep_moe_half2_h200.json), µs half2_prefetch / half2 / the
+# prefetch planes: one token 69.0 / 76.8 / 73.6 (1eb45a1) and 66.7 / 75.1 / 73.4 (6cf5cd6, pair_order with PDL);
+# 4 tokens 225.9 / 222.1 / 271.1 (6cf5cd6); 16 tokens 855.1 / 869.4 / 1083.4 and 891.2 / 838.1 / 1004.0
+HALF2_PREFETCH_MAX_TOKENS = 1
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -167,9 +170,9 @@ def fused_moe(
     checkpoint tensors (``reference.py``); ``kind`` in ``KINDS``. ``act_quant`` (fp8_block only) quantizes
     activations per token (W8A8). ``shared_out`` [T, H] is added before the final rounding. ``block_m``
     overrides :func:`choose_block_m` (GPU path only).
-    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"auto"`` (default: ``"half2_prefetch"`` with bf16 / fp16
-    x, ``"prefetch"`` with fp32 x), ``"planes"`` (the activations re-ordered into fp32 nibble
-    planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same with
+    ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"auto"`` (default: with bf16 / fp16 x ``"half2_prefetch"``
+    up to ``HALF2_PREFETCH_MAX_TOKENS`` tokens and ``"half2"`` above, with fp32 x ``"prefetch"``), ``"planes"`` (the
+    activations re-ordered into fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same with
     the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200),
     ``"half2"`` (bf16 / fp16 x only: the activations as fp16 pairs with a power-of-two scale per 32, each pair of
     weights one LOP3 + one HFMA2, runs of 32 products summed in fp16 then scaled in fp32 — about twice the
@@ -197,7 +200,7 @@ def fused_moe(
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS + ('auto',)}")
     if gemv == "auto":
         half2_ok = x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
-        gemv = "half2_prefetch" if half2_ok else "prefetch"
+        gemv = ("half2_prefetch" if x.shape[0] <= HALF2_PREFETCH_MAX_TOKENS else "half2") if half2_ok else "prefetch"
     if gemv.startswith("half2") and kind == "int4_group" and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gemv={gemv!r}: x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
     if int4_tile not in INT4_TILE_FORMS:
