@@ -42,6 +42,12 @@ Half of the sampled warp stalls are at CTA barriers: the idle warps of the produ
 ``bar.sync`` of 128 threads that Gluon emits before each ``mbarrier.wait`` and each single-thread
 ``mbarrier.arrive`` (two per K block and group; DeepGEMM has each consumer warp arrive on its own, without a
 barrier — Gluon 3.6 has no per-warp arrive).
+``KSPLIT`` (``_consumer_ksplit``, for shapes whose 128-row tiles leave SMs idle): [64, BN] tiles, both groups on
+every tile, group g on the K blocks kb ≡ g (mod 2), group 1's fp32 sum handed to group 0 through shared memory at
+the tile's end: twice the programs of the same per-SM structure (two wgmma chains overlapping the other's
+promotion), one product per group, no partials in global memory. H200 (session 23, same file): 512 × 2048 × 7168
+19.5-19.6 µs with 7 stages against 25.0 for the tma kernel and 29.0 for 128 × 128 tiles (64 tiles); where 128-row
+tiles already fill the SMs it took 1.1-1.5x the time (the A tile is read once per 64 rows instead of 128).
 Tried and left out:
 
 * two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
