@@ -22,13 +22,16 @@ CONFIG_KEYS = ("BM", "BN", "GROUP_M", "num_warps", "num_stages")  # the portable
 TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a grid of one program per SM
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
 # / by TMA from shared memory where the output allows it; KSPLIT 0 / 1 (optional, BN 128): [64, BN] tiles, the two
-# groups on alternate K blocks of each, for shapes whose 128-row tiles leave SMs idle)
-WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT")
+# groups on alternate K blocks of each, for shapes whose 128-row tiles leave SMs idle; AHEAD 0 / 1 (optional, BN 64 /
+# 128, not with KSPLIT): each K block's wgmma issued before the previous block's product is promoted)
+WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD")
 VARIANTS = ("auto", "portable", "tma", "ws")
-WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {})}
-                      for bn, st, ts, ks in ((128, 4, 1, 0), (128, 5, 1, 0), (128, 6, 1, 0), (128, 5, 0, 0),
-                                             (64, 8, 1, 0), (256, 3, 1, 0), (256, 4, 1, 0), (128, 4, 1, 1),
-                                             (128, 6, 1, 1), (128, 7, 1, 1), (128, 6, 0, 1)))
+WS_CANDIDATES = (tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {})}
+                       for bn, st, ts, ks in ((128, 4, 1, 0), (128, 5, 1, 0), (128, 6, 1, 0), (128, 5, 0, 0),
+                                              (64, 8, 1, 0), (256, 3, 1, 0), (256, 4, 1, 0), (128, 4, 1, 1),
+                                              (128, 6, 1, 1), (128, 7, 1, 1), (128, 6, 0, 1)))
+                 + tuple({"BN": 128, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, "AHEAD": 1}
+                         for st, ts in ((4, 1), (5, 1), (4, 0))))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
 # group (two programs per SM: 4 stages of 24 KB each)
@@ -236,14 +239,17 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     bn_s, bk = int(block[0]), int(block[1])
-    cfg = _tma_variant_config("ws", a, b, ws_default_config(m, n, num_sms(a.device), bn_s), config, WS_CONFIG_KEYS)
+    defaults = ws_default_config(m, n, num_sms(a.device), bn_s)
+    if config is not None:  # a pinned configuration is its own: KSPLIT / AHEAD only where it names them
+        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD")}
+    cfg = _tma_variant_config("ws", a, b, defaults, config, WS_CONFIG_KEYS)
     sub_n = min(cfg["BN"], 128)  # one wgmma's columns: BN = 256 runs two 128-column halves
     if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % sub_n:
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
                          f"got block {block}, BN {cfg['BN']}")
-    ksplit = bool(cfg.get("KSPLIT", 0))
-    if ksplit and cfg["BN"] == 256:
-        raise ValueError("config: KSPLIT takes BN 64 or 128 (one [64, BN] product per warp group)")
+    ksplit, ahead = bool(cfg.get("KSPLIT", 0)), bool(cfg.get("AHEAD", 0))
+    if (ksplit or ahead) and cfg["BN"] == 256 or ksplit and ahead:
+        raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128, one of them at a time")
     bm = 64 if ksplit else 128
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)
@@ -258,6 +264,7 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     tiles = cdiv(m, bm) * cdiv(n, cfg["BN"])
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=bm, BN=cfg["BN"], BK=bk,
-        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), KSPLIT=ksplit, num_warps=4)
+        GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), KSPLIT=ksplit, AHEAD=ahead,
+        num_warps=4)
     return c
 

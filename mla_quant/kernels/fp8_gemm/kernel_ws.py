@@ -142,6 +142,73 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
 
 
 @gluon.jit
+def _issue_block(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, HM: gl.constexpr, zero, STAGES: gl.constexpr):
+    """Wait until ring position ``it`` holds its K block, then issue this group's async wgmma on it (a fresh
+    product)."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM, dim=0), b_bufs.index(s).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _consumer_ahead(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
+                    HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    """``_consumer`` with the K blocks taken in pairs (``AHEAD``): both blocks' wgmmas issued, then ``wait(1)`` and
+    the first block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's promotion. The
+    accumulator and two [BM/2, BN] products live; no wgmma is in flight across a loop iteration (a loop-carried
+    in-flight product is copied at the loop's phi, and ptxas then serializes every wgmma: C7514)."""
+    HM: gl.constexpr = BM // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    n_kb = K // BK
+    grid_m = gl.cdiv(M, BM)
+    grid_n = gl.cdiv(N, BN)
+    zero = gl.zeros([HM, BN], gl.float32, mma)
+    it = 0  # ring position of the tile's first K block
+    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
+        rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
+        a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
+        b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
+        last = n_kb - 1
+        # the scales of blocks kb, kb + 1 are loaded one pair ahead
+        a0 = gl.load(a_s_ptrs)
+        b0 = gl.load(b_s_ptr)
+        a1 = gl.load(a_s_ptrs + gl.minimum(1, last))
+        b1 = gl.load(b_s_ptr + gl.minimum(1, last))
+        acc = zero
+        kb = 0
+        for _ in range(n_kb // 2):  # blocks kb, kb + 1: both issued, kb promoted while kb + 1 runs
+            s0 = a0 * b0
+            s1 = a1 * b1
+            a0 = gl.load(a_s_ptrs + gl.minimum(kb + 2, last))
+            b0 = gl.load(b_s_ptr + gl.minimum(kb + 2, last))
+            a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3, last))
+            b1 = gl.load(b_s_ptr + gl.minimum(kb + 3, last))
+            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, HALF, HM, zero, STAGES)
+            p1 = _issue_block(a_bufs, b_bufs, ready, it + kb + 1, HALF, HM, zero, STAGES)
+            d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            acc += d0 * s0[:, None]
+            d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+            mbarrier.arrive(empty.index((it + kb + 1) % STAGES), count=1)
+            acc += d1 * s1[:, None]
+            kb += 2
+        if kb < n_kb:  # an odd block count: the last one alone
+            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, HALF, HM, zero, STAGES)
+            d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            acc += d0 * (a0 * b0)[:, None]
+        it += n_kb
+        _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma, BN,
+                     TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _consumer_wide(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
                    HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
@@ -272,7 +339,7 @@ def _store_block(acc, c_ptr, c_desc, c_smem, rm, row0, col0, M, N, stride_cm, mm
 def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                        KSPLIT: gl.constexpr = False):
+                        KSPLIT: gl.constexpr = False, AHEAD: gl.constexpr = False):
     SN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * (BN // SN), SN, BK], b_desc.layout)
@@ -306,6 +373,14 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(red_full.index(0))
         mbarrier.invalidate(red_empty.index(0))
+    elif AHEAD:  # each K block's wgmma issued before the previous block's promotion
+        gl.warp_specialize([
+            (_consumer_ahead, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K,
+                               stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_consumer_ahead, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K,
+                               stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif BN > SN:
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K,
