@@ -245,20 +245,16 @@ def test_auto_variant_is_ws_on_hopper_past_64_tokens():
     assert_rel_close(c, fp8_gemm_reference(a, a_s, b, b_s, out_dtype=torch.float32), 1e-3)
 
 
-def test_ws_default_config_takes_wide_tiles_only_where_they_add_no_wave():
-    # 132 SMs: 128 x 256 tiles where twice the tiles of 128 x 256 take the waves of the 128 x 128 tiles
-    assert ws_default_config(8192, 7168, 132)["BN"] == 256  # 1792 tiles of 256: 14 waves; 3584 of 128: 28
-    assert ws_default_config(512, 7168, 132)["BN"] == 256  # 112 tiles: 1 wave; 224: 2
-    assert ws_default_config(2048, 2048, 132)["BN"] == 256  # 128: 1; 256: 2
-    assert ws_default_config(2048, 7168, 132)["BN"] == 128  # 448: 4 waves; 896: 7
-    assert ws_default_config(512, 4096, 132)["BN"] == 128  # 64 wide tiles would leave half the SMs idle
-    assert ws_default_config(8192)["BN"] == 128  # no N or SM count: the narrow tile
-    assert ws_default_config(8192, 7168, 132, bn_s=64)["BN"] == 128  # a 128-column half needs one weight scale
+def test_ws_default_config_takes_128_column_tiles_with_k_blocks_in_pairs():
+    for m, n in ((8192, 7168), (512, 7168), (2048, 2048), (2048, 7168), (512, 4096)):
+        assert ws_default_config(m, n, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
+    assert ws_default_config(8192)["BN"] == 128  # no N or SM count: the same tile
 
 
 def test_ws_default_config_splits_k_between_the_groups_where_64_row_tiles_fill_one_wave():
     # 132 SMs: 512 x 2048 has 64 tiles of 128 rows (under 90 %) and 128 of 64 rows (one wave, 97 %)
-    assert ws_default_config(512, 2048, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1}
+    assert ws_default_config(512, 2048, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1,
+                                                 "AHEAD": 1}
     assert ws_default_config(256, 4096, 132).get("KSPLIT") == 1  # 64 / 128 tiles
     assert "KSPLIT" not in ws_default_config(512, 4096, 132)  # 128 tiles of 128 rows already fill the SMs
     assert "KSPLIT" not in ws_default_config(512, 1024, 132)  # 64 tiles of 64 rows: still under 90 %

@@ -23,15 +23,16 @@ TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a g
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
 # / by TMA from shared memory where the output allows it; KSPLIT 0 / 1 (optional, BN 128): [64, BN] tiles, the two
 # groups on alternate K blocks of each, for shapes whose 128-row tiles leave SMs idle; AHEAD 0 / 1 (optional, BN 64 /
-# 128, not with KSPLIT): each K block's wgmma issued before the previous block's product is promoted)
+# 128): each group's K blocks in pairs, the second's wgmma running through the first one's promotion)
 WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD")
 VARIANTS = ("auto", "portable", "tma", "ws")
-WS_CANDIDATES = (tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {})}
-                       for bn, st, ts, ks in ((128, 4, 1, 0), (128, 5, 1, 0), (128, 6, 1, 0), (128, 5, 0, 0),
-                                              (64, 8, 1, 0), (256, 3, 1, 0), (256, 4, 1, 0), (128, 4, 1, 1),
-                                              (128, 6, 1, 1), (128, 7, 1, 1), (128, 6, 0, 1)))
-                 + tuple({"BN": 128, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, "AHEAD": 1}
-                         for st, ts in ((4, 1), (5, 1), (4, 0))))
+WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {}),
+                       **({"AHEAD": 1} if ah else {})}
+                      for bn, st, ts, ks, ah in (
+                          (128, 4, 1, 0, 1), (128, 5, 1, 0, 1), (128, 4, 0, 0, 1), (128, 7, 1, 1, 1), (128, 6, 0, 1, 1),
+                          (128, 4, 1, 0, 0), (128, 5, 1, 0, 0), (128, 6, 1, 0, 0), (128, 5, 0, 0, 0), (64, 8, 1, 0, 0),
+                          (256, 3, 1, 0, 0), (256, 4, 1, 0, 0), (128, 4, 1, 1, 0), (128, 6, 1, 1, 0), (128, 7, 1, 1, 0),
+                          (128, 6, 0, 1, 0)))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
 # group (two programs per SM: 4 stages of 24 KB each)
@@ -60,28 +61,22 @@ def _ksplit_fills(m: int, n: int, sms: int) -> bool:
 
 
 def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s: int = 128) -> dict:
-    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 4 stages, the output stored by TMA where it
-    can be, and 128 × 256 tiles where they take no more waves of ``sms`` programs than 128 × 128 tiles take
-    (twice the tiles: 2·⌈t₂₅₆/sms⌉ = ⌈t₁₂₈/sms⌉; needs ``n`` and ``sms``, and weight blocks of 128 columns or a
-    multiple), else 128 × 128; ``KSPLIT`` [64, 128] tiles with 7 stages where 128-row tiles would leave SMs idle and
-    64-row tiles fill one wave (:func:`_ksplit_fills`).
+    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 4 stages, the output stored by
+    TMA where it can be, each group's K blocks in pairs (``AHEAD``); ``KSPLIT`` [64, 128] tiles with 7 stages where
+    128-row tiles would leave SMs idle and 64-row tiles fill one wave (:func:`_ksplit_fills`; needs ``n`` and
+    ``sms``).
 
     H200, sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within 2 % at the other two);
-    TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x. Session 21 (results/sweep_fp8_gemm_ws_h200.json):
-    where the rule takes 128 × 256 it was 0.943-0.985x the time of 128 × 128 at 8 of 9 shapes (1.0 at
-    8192 × 4096 × 7168, within the noise); where it keeps 128 × 128 the wide tiles were 1.07-1.8x slower
-    (2048 × 7168 × 2048: 4 waves for 3.4; 512 × 2048 / 4096 × 7168: half the SMs idle). Session 23 (same file,
-    6cf5cd6): KSPLIT at 512 × 2048 × 7168 (128 tiles of 64 rows) 19.6 µs with 7 stages (20.2 with 6, 21.9 with 4)
-    against 25.0 for the tma kernel "auto" took before and 29.0 for 128 × 128; at the 7 other prefill shapes of
-    M = 512 and 2048 (256-1536 tiles of 64 rows) 1.1-1.5x the time of this rule's choice."""
+    TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x. Session 23 (results/sweep_fp8_gemm_ws_h200.json):
+    AHEAD with 4 stages (fdc5f24) the fastest setting at 11 of the 12 prefill shapes of M = 512 / 2048 / 8192,
+    0.88-0.98x the time of the previous rule's choice (128 × 256 tiles where they added no wave — which AHEAD cannot
+    take: the 256-column form already holds two accumulators — else 128 × 128); 5 stages within 1-2 % at M = 512,
+    1-7 % slower above. KSPLIT at 512 × 2048 × 7168 (128 tiles of 64 rows) 19.6 µs with 7 stages (20.2 with 6,
+    21.9 with 4) against 25.0 for the tma kernel "auto" took before and 29.0 for 128 × 128; at the other prefill
+    shapes (256-1536 tiles of 64 rows) 1.1-1.5x the time of 128-row tiles."""
     if n is not None and sms and bn_s % 128 == 0 and _ksplit_fills(m, n, sms):
-        return {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1}
-    bn = 128
-    if n is not None and sms and bn_s % 128 == 0:
-        tiles_m = cdiv(m, 128)
-        if 2 * cdiv(tiles_m * cdiv(n, 256), sms) <= cdiv(tiles_m * cdiv(n, 128), sms):
-            bn = 256
-    return {"BN": bn, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}
+        return {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1, "AHEAD": 1}
+    return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
 
 
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
@@ -248,8 +243,8 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
                          f"got block {block}, BN {cfg['BN']}")
     ksplit, ahead = bool(cfg.get("KSPLIT", 0)), bool(cfg.get("AHEAD", 0))
-    if (ksplit or ahead) and cfg["BN"] == 256 or ksplit and ahead:
-        raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128, one of them at a time")
+    if (ksplit or ahead) and cfg["BN"] == 256:
+        raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128 (the 256-column form holds two accumulators)")
     bm = 64 if ksplit else 128
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)

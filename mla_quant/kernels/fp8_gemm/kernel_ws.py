@@ -102,63 +102,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
               HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, AHEAD: gl.constexpr):
     """Rows [HALF·BM/2, (HALF+1)·BM/2) of every tile of this program (one warp group)."""
-    HM: gl.constexpr = BM // 2
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    n_kb = K // BK
-    grid_m = gl.cdiv(M, BM)
-    grid_n = gl.cdiv(N, BN)
-    zero = gl.zeros([HM, BN], gl.float32, mma)
-    it = 0
-    for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
-        rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
-        a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
-        b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
-        # the scales of K block kb are loaded during block kb - 1 (an L2 round trip outlasts one block's MMA)
-        a_s_next = gl.load(a_s_ptrs)
-        b_s_next = gl.load(b_s_ptr)
-        acc = zero
-        for kb in range(n_kb):
-            scale = a_s_next * b_s_next
-            kn = gl.minimum(kb + 1, n_kb - 1)
-            a_s_next = gl.load(a_s_ptrs + kn)
-            b_s_next = gl.load(b_s_ptr + kn)
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(s).slice(HALF * HM, HM, dim=0)
-            b = b_bufs.index(s).permute((1, 0))  # [BK, BN], K-major as fp8 wgmma needs
-            prod = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-            prod, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(prod, a, b))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc += prod * scale[:, None]
-            it += 1
-        _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma, BN,
-                     TMA_STORE)
-    if TMA_STORE:
-        tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _issue_block(a_bufs, b_bufs, ready, it, HALF: gl.constexpr, HM: gl.constexpr, zero, STAGES: gl.constexpr):
-    """Wait until ring position ``it`` holds its K block, then issue this group's async wgmma on it (a fresh
-    product)."""
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    return warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM, dim=0), b_bufs.index(s).permute((1, 0)), zero,
-                         use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _consumer_ahead(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
-                    HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
-    """``_consumer`` with the K blocks taken in pairs (``AHEAD``): both blocks' wgmmas issued, then ``wait(1)`` and
-    the first block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's promotion. The
-    accumulator and two [BM/2, BN] products live; no wgmma is in flight across a loop iteration (a loop-carried
-    in-flight product is copied at the loop's phi, and ptxas then serializes every wgmma: C7514)."""
     HM: gl.constexpr = BM // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -172,40 +117,77 @@ def _consumer_ahead(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc,
         rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
-        last = n_kb - 1
-        # the scales of blocks kb, kb + 1 are loaded one pair ahead
-        a0 = gl.load(a_s_ptrs)
-        b0 = gl.load(b_s_ptr)
-        a1 = gl.load(a_s_ptrs + gl.minimum(1, last))
-        b1 = gl.load(b_s_ptr + gl.minimum(1, last))
-        acc = zero
-        kb = 0
-        for _ in range(n_kb // 2):  # blocks kb, kb + 1: both issued, kb promoted while kb + 1 runs
-            s0 = a0 * b0
-            s1 = a1 * b1
-            a0 = gl.load(a_s_ptrs + gl.minimum(kb + 2, last))
-            b0 = gl.load(b_s_ptr + gl.minimum(kb + 2, last))
-            a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3, last))
-            b1 = gl.load(b_s_ptr + gl.minimum(kb + 3, last))
-            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, HALF, HM, zero, STAGES)
-            p1 = _issue_block(a_bufs, b_bufs, ready, it + kb + 1, HALF, HM, zero, STAGES)
-            d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
-            acc += d0 * s0[:, None]
-            d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-            mbarrier.arrive(empty.index((it + kb + 1) % STAGES), count=1)
-            acc += d1 * s1[:, None]
-            kb += 2
-        if kb < n_kb:  # an odd block count: the last one alone
-            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, HALF, HM, zero, STAGES)
-            d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
-            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
-            acc += d0 * (a0 * b0)[:, None]
+        acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, 0, 1, n_kb, a_s_ptrs, b_s_ptr, n_kb, HALF * HM, HM, zero,
+                        STAGES, AHEAD)
         it += n_kb
         _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma, BN,
                      TMA_STORE)
     if TMA_STORE:
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _issue_block(a_bufs, b_bufs, ready, it, ROW0: gl.constexpr, HM: gl.constexpr, zero, STAGES: gl.constexpr):
+    """Wait until ring position ``it`` holds its K block, then issue this group's async wgmma on A rows
+    [ROW0, ROW0 + HM) of it (a fresh product)."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(s).slice(ROW0, HM, dim=0), b_bufs.index(s).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _k_blocks(a_bufs, b_bufs, ready, empty, it, first, step, count, a_s_ptrs, b_s_ptr, n_kb, ROW0: gl.constexpr,
+              HM: gl.constexpr, zero, STAGES: gl.constexpr, AHEAD: gl.constexpr):
+    """One group's sum over ``count`` K blocks kb = first, first + step, ... of a tile whose first block sits at ring
+    position ``it``: per block an async wgmma into a fresh product, then the promotion ``acc += product ·
+    a_scale[row, kb] · b_scale[kb]`` (the scales loaded ahead: an L2 round trip outlasts one block's MMA), and
+    the block's slot released. ``AHEAD``: the blocks in pairs — both wgmmas issued, ``wait(1)`` and the first
+    block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's. No wgmma stays in flight
+    across a loop iteration: a loop-carried in-flight product is copied at the loop's phi, and ptxas then serializes
+    every wgmma (C7514)."""
+    acc = zero
+    last = n_kb - 1
+    if AHEAD:
+        a0 = gl.load(a_s_ptrs + gl.minimum(first, last))
+        b0 = gl.load(b_s_ptr + gl.minimum(first, last))
+        a1 = gl.load(a_s_ptrs + gl.minimum(first + step, last))
+        b1 = gl.load(b_s_ptr + gl.minimum(first + step, last))
+        kb = first
+        for _ in range(count // 2):
+            s0 = a0 * b0
+            s1 = a1 * b1
+            a0 = gl.load(a_s_ptrs + gl.minimum(kb + 2 * step, last))  # the next pair's
+            b0 = gl.load(b_s_ptr + gl.minimum(kb + 2 * step, last))
+            a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3 * step, last))
+            b1 = gl.load(b_s_ptr + gl.minimum(kb + 3 * step, last))
+            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, ROW0, HM, zero, STAGES)
+            p1 = _issue_block(a_bufs, b_bufs, ready, it + kb + step, ROW0, HM, zero, STAGES)
+            d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            acc += d0 * s0[:, None]
+            d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+            mbarrier.arrive(empty.index((it + kb + step) % STAGES), count=1)
+            acc += d1 * s1[:, None]
+            kb += 2 * step
+        if count % 2 == 1:  # the last block alone
+            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, ROW0, HM, zero, STAGES)
+            d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            acc += d0 * (a0 * b0)[:, None]
+    else:
+        a_s_next = gl.load(a_s_ptrs + gl.minimum(first, last))
+        b_s_next = gl.load(b_s_ptr + gl.minimum(first, last))
+        for j in range(count):
+            kb = first + j * step
+            scale = a_s_next * b_s_next
+            a_s_next = gl.load(a_s_ptrs + gl.minimum(kb + step, last))
+            b_s_next = gl.load(b_s_ptr + gl.minimum(kb + step, last))
+            prod = _issue_block(a_bufs, b_bufs, ready, it + kb, ROW0, HM, zero, STAGES)
+            d = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            acc += d * scale[:, None]
+    return acc
 
 
 @gluon.jit
@@ -267,7 +249,7 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, 
 def _consumer_ksplit(a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr, c_desc,
                      c_smem, M, N, K, stride_cm, HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                     TMA_STORE: gl.constexpr):
+                     TMA_STORE: gl.constexpr, AHEAD: gl.constexpr):
     """``KSPLIT``: both warp groups on the same [BM = 64, BN] tile, group HALF on the K blocks kb ≡ HALF (mod 2) (the
     producer's ring is unchanged: K block kb of the program's t-th tile sits at ring position t·n_kb + kb). At the
     tile's end group 1 hands its fp32 sum to group 0 through ``red_smem`` (``red_full`` / ``red_empty``, one
@@ -278,31 +260,15 @@ def _consumer_ksplit(a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
     zero = gl.zeros([BM, BN], gl.float32, mma)
-    base = 0  # ring position of the tile's first K block
+    it = 0  # ring position of the tile's first K block
     t = 0  # tiles done by this program
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         rm = pid_m * BM + gl.arange(0, BM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
-        k_first = gl.minimum(HALF, n_kb - 1)
-        a_s_next = gl.load(a_s_ptrs + k_first)
-        b_s_next = gl.load(b_s_ptr + k_first)
-        acc = zero
-        for kb in range(HALF, n_kb, 2):
-            scale = a_s_next * b_s_next
-            kn = gl.minimum(kb + 2, n_kb - 1)
-            a_s_next = gl.load(a_s_ptrs + kn)
-            b_s_next = gl.load(b_s_ptr + kn)
-            it = base + kb
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(s)
-            b = b_bufs.index(s).permute((1, 0))  # [BK, BN], K-major as fp8 wgmma needs
-            prod = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-            prod, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(prod, a, b))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc += prod * scale[:, None]
+        acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, HALF, 2, (n_kb - HALF + 1) // 2, a_s_ptrs, b_s_ptr, n_kb,
+                        0, BM, zero, STAGES, AHEAD)
         if HALF == 1:
             mbarrier.wait(red_empty.index(0), (t & 1) ^ 1)  # group 0 has read the previous tile's sum
             red_smem.store(acc)
@@ -312,7 +278,7 @@ def _consumer_ksplit(a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty
             acc += red_smem.load(mma)
             mbarrier.arrive(red_empty.index(0), count=1)
             _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM, pid_n * BN, M, N, stride_cm, mma, BN, TMA_STORE)
-        base += n_kb
+        it += n_kb
         t += 1
     if TMA_STORE:
         tma.store_wait(pendings=0)
@@ -366,21 +332,15 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
         mbarrier.init(red_empty.index(0), count=1)
         gl.warp_specialize([
             (_consumer_ksplit, (a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr,
-                                c_desc, c_smem0, M, N, K, stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+                                c_desc, c_smem0, M, N, K, stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE,
+                                AHEAD)),
             (_consumer_ksplit, (a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr,
-                                c_desc, c_smem0, M, N, K, stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+                                c_desc, c_smem0, M, N, K, stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE,
+                                AHEAD)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(red_full.index(0))
         mbarrier.invalidate(red_empty.index(0))
-    elif AHEAD:  # each K block's wgmma issued before the previous block's promotion
-        gl.warp_specialize([
-            (_consumer_ahead, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K,
-                               stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
-            (_consumer_ahead, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K,
-                               stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif BN > SN:
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K,
@@ -392,9 +352,9 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
     else:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
-                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD)),
             (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
-                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
+                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
