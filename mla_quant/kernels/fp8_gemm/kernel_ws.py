@@ -12,6 +12,9 @@ One persistent program per SM walks the output tiles (grouped order). Its warps 
   b_scale``. The other group's wgmma runs on the tensor cores meanwhile, so the promotion's FFMAs (which
   make ptxas serialize the wgmma chain of a single group, kernel_tma.py) overlap the other group's MMA.
   With BN = 256 (``_consumer_wide``) a K block is two half-steps of 128 columns, each with its own weight scale.
+  With ``AHEAD`` (the default) each group takes its K blocks in pairs (``_k_blocks``): both wgmmas issued, then
+  ``wait(1)`` and the first block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's, so
+  a group's own promotion no longer leaves the tensor cores to the other group alone.
 
 Registers: Triton gives the 12-warp kernel ``.maxnreg 168``, but ptxas allocates each partition's code within
 its ``setmaxnreg`` budget (232 for the consumers): the 128 × 256 form holds two accumulators [64, 128] and one
@@ -48,6 +51,13 @@ the tile's end: twice the programs of the same per-SM structure (two wgmma chain
 promotion), one product per group, no partials in global memory. H200 (session 23, same file): 512 × 2048 × 7168
 19.5-19.6 µs with 7 stages against 25.0 for the tma kernel and 29.0 for 128 × 128 tiles (64 tiles); where 128-row
 tiles already fill the SMs it took 1.1-1.5x the time (the A tile is read once per 64 rows instead of 128).
+``AHEAD`` (session 23): with one product in flight per group the tensor pipe was busy 63 % of the cycles (ncu,
+session 21): each group's turnaround (wait, release, 64 FFMAs of promotion, the next slot's wait) outlasted the
+other group's wgmma. Issuing the pair's second wgmma before the first promotion took the best setting at 11 of 12
+prefill shapes, 0.88-0.98x the time of the previous default (results/sweep_fp8_gemm_ws_h200.json, fdc5f24), without
+spills (accumulator and two products: 192 of the consumers' 232 registers). Written with the next block's wgmma
+carried across the loop iteration instead, ptxas copied the in-flight product at the loop's phi and serialized
+every wgmma (C7514: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each); the pair form keeps ``0x1``.
 Tried and left out:
 
 * two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
