@@ -6,10 +6,10 @@ Kimi decode, in one GPU call.
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
 per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the plane GEMV with
 prefetch (``prefetch``, the default until session 23), the plain planes, ``half2`` and ``half2_prefetch`` (the
-default for bf16 x since) autotuned and with each candidate tile of the forms in ``--pin`` pinned (gate-up and down
+defaults for bf16 x since) autotuned and with each candidate tile of the forms in ``--pin`` pinned (gate-up and down
 alike), ``half2_prefetch`` with ``pair_order`` launched without PDL, and at one token ``fused_moe`` on BF16 and
-FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16 and ≥ 1.6× FP8). Per form also the largest |difference| to the reference over max |reference| on the first
-routing, and whether two calls give the same bits.
+FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16 and ≥ 1.6× FP8). Per form also the largest |difference| to the
+reference over max |reference| on the first routing, and whether two calls give the same bits.
 """
 from __future__ import annotations
 

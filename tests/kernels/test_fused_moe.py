@@ -852,7 +852,8 @@ def test_auto_gemv_takes_the_half2_forms_for_16_bit_activations(triton_backend, 
     monkeypatch.setattr(H, "pair_order", lambda a: calls.append(a.shape) or pair_order(a))
     assert F.HALF2_PREFETCH_MAX_TOKENS == 1
     for tokens, dtype, form in ((1, torch.bfloat16, "half2_prefetch"), (1, torch.float16, "half2_prefetch"),
-                                (2, torch.bfloat16, "half2"), (3, torch.float16, "half2"), (1, torch.float32, "prefetch"),
+                                (2, torch.bfloat16, "half2"), (3, torch.float16, "half2"),
+                                (1, torch.float32, "prefetch"),
                                 (2, torch.float32, "prefetch")):
         w, ids = routing(tokens, 3, 2, seed=tokens, device=dev)
         x = torch.randn(tokens, 256, device=dev).to(dtype)

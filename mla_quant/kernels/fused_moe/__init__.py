@@ -172,8 +172,9 @@ def fused_moe(
     overrides :func:`choose_block_m` (GPU path only).
     ``gemv`` picks the INT4 GEMV (``block_m == 1``): ``"auto"`` (default: with bf16 / fp16 x ``"half2_prefetch"``
     up to ``HALF2_PREFETCH_MAX_TOKENS`` tokens and ``"half2"`` above, with fp32 x ``"prefetch"``), ``"planes"`` (the
-    activations re-ordered into fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"), ``"prefetch"`` (the same with
-    the next K block's words loaded before this block's products; 1.02-1.04× the planes on the H200),
+    activations re-ordered into fp32 nibble planes, words unpacked in place; docs/moe.md "The INT4 plane GEMV"),
+    ``"prefetch"`` (the same with the next K block's words loaded before this block's products; 1.02-1.04× the
+    planes on the H200),
     ``"half2"`` (bf16 / fp16 x only: the activations as fp16 pairs with a power-of-two scale per 32, each pair of
     weights one LOP3 + one HFMA2, runs of 32 products summed in fp16 then scaled in fp32 — about twice the
     rounding error of the fp32 forms, still below bf16's; docs/moe.md "The half2 GEMV"), ``"half2_prefetch"`` (the

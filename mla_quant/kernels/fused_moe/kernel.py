@@ -21,10 +21,10 @@ one B column per group; 1.6-2.5 SASS instructions per weight against 3.7-3.9 her
 one Kimi token on the H200 (session 10: Triton routes each plane's B operand through shared memory, two barriers
 per plane); it was removed. docs/moe.md "Where the INT4 GEMV time goes (measured)".
 
-``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default for fp32 x) or ``"planes"``) runs the
-plane GEMV (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations arrive
-as fp32 nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH`` (the
-default) adds a register double buffer of the next K block's words.
+``PLANES`` (INT4, ``BLOCK_M == 1``, ``fused_moe(..., gemv="prefetch")`` (the default for fp32 x) or ``"planes"``)
+runs the plane GEMV (``_int4_plane_gemv``, the core shared with ``w4a16_gemm`` in ``_gemm_utils``): the activations
+arrive as fp32 nibble planes (``plane_order``) and the gate-up epilogue writes ``h`` in that order; ``PREFETCH``
+adds a register double buffer of the next K block's words (also to the half2 GEMV, ``HALF2``).
 
 ``PLANE_TILE`` (INT4, ``BLOCK_M > 1``, ``fused_moe(..., int4_tile="planes")``, the default) is the plane
 form of the tensor-core tile (``_int4_plane_tile_step``): the words stay in their [BLOCK_K/8, BLOCK_N] load
