@@ -1,6 +1,8 @@
-"""``benchmarks/compile_check.py``: its pure checks, and (slow) a real sm_90 compile of two cheap ops."""
+"""``benchmarks/compile_check.py``: its pure checks, (slow) a real sm_90 compile of two cheap ops, and the ws FP8 GEMM's
+wgmma pipeline in the sm_90 SASS (``benchmarks.fp8_gemm_sass``)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,3 +137,18 @@ def test_gluon_decode_over_ds_mla_pages_on_sm90():
     counts, regs, spills = _gluon_loop_counts("--scale", "ds_mla")
     assert counts["HMMA"] == 136 and counts["LDG"] <= 6, counts
     assert counts["instr"] < 1200 and spills == 0 and regs <= 128, (counts, regs, spills)
+
+
+def test_fp8_gemm_ws_pairs_keep_one_wgmma_in_flight_on_sm90():
+    """Compiled for sm_90 (fake Hopper, a subprocess): with AHEAD each consumer group's pair of K blocks keeps the
+    second wgmma in flight while the first product is promoted — a ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the SASS and no
+    ptxas C7514 note (the loop-carried form was serialized to 0x0 waits); without AHEAD every wait is 0x0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fp8_gemm_sass"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["form"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
+    for form in ("128x128 AHEAD", "KSPLIT AHEAD"):
+        assert 1 in rows[form]["depbar"] and "C7514" not in rows[form]["ptxas"], rows[form]
+    for form in ("128x128", "KSPLIT"):
+        assert set(rows[form]["depbar"]) == {0}, rows[form]

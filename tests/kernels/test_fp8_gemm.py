@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_quant.kernels.fp8_gemm import (TMA_CANDIDATES, WS_CANDIDATES, default_config, fp8_gemm, fp8_gemm_reference,
-                                       ws_default_config)
+                                       ws_config, ws_default_config)
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8_reference, block_quant_fp8_reference
 from mla_quant.testing import assert_rel_close, odd_sizes, poisoned_empty, realistic_tensor
 from tests.conftest import FP8_MMA_REL_TOL
@@ -249,6 +249,23 @@ def test_ws_default_config_takes_128_column_tiles_with_k_blocks_in_pairs():
     for m, n in ((8192, 7168), (512, 7168), (2048, 2048), (2048, 7168), (512, 4096)):
         assert ws_default_config(m, n, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
     assert ws_default_config(8192)["BN"] == 128  # no N or SM count: the same tile
+
+
+def test_ws_config_pins_only_what_it_names_and_names_bad_settings():
+    # 512 x 2048 takes KSPLIT by default; a pinned configuration does not inherit it (nor AHEAD)
+    assert ws_config(512, 2048, 132, (128, 128), None)["KSPLIT"] == 1
+    pinned = ws_config(512, 2048, 132, (128, 128), {"BN": 256, "STAGES": 3})
+    assert pinned == {"BN": 256, "GROUP_M": 8, "STAGES": 3, "TMA_STORE": 1}
+    assert ws_config(8192, 7168, 132, (128, 128), {"STAGES": 5}) == {"BN": 128, "GROUP_M": 8, "STAGES": 5,
+                                                                     "TMA_STORE": 1}
+    with pytest.raises(ValueError, match="unknown keys.*SPLITK"):
+        ws_config(512, 2048, 132, (128, 128), {"SPLITK": 2})
+    with pytest.raises(ValueError, match="KSPLIT and AHEAD take BN 64 or 128"):
+        ws_config(8192, 7168, 132, (128, 128), {"BN": 256, "AHEAD": 1})
+    with pytest.raises(ValueError, match="bk = 128"):
+        ws_config(8192, 7168, 132, (128, 64), None)
+    with pytest.raises(ValueError, match="BN in \\(64, 128, 256\\)"):
+        ws_config(8192, 7168, 132, (128, 128), {"BN": 96})
 
 
 def test_ws_default_config_splits_k_between_the_groups_where_64_row_tiles_fill_one_wave():

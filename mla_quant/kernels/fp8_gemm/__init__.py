@@ -42,7 +42,7 @@ TMA_CANDIDATES = tuple(
                              (128, 128, 8, 5, 1), (128, 64, 4, 4, 0)))
 
 __all__ = ["fp8_gemm", "fp8_gemm_reference", "default_config", "CONFIG_KEYS", "TMA_CONFIG_KEYS", "TMA_CANDIDATES",
-           "VARIANTS", "WS_CONFIG_KEYS", "WS_CANDIDATES", "ws_default_config"]
+           "VARIANTS", "WS_CONFIG_KEYS", "WS_CANDIDATES", "ws_default_config", "ws_config"]
 
 
 def default_config(m: int) -> dict:
@@ -77,6 +77,27 @@ def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s
     if n is not None and sms and bn_s % 128 == 0 and _ksplit_fills(m, n, sms):
         return {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1, "AHEAD": 1}
     return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
+
+
+def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | None) -> dict:
+    """The "ws" launch's configuration: ``config`` (keys of ``WS_CONFIG_KEYS``) over :func:`ws_default_config`,
+    checked. A pinned ``config`` is its own: ``KSPLIT`` / ``AHEAD`` only where it names them (a default's KSPLIT
+    would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
+    BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256."""
+    bn_s, bk = int(block[0]), int(block[1])
+    defaults = ws_default_config(m, n, sms, bn_s)
+    if config is not None:
+        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD")}
+    cfg = {**defaults, **(config or {})}
+    unknown = set(cfg) - set(WS_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {WS_CONFIG_KEYS}")
+    if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % min(cfg["BN"], 128):
+        raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
+                         f"got block {tuple(block)}, BN {cfg['BN']}")
+    if (cfg.get("KSPLIT") or cfg.get("AHEAD")) and cfg["BN"] == 256:
+        raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128 (the 256-column form holds two accumulators)")
+    return cfg
 
 
 def _auto_variant(m, a, b, block, config, interpreted) -> str:
@@ -231,20 +252,14 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
 
     if not (_is_hopper(a.device) and not triton_interpreted()):
         raise ValueError("variant: 'ws' is a Gluon kernel for Hopper (sm_90) GPUs; the interpreter cannot run it")
+    if not _tma_ok(a, b):
+        raise ValueError("variant: 'ws' needs a and b with 16-byte aligned data and row strides")
     m, k = a.shape
     n = b.shape[0]
     bn_s, bk = int(block[0]), int(block[1])
-    defaults = ws_default_config(m, n, num_sms(a.device), bn_s)
-    if config is not None:  # a pinned configuration is its own: KSPLIT / AHEAD only where it names them
-        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD")}
-    cfg = _tma_variant_config("ws", a, b, defaults, config, WS_CONFIG_KEYS)
+    cfg = ws_config(m, n, num_sms(a.device), block, config)
     sub_n = min(cfg["BN"], 128)  # one wgmma's columns: BN = 256 runs two 128-column halves
-    if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % sub_n:
-        raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
-                         f"got block {block}, BN {cfg['BN']}")
     ksplit, ahead = bool(cfg.get("KSPLIT", 0)), bool(cfg.get("AHEAD", 0))
-    if (ksplit or ahead) and cfg["BN"] == 256:
-        raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128 (the 256-column form holds two accumulators)")
     bm = 64 if ksplit else 128
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)
