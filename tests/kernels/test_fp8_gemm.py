@@ -266,6 +266,12 @@ def test_ws_config_pins_only_what_it_names_and_names_bad_settings():
         ws_config(8192, 7168, 132, (128, 64), None)
     with pytest.raises(ValueError, match="BN in \\(64, 128, 256\\)"):
         ws_config(8192, 7168, 132, (128, 128), {"BN": 96})
+    # a group of a KSPLIT pair holds blocks kb and kb + 2 (the other group's kb + 1 between): 2 slots would deadlock
+    with pytest.raises(ValueError, match="STAGES 2 < 3.*deadlock"):
+        ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "STAGES": 2})
+    with pytest.raises(ValueError, match="STAGES 1 < 2"):
+        ws_config(8192, 7168, 132, (128, 128), {"AHEAD": 1, "STAGES": 1})
+    assert ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "STAGES": 3})["STAGES"] == 3
 
 
 def test_ws_default_config_splits_k_between_the_groups_where_64_row_tiles_fill_one_wave():

@@ -83,7 +83,8 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
     """The "ws" launch's configuration: ``config`` (keys of ``WS_CONFIG_KEYS``) over :func:`ws_default_config`,
     checked. A pinned ``config`` is its own: ``KSPLIT`` / ``AHEAD`` only where it names them (a default's KSPLIT
     would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
-    BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256."""
+    BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256, fewer ring slots
+    than one group holds at once (AHEAD: 2, with KSPLIT 3)."""
     bn_s, bk = int(block[0]), int(block[1])
     defaults = ws_default_config(m, n, sms, bn_s)
     if config is not None:
@@ -97,6 +98,11 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
                          f"got block {tuple(block)}, BN {cfg['BN']}")
     if (cfg.get("KSPLIT") or cfg.get("AHEAD")) and cfg["BN"] == 256:
         raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128 (the 256-column form holds two accumulators)")
+    # slots a group holds at once: a pair of K blocks (AHEAD), two apart under KSPLIT (the other group's between)
+    need = (3 if cfg.get("KSPLIT") else 2) if cfg.get("AHEAD") else 1
+    if cfg["STAGES"] < need:
+        raise ValueError(f"config: STAGES {cfg['STAGES']} < {need}: the ring cannot hold the K blocks one group waits "
+                         f"for at once (AHEAD pairs{', KSPLIT' if cfg.get('KSPLIT') else ''}); it would deadlock")
     return cfg
 
 
