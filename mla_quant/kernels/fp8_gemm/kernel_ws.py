@@ -14,7 +14,9 @@ One persistent program per SM walks the output tiles (grouped order). Its warps 
   With BN = 256 (``_consumer_wide``) a K block is two half-steps of 128 columns, each with its own weight scale.
   With ``AHEAD`` (the default) each group takes its K blocks in pairs (``_k_blocks``): both wgmmas issued, then
   ``wait(1)`` and the first block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's, so
-  a group's own promotion no longer leaves the tensor cores to the other group alone.
+  a group's own promotion no longer leaves the tensor cores to the other group alone. A group then holds two slots
+  at once (three ring positions under ``KSPLIT``, whose pair skips the other group's block): ``ws_config`` refuses
+  smaller rings, which would deadlock.
 
 Registers: Triton gives the 12-warp kernel ``.maxnreg 168``, but ptxas allocates each partition's code within
 its ``setmaxnreg`` budget (232 for the consumers): the 128 × 256 form holds two accumulators [64, 128] and one
