@@ -185,12 +185,8 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     acc3e = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
     acc3o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
     if PREFETCH:  # the first K block's words (runs past K: the first run)
-        w_off = 4 * tl.where(rr < K // 32, rr, 0)
-        n1e = four_words(w1_ptr + even + w_off, INTERPRET)
-        n1o = four_words(w1_ptr + odd + w_off, INTERPRET)
-        if GATED:
-            n3e = four_words(w3_ptr + even + w_off, INTERPRET)
-            n3o = four_words(w3_ptr + odd + w_off, INTERPRET)
+        n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd, 4 * tl.where(rr < K // 32, rr, 0), GATED,
+                                           INTERPRET)
     for k0 in range(0, K, BLOCK_K):
         run = k0 // 32 + rr
         ok = run < K // 32
@@ -200,26 +196,31 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
         xs = _load_in_place(as_ptr + run, ok, True, INTERPRET)
         w_off, s_off = 4 * run, 32 * run // GROUP
         if PREFETCH:  # this block's words were loaded one block ago; start the next block's
-            w1e, w1o = n1e, n1o
-            w_next = 4 * tl.minimum(run + BLOCK_K // 32, K // 32 - 1)
-            n1e = four_words(w1_ptr + even + w_next, INTERPRET)
-            n1o = four_words(w1_ptr + odd + w_next, INTERPRET)
-            if GATED:
-                w3e, w3o = n3e, n3o
-                n3e = four_words(w3_ptr + even + w_next, INTERPRET)
-                n3o = four_words(w3_ptr + odd + w_next, INTERPRET)
+            w1e, w1o, w3e, w3o = n1e, n1o, n3e, n3o
+            n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd,
+                                               4 * tl.minimum(run + BLOCK_K // 32, K // 32 - 1), GATED, INTERPRET)
         else:
-            w1e = four_words(w1_ptr + even + w_off, INTERPRET)
-            w1o = four_words(w1_ptr + odd + w_off, INTERPRET)
-            if GATED:
-                w3e = four_words(w3_ptr + even + w_off, INTERPRET)
-                w3o = four_words(w3_ptr + odd + w_off, INTERPRET)
+            w1e, w1o, w3e, w3o = _column_words(w1_ptr, w3_ptr, even, odd, w_off, GATED, INTERPRET)
         acc1e += _half2_term(w1e, s1_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
         acc1o += _half2_term(w1o, s1_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
         if GATED:
             acc3e += _half2_term(w3e, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
             acc3o += _half2_term(w3o, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
     return _interleave(acc1e, acc1o, BLOCK_N), _interleave(acc3e, acc3o, BLOCK_N)
+
+
+@triton.jit
+def _column_words(w1_ptr, w3_ptr, even, odd, w_off, GATED: tl.constexpr, INTERPRET: tl.constexpr):
+    """The half2 tile's words at word offset ``w_off`` (``four_words`` each): gate even / odd columns, then up even /
+    odd (without GATED the gate's again, unread: no load)."""
+    w1e = four_words(w1_ptr + even + w_off, INTERPRET)
+    w1o = four_words(w1_ptr + odd + w_off, INTERPRET)
+    if GATED:
+        w3e = four_words(w3_ptr + even + w_off, INTERPRET)
+        w3o = four_words(w3_ptr + odd + w_off, INTERPRET)
+    else:
+        w3e, w3o = w1e, w1o
+    return w1e, w1o, w3e, w3o
 
 
 @triton.jit
