@@ -89,10 +89,7 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
     defaults = ws_default_config(m, n, sms, bn_s)
     if config is not None:
         defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD")}
-    cfg = {**defaults, **(config or {})}
-    unknown = set(cfg) - set(WS_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"config: unknown keys {sorted(unknown)}, expected {WS_CONFIG_KEYS}")
+    cfg = _over_defaults(defaults, config, WS_CONFIG_KEYS)
     if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % min(cfg["BN"], 128):
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
                          f"got block {tuple(block)}, BN {cfg['BN']}")
@@ -216,11 +213,14 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     return c
 
 
-def _tma_variant_config(variant: str, a, b, defaults: dict, config: dict | None, keys: tuple) -> dict:
-    """The TMA variants' shared checks: a and b TMA-aligned, pinned ``config`` keys among ``keys``; returns
-    ``config`` over ``defaults``."""
+def _require_tma_aligned(variant: str, a, b) -> None:
+    """The TMA variants' operand check: a and b TMA-aligned (:func:`_tma_ok`), else a ValueError naming it."""
     if not _tma_ok(a, b):
         raise ValueError(f"variant: '{variant}' needs a and b with 16-byte aligned data and row strides")
+
+
+def _over_defaults(defaults: dict, config: dict | None, keys: tuple) -> dict:
+    """``config`` over ``defaults``, its keys among ``keys`` (else a ValueError naming the unknown ones)."""
     cfg = {**defaults, **(config or {})}
     unknown = set(cfg) - set(keys)
     if unknown:
@@ -235,7 +235,8 @@ def _launch_tma(a, a_scale, b, b_scale, c, block, config, interpreted) -> torch.
 
     m, k = a.shape
     n = b.shape[0]
-    cfg = _tma_variant_config("tma", a, b, default_config(m), config, TMA_CONFIG_KEYS)
+    _require_tma_aligned("tma", a, b)
+    cfg = _over_defaults(default_config(m), config, TMA_CONFIG_KEYS)
     bn_s, bk = int(block[0]), int(block[1])
     a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], bk])
     b_desc = TensorDescriptor.from_tensor(b, [cfg["BN"], bk])
@@ -258,8 +259,7 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
 
     if not (_is_hopper(a.device) and not triton_interpreted()):
         raise ValueError("variant: 'ws' is a Gluon kernel for Hopper (sm_90) GPUs; the interpreter cannot run it")
-    if not _tma_ok(a, b):
-        raise ValueError("variant: 'ws' needs a and b with 16-byte aligned data and row strides")
+    _require_tma_aligned("ws", a, b)
     m, k = a.shape
     n = b.shape[0]
     bn_s, bk = int(block[0]), int(block[1])
