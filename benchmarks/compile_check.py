@@ -76,8 +76,9 @@ def parse_ptxas_log(log: str) -> tuple[int | None, int | None]:
     return (max(regs) if regs else None), (max(spills) if spills else None)
 
 
-def ptxas_stats(ptx: str) -> tuple[int | None, int | None]:
-    """Run the ptxas that Triton uses for sm_90 on one kernel's PTX (the compiler deletes its own log)."""
+def ptxas_log(ptx: str) -> str | None:
+    """``ptxas -v`` output of the ptxas that Triton uses for sm_90 on one kernel's PTX (the compiler deletes its own
+    log); None where ptxas fails."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +87,13 @@ def ptxas_stats(ptx: str) -> tuple[int | None, int | None]:
             f.write(ptx)
         done = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={sm_arch_from_capability(90)}",
                                src, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-    return parse_ptxas_log(done.stderr) if done.returncode == 0 else (None, None)
+    return done.stderr if done.returncode == 0 else None
+
+
+def ptxas_stats(ptx: str) -> tuple[int | None, int | None]:
+    """(registers, spill bytes) of one kernel's PTX by :func:`ptxas_log`."""
+    log = ptxas_log(ptx)
+    return parse_ptxas_log(log) if log is not None else (None, None)
 
 
 def _dt(dtype: torch.dtype) -> str:

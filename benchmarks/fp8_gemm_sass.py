@@ -11,31 +11,16 @@ flight while the previous product is promoted; only ``0``: every wgmma waited fo
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import tempfile
 
 import torch
 
+from benchmarks.compile_check import ptxas_log
 from benchmarks.sass_tools import collect_compiled, disassemble
 
 FORMS = {"128x128": {"BN": 128, "STAGES": 4}, "128x128 AHEAD": {"BN": 128, "STAGES": 4, "AHEAD": 1},
          "KSPLIT": {"BN": 128, "STAGES": 7, "KSPLIT": 1}, "KSPLIT AHEAD": {"BN": 128, "STAGES": 7, "KSPLIT": 1, "AHEAD": 1},
          "128x256": {"BN": 256, "STAGES": 4}}
-
-
-def _ptxas_notes(ptx: str) -> list[str]:
-    """ptxas's C75xx performance notes for one kernel's PTX (the compiler deletes its own log)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.o")],
-                              capture_output=True, text=True)
-    return re.findall(r"\((C75\d\d)\)", done.stdout + done.stderr)
 
 
 def profile() -> dict[str, dict]:
@@ -57,7 +42,7 @@ def profile() -> dict[str, dict]:
         out[name] = {"qgmma": sum("QGMMA" in line for line in sass),
                      "depbar": [int(re.search(r"gsb0, 0x(\d+)", line).group(1)) for line in sass
                                 if "WARPGROUP.DEPBAR.LE" in line],
-                     "ptxas": _ptxas_notes(kernel.asm["ptx"])}
+                     "ptxas": re.findall(r"\((C75\d\d)\)", ptxas_log(kernel.asm["ptx"]) or "")}
     return out
 
 
