@@ -3,10 +3,10 @@
     PYTHONPATH=. python -m benchmarks.fp8_gemm_sass
 
 Compiles ``fp8_gemm(variant="ws")`` through ``compile_check``'s fake Hopper in each consumer form (128 × 128 tiles
-with and without ``AHEAD``, ``KSPLIT`` with and without it, 128 × 256) and prints, per form, one JSON line: the
-fp8 wgmma count in the SASS (``QGMMA``), the levels of its ``WARPGROUP.DEPBAR.LE`` waits (``1``: a wgmma left in
-flight while the previous product is promoted; only ``0``: every wgmma waited for at once), and ptxas's C75xx notes
-(C7514: wgmma serialized). Static only: nothing runs.
+with and without ``AHEAD``, ``KSPLIT`` with and without it, both with ``AHEAD`` and ``PAIR_SLOTS``, 128 × 256) and
+prints, per form, one JSON line: the fp8 wgmma count in the SASS (``QGMMA``), the levels of its
+``WARPGROUP.DEPBAR.LE`` waits (``1``: a wgmma left in flight while the previous product is promoted; only ``0``:
+every wgmma waited for at once), and ptxas's C75xx notes (C7514: wgmma serialized). Static only: nothing runs.
 """
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ from benchmarks.compile_check import ptxas_log
 from benchmarks.sass_tools import collect_compiled, disassemble
 
 FORMS = {"128x128": {"BN": 128, "STAGES": 4}, "128x128 AHEAD": {"BN": 128, "STAGES": 4, "AHEAD": 1},
-         "KSPLIT": {"BN": 128, "STAGES": 7, "KSPLIT": 1}, "KSPLIT AHEAD": {"BN": 128, "STAGES": 7, "KSPLIT": 1, "AHEAD": 1},
+         "KSPLIT": {"BN": 128, "STAGES": 6, "KSPLIT": 1},
+         "KSPLIT AHEAD": {"BN": 128, "STAGES": 6, "KSPLIT": 1, "AHEAD": 1},
+         "128x128 AHEAD PAIR_SLOTS": {"BN": 128, "STAGES": 3, "AHEAD": 1, "PAIR_SLOTS": 1},
+         "KSPLIT AHEAD PAIR_SLOTS": {"BN": 128, "STAGES": 2, "KSPLIT": 1, "AHEAD": 1, "PAIR_SLOTS": 1},
          "128x256": {"BN": 256, "STAGES": 4}}
 
 

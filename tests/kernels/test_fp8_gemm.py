@@ -211,13 +211,18 @@ def test_ws_variant_on_real_and_odd_shapes(m, n, k):
 
 @pytest.mark.gpu
 @SM90
-def test_ws_variant_applies_each_k_blocks_scales():
-    # ones times ones: every K block's product is exactly 128, so C is exactly Σ_kb 128 · a_s[m, kb] · b_s[n, kb]
-    m, n, k = 300, 256, 384
+@pytest.mark.parametrize("m,n,k", [(300, 256, 384), (2000, 1024, 640)])
+def test_ws_variant_applies_each_k_blocks_scales(m, n, k):
+    # ones times ones: every K block's product is exactly 128, so C is exactly Σ_kb 128 · a_s[m, kb] · b_s[n, kb].
+    # Odd K-block counts (3, 5): a KSPLIT group or a PAIR_SLOTS slot takes one block alone; 2000 x 1024 gives each
+    # program several tiles, so the KSPLIT groups' rings (which advance by 3 and 2 units per tile) drift apart
+    kb = k // 128
     a = torch.ones(m, k, device="cuda").to(FP8)
     b = torch.ones(n, k, device="cuda").to(FP8)
-    a_s = torch.arange(1, 1 + m * 3, dtype=torch.float32, device="cuda").reshape(m, 3) / 64
-    b_s = torch.tensor([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0]], device="cuda")
+    # (scales with few significant bits, 4^kb apart between the blocks: every sum is exact in fp32, in any order)
+    a_s = (torch.arange(m * kb, dtype=torch.float32, device="cuda").reshape(m, kb) % 61 + 1) / 64
+    b_s = (torch.arange(1, 1 + n // 128, dtype=torch.float32, device="cuda")[:, None]
+           * 4.0 ** torch.arange(kb, dtype=torch.float32, device="cuda")[None, :])
     expected = 128 * (a_s[:, None, :] * b_s.repeat_interleave(128, 0)[None, :, :]).sum(-1)
     for config in WS_CANDIDATES:
         c = fp8_gemm(a, a_s, b, b_s, (128, 128), torch.float32, config=config, variant="ws")
@@ -266,17 +271,24 @@ def test_ws_config_pins_only_what_it_names_and_names_bad_settings():
         ws_config(8192, 7168, 132, (128, 64), None)
     with pytest.raises(ValueError, match="BN in \\(64, 128, 256\\)"):
         ws_config(8192, 7168, 132, (128, 128), {"BN": 96})
-    # a group of a KSPLIT pair holds blocks kb and kb + 2 (the other group's kb + 1 between): 2 slots would deadlock
-    with pytest.raises(ValueError, match="STAGES 2 < 3.*deadlock"):
+    # an AHEAD pair holds two slots at once; under KSPLIT each group has half of the ring (an even STAGES count)
+    with pytest.raises(ValueError, match="STAGES 2 < 4.*deadlock"):
         ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "STAGES": 2})
+    with pytest.raises(ValueError, match="KSPLIT splits the ring.*STAGES 7 must be even"):
+        ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "STAGES": 7})
     with pytest.raises(ValueError, match="STAGES 1 < 2"):
         ws_config(8192, 7168, 132, (128, 128), {"AHEAD": 1, "STAGES": 1})
-    assert ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "STAGES": 3})["STAGES"] == 3
+    assert ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "STAGES": 4})["STAGES"] == 4
+    # PAIR_SLOTS: the pair is one slot (one slot per group suffices); it needs AHEAD
+    assert ws_config(8192, 7168, 132, (128, 128), {"AHEAD": 1, "PAIR_SLOTS": 1, "STAGES": 1})["PAIR_SLOTS"] == 1
+    assert ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "PAIR_SLOTS": 1, "STAGES": 2})["STAGES"] == 2
+    with pytest.raises(ValueError, match="PAIR_SLOTS needs AHEAD"):
+        ws_config(8192, 7168, 132, (128, 128), {"PAIR_SLOTS": 1})
 
 
 def test_ws_default_config_splits_k_between_the_groups_where_64_row_tiles_fill_one_wave():
     # 132 SMs: 512 x 2048 has 64 tiles of 128 rows (under 90 %) and 128 of 64 rows (one wave, 97 %)
-    assert ws_default_config(512, 2048, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1,
+    assert ws_default_config(512, 2048, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 6, "TMA_STORE": 1, "KSPLIT": 1,
                                                  "AHEAD": 1}
     assert ws_default_config(256, 4096, 132).get("KSPLIT") == 1  # 64 / 128 tiles
     assert "KSPLIT" not in ws_default_config(512, 4096, 132)  # 128 tiles of 128 rows already fill the SMs

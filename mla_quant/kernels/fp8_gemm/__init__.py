@@ -23,15 +23,17 @@ TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a g
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
 # / by TMA from shared memory where the output allows it; KSPLIT 0 / 1 (optional, BN 128): [64, BN] tiles, the two
 # groups on alternate K blocks of each, for shapes whose 128-row tiles leave SMs idle; AHEAD 0 / 1 (optional, BN 64 /
-# 128): each group's K blocks in pairs, the second's wgmma running through the first one's promotion)
-WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD")
+# 128): each group's K blocks in pairs, the second's wgmma running through the first one's promotion; PAIR_SLOTS 0 / 1
+# (optional, with AHEAD): a ring slot holds the pair, one ready and one empty barrier per pair, STAGES counting slots)
+WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD", "PAIR_SLOTS")
 VARIANTS = ("auto", "portable", "tma", "ws")
 WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {}),
-                       **({"AHEAD": 1} if ah else {})}
-                      for bn, st, ts, ks, ah in (
-                          (128, 4, 1, 0, 1), (128, 5, 1, 0, 1), (128, 4, 0, 0, 1), (128, 7, 1, 1, 1), (128, 6, 0, 1, 1),
+                       **({"AHEAD": 1} if ah else {}), **({"PAIR_SLOTS": 1} if ah == 2 else {})}
+                      for bn, st, ts, ks, ah in (  # ah: 1 AHEAD, 2 AHEAD with PAIR_SLOTS
+                          (128, 4, 1, 0, 1), (128, 5, 1, 0, 1), (128, 4, 0, 0, 1), (128, 6, 1, 1, 1), (128, 6, 0, 1, 1),
+                          (128, 2, 1, 0, 2), (128, 3, 1, 0, 2), (128, 3, 0, 0, 2), (128, 2, 1, 1, 2), (128, 4, 0, 1, 2),
                           (128, 4, 1, 0, 0), (128, 5, 1, 0, 0), (128, 6, 1, 0, 0), (128, 5, 0, 0, 0), (64, 8, 1, 0, 0),
-                          (256, 3, 1, 0, 0), (256, 4, 1, 0, 0), (128, 4, 1, 1, 0), (128, 6, 1, 1, 0), (128, 7, 1, 1, 0),
+                          (256, 3, 1, 0, 0), (256, 4, 1, 0, 0), (128, 4, 1, 1, 0), (128, 6, 1, 1, 0),
                           (128, 6, 0, 1, 0)))
 # the "tma" configurations worth measuring (benchmarks/sweep_fp8_gemm.py; compile_check compiles them all):
 # 128 × 128 in two warp groups (one program per SM: 154-183 registers), and 64 × 128 / 128 × 64 in one warp
@@ -62,9 +64,9 @@ def _ksplit_fills(m: int, n: int, sms: int) -> bool:
 
 def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s: int = 128) -> dict:
     """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 4 stages, the output stored by
-    TMA where it can be, each group's K blocks in pairs (``AHEAD``); ``KSPLIT`` [64, 128] tiles with 7 stages where
-    128-row tiles would leave SMs idle and 64-row tiles fill one wave (:func:`_ksplit_fills`; needs ``n`` and
-    ``sms``).
+    TMA where it can be, each group's K blocks in pairs (``AHEAD``); ``KSPLIT`` [64, 128] tiles with 6 stages (3 per group's
+    ring) where 128-row tiles would leave SMs idle and 64-row tiles fill one wave (:func:`_ksplit_fills`; needs
+    ``n`` and ``sms``).
 
     H200, sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within 2 % at the other two);
     TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x. Session 23 (results/sweep_fp8_gemm_ws_h200.json):
@@ -73,9 +75,11 @@ def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s
     take: the 256-column form already holds two accumulators — else 128 × 128); 5 stages within 1-2 % at M = 512,
     1-7 % slower above. KSPLIT at 512 × 2048 × 7168 (128 tiles of 64 rows) 19.6 µs with 7 stages (20.2 with 6,
     21.9 with 4) against 25.0 for the tma kernel "auto" took before and 29.0 for 128 × 128; at the other prefill
-    shapes (256-1536 tiles of 64 rows) 1.1-1.5x the time of 128-row tiles."""
+    shapes (256-1536 tiles of 64 rows) 1.1-1.5x the time of 128-row tiles. Session 24: each KSPLIT group got its own
+    half of the ring (a shared ring's odd stage counts let a group wait on a slot whose previous use, the other
+    group's, might still be in flight), so KSPLIT takes an even count: 6."""
     if n is not None and sms and bn_s % 128 == 0 and _ksplit_fills(m, n, sms):
-        return {"BN": 128, "GROUP_M": 8, "STAGES": 7, "TMA_STORE": 1, "KSPLIT": 1, "AHEAD": 1}
+        return {"BN": 128, "GROUP_M": 8, "STAGES": 6, "TMA_STORE": 1, "KSPLIT": 1, "AHEAD": 1}
     return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
 
 
@@ -84,19 +88,25 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
     checked. A pinned ``config`` is its own: ``KSPLIT`` / ``AHEAD`` only where it names them (a default's KSPLIT
     would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
     BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256, fewer ring slots
-    than one group holds at once (AHEAD: 2, with KSPLIT 3)."""
+    than one group holds at once (AHEAD: 2 without PAIR_SLOTS; KSPLIT: twice that, an even count),
+    PAIR_SLOTS without AHEAD."""
     bn_s, bk = int(block[0]), int(block[1])
     defaults = ws_default_config(m, n, sms, bn_s)
     if config is not None:
-        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD")}
+        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD", "PAIR_SLOTS")}
     cfg = _over_defaults(defaults, config, WS_CONFIG_KEYS)
     if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % min(cfg["BN"], 128):
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
                          f"got block {tuple(block)}, BN {cfg['BN']}")
     if (cfg.get("KSPLIT") or cfg.get("AHEAD")) and cfg["BN"] == 256:
         raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128 (the 256-column form holds two accumulators)")
-    # slots a group holds at once: a pair of K blocks (AHEAD), two apart under KSPLIT (the other group's between)
-    need = (3 if cfg.get("KSPLIT") else 2) if cfg.get("AHEAD") else 1
+    if cfg.get("PAIR_SLOTS") and not cfg.get("AHEAD"):
+        raise ValueError("config: PAIR_SLOTS needs AHEAD (a slot holds the pair of K blocks an AHEAD group takes)")
+    if cfg.get("KSPLIT") and cfg["STAGES"] % 2:
+        raise ValueError(f"config: KSPLIT splits the ring between the two groups; STAGES {cfg['STAGES']} must be even")
+    # ring slots a group holds at once: a pair of K blocks (AHEAD), one slot with PAIR_SLOTS; under KSPLIT each group
+    # has half of the STAGES slots
+    need = (2 if cfg.get("AHEAD") and not cfg.get("PAIR_SLOTS") else 1) * (2 if cfg.get("KSPLIT") else 1)
     if cfg["STAGES"] < need:
         raise ValueError(f"config: STAGES {cfg['STAGES']} < {need}: the ring cannot hold the K blocks one group waits "
                          f"for at once (AHEAD pairs{', KSPLIT' if cfg.get('KSPLIT') else ''}); it would deadlock")
@@ -265,7 +275,7 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     bn_s, bk = int(block[0]), int(block[1])
     cfg = ws_config(m, n, num_sms(a.device), block, config)
     sub_n = min(cfg["BN"], 128)  # one wgmma's columns: BN = 256 runs two 128-column halves
-    ksplit, ahead = bool(cfg.get("KSPLIT", 0)), bool(cfg.get("AHEAD", 0))
+    ksplit, ahead, pairs = (bool(cfg.get(key, 0)) for key in ("KSPLIT", "AHEAD", "PAIR_SLOTS"))
     bm = 64 if ksplit else 128
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)
@@ -281,6 +291,6 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=bm, BN=cfg["BN"], BK=bk,
         GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), KSPLIT=ksplit, AHEAD=ahead,
-        num_warps=4)
+        PAIR_SLOTS=pairs, num_warps=4)
     return c
 

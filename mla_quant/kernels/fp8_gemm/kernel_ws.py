@@ -90,48 +90,73 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 
 @gluon.jit
+def _ring_slot(pos, base, RING: gl.constexpr):
+    """Shared-memory slot and wait parity of ring position ``pos`` in a ring of ``RING`` slots from slot ``base``:
+    the slot's use k = pos // RING completes parity k & 1."""
+    return base + pos % RING, (pos // RING) & 1
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, SLOT_KB: gl.constexpr, KSPLIT: gl.constexpr):
     SN: gl.constexpr = b_desc.block_type.shape[0]  # B box rows: BN, or 128 when BN = 256 (two boxes per K block)
     NB: gl.constexpr = BN // SN
+    BLOCK_BYTES: gl.constexpr = a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+    RING: gl.constexpr = STAGES // 2 if KSPLIT else STAGES  # KSPLIT: each group's own half of the slots
     n_kb = K // BK
+    n_units = gl.cdiv(n_kb, SLOT_KB)  # a tile's ring units (PAIR_SLOTS: the last holds one block if n_kb is odd)
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
-    it = 0
+    it0 = 0  # ring positions filled so far (KSPLIT: for group 0; it1 for group 1)
+    it1 = 0
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
-        for kb in range(n_kb):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes)
-            _tma_load(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
-            for h in gl.static_range(NB):
-                _tma_load(b_desc, [pid_n * BN + h * SN, kb * BK], ready.index(s), b_bufs.index(s * NB + h))
-            it += 1
+        for j in range(n_units):
+            g = j % 2 if KSPLIT else 0  # the consumer group of unit j
+            pos = it0 + (it1 - it0) * g
+            s, phase = _ring_slot(pos, g * RING, RING)
+            mbarrier.wait(empty.index(s), phase ^ 1)
+            kb = j * SLOT_KB
+            if SLOT_KB == 1:
+                mbarrier.expect(ready.index(s), BLOCK_BYTES)
+            else:  # (one arrive.expect_tx per slot: a byte count known at compile time, picked by predicate)
+                mbarrier.expect(ready.index(s), 2 * BLOCK_BYTES, pred=kb + 1 < n_kb)
+                mbarrier.expect(ready.index(s), BLOCK_BYTES, pred=kb + 1 >= n_kb)
+            for q in gl.static_range(SLOT_KB):
+                here = kb + q < n_kb  # (PAIR_SLOTS: a tile's odd last block leaves the slot's second half empty)
+                _tma_load(a_desc, [pid_m * BM, (kb + q) * BK], ready.index(s), a_bufs.index(s * SLOT_KB + q),
+                          pred=here)
+                for h in gl.static_range(NB):
+                    _tma_load(b_desc, [pid_n * BN + h * SN, (kb + q) * BK], ready.index(s),
+                              b_bufs.index((s * SLOT_KB + q) * NB + h), pred=here)
+            it0 += 1 - g
+            it1 += g
 
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
               HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, AHEAD: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, AHEAD: gl.constexpr,
+              PAIR_SLOTS: gl.constexpr):
     """Rows [HALF·BM/2, (HALF+1)·BM/2) of every tile of this program (one warp group)."""
     HM: gl.constexpr = BM // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     n_kb = K // BK
+    n_units = gl.cdiv(n_kb, 2) if PAIR_SLOTS else n_kb
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
     zero = gl.zeros([HM, BN], gl.float32, mma)
-    it = 0  # ring position of the tile's first K block
+    it = 0  # ring position of the tile's first unit
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
-        acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, 0, 1, n_kb, a_s_ptrs, b_s_ptr, n_kb, HALF * HM, HM, zero,
-                        STAGES, AHEAD)
-        it += n_kb
+        acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, 0, STAGES, 0, 1, n_units, a_s_ptrs, b_s_ptr, n_kb,
+                        HALF * HM, HM, zero, AHEAD, PAIR_SLOTS)
+        it += n_units
         _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma, BN,
                      TMA_STORE)
     if TMA_STORE:
@@ -139,25 +164,38 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
 
 
 @gluon.jit
-def _issue_block(a_bufs, b_bufs, ready, it, ROW0: gl.constexpr, HM: gl.constexpr, zero, STAGES: gl.constexpr):
-    """Wait until ring position ``it`` holds its K block, then issue this group's async wgmma on A rows
-    [ROW0, ROW0 + HM) of it (a fresh product)."""
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    return warpgroup_mma(a_bufs.index(s).slice(ROW0, HM, dim=0), b_bufs.index(s).permute((1, 0)), zero,
-                         use_acc=False, is_async=True)
+def _issue_block(a_bufs, b_bufs, ready, pos, base, RING: gl.constexpr, Q: gl.constexpr, SLOT_KB: gl.constexpr,
+                 ROW0: gl.constexpr, HM: gl.constexpr, zero):
+    """Wait until ring position ``pos`` (``_ring_slot``) holds its K block(s), then issue this group's async wgmma
+    on A rows [ROW0, ROW0 + HM) of the slot's block ``Q`` (a fresh product)."""
+    s, phase = _ring_slot(pos, base, RING)
+    if Q == 0:
+        mbarrier.wait(ready.index(s), phase)
+    return warpgroup_mma(a_bufs.index(s * SLOT_KB + Q).slice(ROW0, HM, dim=0),
+                         b_bufs.index(s * SLOT_KB + Q).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _k_blocks(a_bufs, b_bufs, ready, empty, it, first, step, count, a_s_ptrs, b_s_ptr, n_kb, ROW0: gl.constexpr,
-              HM: gl.constexpr, zero, STAGES: gl.constexpr, AHEAD: gl.constexpr):
-    """One group's sum over ``count`` K blocks kb = first, first + step, ... of a tile whose first block sits at ring
-    position ``it``: per block an async wgmma into a fresh product, then the promotion ``acc += product ·
-    a_scale[row, kb] · b_scale[kb]`` (the scales loaded ahead: an L2 round trip outlasts one block's MMA), and
-    the block's slot released. ``AHEAD``: the blocks in pairs — both wgmmas issued, ``wait(1)`` and the first
+def _release(empty, pos, base, RING: gl.constexpr):
+    """This group is done reading ring position ``pos``'s slot."""
+    s, _ = _ring_slot(pos, base, RING)
+    mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
+def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first, step, count, a_s_ptrs, b_s_ptr,
+              n_kb, ROW0: gl.constexpr, HM: gl.constexpr, zero, AHEAD: gl.constexpr, PAIR_SLOTS: gl.constexpr):
+    """One group's sum over ``count`` units u = first, first + step, ... of a tile: K block kb = u (a pair of K
+    blocks 2u and 2u + 1 with ``PAIR_SLOTS``), taken at ring positions pos, pos + 1, ... (``_ring_slot`` in the
+    ``RING`` slots from ``base``). Per block an async wgmma into a fresh product, then the promotion ``acc +=
+    product · a_scale[row, kb] · b_scale[kb]`` (the scales loaded ahead: an L2 round trip outlasts one block's MMA),
+    and the block's slot released. ``AHEAD``: the blocks in pairs — both wgmmas issued, ``wait(1)`` and the first
     block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's. No wgmma stays in flight
     across a loop iteration: a loop-carried in-flight product is copied at the loop's phi, and ptxas then serializes
-    every wgmma (C7514)."""
+    every wgmma (C7514). ``PAIR_SLOTS``: :func:`_k_slot_pairs`."""
+    if PAIR_SLOTS:
+        return _k_slot_pairs(a_bufs, b_bufs, ready, empty, pos, base, RING, first, step, count, a_s_ptrs, b_s_ptr,
+                             n_kb, ROW0, HM, zero)
     acc = zero
     last = n_kb - 1
     if AHEAD:
@@ -173,19 +211,20 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, it, first, step, count, a_s_ptrs, b_
             b0 = gl.load(b_s_ptr + gl.minimum(kb + 2 * step, last))
             a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3 * step, last))
             b1 = gl.load(b_s_ptr + gl.minimum(kb + 3 * step, last))
-            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, ROW0, HM, zero, STAGES)
-            p1 = _issue_block(a_bufs, b_bufs, ready, it + kb + step, ROW0, HM, zero, STAGES)
+            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 1, ROW0, HM, zero)
+            p1 = _issue_block(a_bufs, b_bufs, ready, pos + 1, base, RING, 0, 1, ROW0, HM, zero)
             d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            _release(empty, pos, base, RING)
             acc += d0 * s0[:, None]
             d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-            mbarrier.arrive(empty.index((it + kb + step) % STAGES), count=1)
+            _release(empty, pos + 1, base, RING)
             acc += d1 * s1[:, None]
             kb += 2 * step
+            pos += 2
         if count % 2 == 1:  # the last block alone
-            p0 = _issue_block(a_bufs, b_bufs, ready, it + kb, ROW0, HM, zero, STAGES)
+            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 1, ROW0, HM, zero)
             d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
-            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            _release(empty, pos, base, RING)
             acc += d0 * (a0 * b0)[:, None]
     else:
         a_s_next = gl.load(a_s_ptrs + gl.minimum(first, last))
@@ -195,10 +234,51 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, it, first, step, count, a_s_ptrs, b_
             scale = a_s_next * b_s_next
             a_s_next = gl.load(a_s_ptrs + gl.minimum(kb + step, last))
             b_s_next = gl.load(b_s_ptr + gl.minimum(kb + step, last))
-            prod = _issue_block(a_bufs, b_bufs, ready, it + kb, ROW0, HM, zero, STAGES)
+            prod = _issue_block(a_bufs, b_bufs, ready, pos + j, base, RING, 0, 1, ROW0, HM, zero)
             d = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
-            mbarrier.arrive(empty.index((it + kb) % STAGES), count=1)
+            _release(empty, pos + j, base, RING)
             acc += d * scale[:, None]
+    return acc
+
+
+@gluon.jit
+def _k_slot_pairs(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first, step, count, a_s_ptrs,
+                  b_s_ptr, n_kb, ROW0: gl.constexpr, HM: gl.constexpr, zero):
+    """``PAIR_SLOTS``: a ring slot holds a tile's K blocks 2u and 2u + 1 (shared-memory buffers 2s and 2s + 1 of
+    slot s) behind one ``ready`` and one ``empty`` barrier, so a pair costs one wait and one release instead of two
+    each. Per slot: the wait, both wgmmas issued, ``wait(1)`` and the first block's promotion, ``wait(0)``, the slot
+    released, the second block's promotion. With n_kb odd the tile's last slot holds one block; the group whose
+    last unit it is takes it after the loop."""
+    acc = zero
+    last = n_kb - 1
+    n_units = (n_kb + 1) // 2
+    tail = (n_kb % 2 == 1) & (count > 0) & ((n_units - 1 - first) % step == 0)  # this group's last unit: one block
+    kb = 2 * first
+    a0 = gl.load(a_s_ptrs + gl.minimum(kb, last))
+    b0 = gl.load(b_s_ptr + gl.minimum(kb, last))
+    a1 = gl.load(a_s_ptrs + gl.minimum(kb + 1, last))
+    b1 = gl.load(b_s_ptr + gl.minimum(kb + 1, last))
+    for _ in range(count - tail.to(gl.int32)):
+        s0 = a0 * b0
+        s1 = a1 * b1
+        kb += 2 * step
+        a0 = gl.load(a_s_ptrs + gl.minimum(kb, last))  # the next slot's
+        b0 = gl.load(b_s_ptr + gl.minimum(kb, last))
+        a1 = gl.load(a_s_ptrs + gl.minimum(kb + 1, last))
+        b1 = gl.load(b_s_ptr + gl.minimum(kb + 1, last))
+        p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 2, ROW0, HM, zero)
+        p1 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 1, 2, ROW0, HM, zero)
+        d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+        acc += d0 * s0[:, None]
+        d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+        _release(empty, pos, base, RING)
+        acc += d1 * s1[:, None]
+        pos += 1
+    if tail:  # the tile's last slot, one block (kb = n_kb - 1)
+        p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 2, ROW0, HM, zero)
+        d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+        _release(empty, pos, base, RING)
+        acc += d0 * (a0 * b0)[:, None]
     return acc
 
 
@@ -261,26 +341,32 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, 
 def _consumer_ksplit(a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr, c_desc,
                      c_smem, M, N, K, stride_cm, HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                     TMA_STORE: gl.constexpr, AHEAD: gl.constexpr):
-    """``KSPLIT``: both warp groups on the same [BM = 64, BN] tile, group HALF on the K blocks kb ≡ HALF (mod 2) (the
-    producer's ring is unchanged: K block kb of the program's t-th tile sits at ring position t·n_kb + kb). At the
+                     TMA_STORE: gl.constexpr, AHEAD: gl.constexpr, PAIR_SLOTS: gl.constexpr):
+    """``KSPLIT``: both warp groups on the same [BM = 64, BN] tile, group HALF on the tile's units u ≡ HALF (mod 2)
+    (K blocks; pairs of them with ``PAIR_SLOTS``). Each group has its own ring, half of the ``STAGES`` slots (the
+    producer fills unit u of a tile into group u % 2's ring), so a group waits for every use of its slots in order:
+    in one shared ring a group would wait for a slot's use k while use k - 1, the other group's, might still be in
+    flight, and a barrier that has not completed use k - 1 reads as having completed the parity of use k. At the
     tile's end group 1 hands its fp32 sum to group 0 through ``red_smem`` (``red_full`` / ``red_empty``, one
     completion per tile), and group 0 adds it and stores the tile."""
+    RING: gl.constexpr = STAGES // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     n_kb = K // BK
+    n_units = gl.cdiv(n_kb, 2) if PAIR_SLOTS else n_kb
+    mine = (n_units - HALF + 1) // 2  # this group's units per tile
     grid_m = gl.cdiv(M, BM)
     grid_n = gl.cdiv(N, BN)
     zero = gl.zeros([BM, BN], gl.float32, mma)
-    it = 0  # ring position of the tile's first K block
+    it = 0  # position in this group's ring of the tile's first unit
     t = 0  # tiles done by this program
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         rm = pid_m * BM + gl.arange(0, BM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
-        acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, HALF, 2, (n_kb - HALF + 1) // 2, a_s_ptrs, b_s_ptr, n_kb,
-                        0, BM, zero, STAGES, AHEAD)
+        acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, HALF * RING, RING, HALF, 2, mine, a_s_ptrs, b_s_ptr, n_kb,
+                        0, BM, zero, AHEAD, PAIR_SLOTS)
         if HALF == 1:
             mbarrier.wait(red_empty.index(0), (t & 1) ^ 1)  # group 0 has read the previous tile's sum
             red_smem.store(acc)
@@ -290,7 +376,7 @@ def _consumer_ksplit(a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty
             acc += red_smem.load(mma)
             mbarrier.arrive(red_empty.index(0), count=1)
             _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM, pid_n * BN, M, N, stride_cm, mma, BN, TMA_STORE)
-        it += n_kb
+        it += mine
         t += 1
     if TMA_STORE:
         tma.store_wait(pendings=0)
@@ -317,10 +403,12 @@ def _store_block(acc, c_ptr, c_desc, c_smem, rm, row0, col0, M, N, stride_cm, mm
 def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, stride_cm,
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                        KSPLIT: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                        KSPLIT: gl.constexpr = False, AHEAD: gl.constexpr = False,
+                        PAIR_SLOTS: gl.constexpr = False):
     SN: gl.constexpr = b_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * (BN // SN), SN, BK], b_desc.layout)
+    SLOT_KB: gl.constexpr = 2 if PAIR_SLOTS else 1  # K blocks per ring slot
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * SLOT_KB, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES * SLOT_KB * (BN // SN), SN, BK], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -345,11 +433,12 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
         gl.warp_specialize([
             (_consumer_ksplit, (a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr,
                                 c_desc, c_smem0, M, N, K, stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE,
-                                AHEAD)),
+                                AHEAD, PAIR_SLOTS)),
             (_consumer_ksplit, (a_bufs, b_bufs, ready, empty, red_smem, red_full, red_empty, as_ptr, bs_ptr, c_ptr,
                                 c_desc, c_smem0, M, N, K, stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE,
-                                AHEAD)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+                                AHEAD, PAIR_SLOTS)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, SLOT_KB,
+                         KSPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(red_full.index(0))
         mbarrier.invalidate(red_empty.index(0))
@@ -359,15 +448,17 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
                               stride_cm, 0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K,
                               stride_cm, 1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, SLOT_KB,
+                         KSPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
-                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD)),
+                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD, PAIR_SLOTS)),
             (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
-                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD, PAIR_SLOTS)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, SLOT_KB,
+                         KSPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
