@@ -1,7 +1,7 @@
 """Sweep of the block-scaled FP8 GEMM's variants and configurations at prefill shapes, in one GPU call.
 
     python -m benchmarks.sweep_fp8_gemm [--out sweep_fp8_gemm.json] [--budget-s 120] [--ms 512,2048,8192]
-                                        [--only "PERSISTENT=1,BM=64"]
+                                        [--only "PERSISTENT=1,BM=64"] [--rounds 5]
 
 For every shape (M in ``--ms`` × the (N, K) of ``NK``) it times, with ``bench_gemm``'s method (one call per
 weight set, enough sets to overflow L2, all captured in one CUDA graph: ``common.graph_us``), the peers
@@ -12,6 +12,10 @@ _scaled_mm and ≥ 1.4× bf16), then the best setting per shape, and writes them
 ``--budget-s`` the remaining settings are listed as skipped (the shapes go large-M first so the goal shapes come
 early).
 ``--only``: time just the settings whose label contains one of these comma-separated substrings (and "auto").
+``--rounds R`` (R > 1): each shape's peers and settings timed in R round-robin passes (``common.interleaved_graph_us``),
+medians of the rounds reported. Timed one after another, the settings of a large shape are not alike: on the H200
+(session 24, 8192 × 4096 × 7168) "auto", timed first, took 407-413 µs and the same configuration pinned, timed
+later, 452-457 µs — the clocks fall under sustained FP8 load.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 from mla_quant.kernels.fp8_gemm import TMA_CANDIDATES, WS_CANDIDATES, fp8_gemm
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 
-from .common import L2_BYTES, Context, graph_us, meta, sweep_args
+from .common import L2_BYTES, Context, graph_us, interleaved_graph_us, meta, sweep_args
 
 NK = ((4096, 7168), (7168, 2048), (24576, 1536), (2048, 7168))  # Kimi/GLM widths: q_b-, o_proj-like, wide q_b, expert
 MS = (8192, 2048, 512)
@@ -44,6 +48,7 @@ def settings(only: str = "") -> list[tuple[str, dict]]:
 def _extra_args(ap) -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma-separated")
     ap.add_argument("--only", default="", help="label substrings, comma-separated (default: every setting)")
+    ap.add_argument("--rounds", type=int, default=1, help="> 1: time each shape's settings in interleaved rounds")
 
 
 def _weights(n: int, k: int, sets: int) -> list[dict]:
@@ -87,22 +92,33 @@ def main(argv: list[str] | None = None) -> int:
             xq16 = torch.zeros(m16, k, device="cuda", dtype=FP8)
             xq16[:m] = xq
             flops = 2 * m * n * k
-            t_bf16 = timed(lambda s: x @ s["w"].T)
-            t_smm = timed(lambda s: torch._scaled_mm(xq16, s["q8t"], scale_a=one, scale_b=one,
-                                                     out_dtype=torch.bfloat16))
+            peers = {"bf16": lambda s: x @ s["w"].T,
+                     "smm": lambda s: torch._scaled_mm(xq16, s["q8t"], scale_a=one, scale_b=one,
+                                                       out_dtype=torch.bfloat16)}
+            ours = {label: (lambda s, kw=kwargs: fp8_gemm(xq, xs, s["q8"], s["s8"], **kw))
+                    for label, kwargs in settings(args.only)}
+            kwargs_of = dict(settings(args.only))
+            if args.rounds > 1:  # everything of this shape round-robin; medians of the rounds
+                fns = {name: (lambda fn=fn: [fn(s) for s in sets]) for name, fn in {**peers, **ours}.items()}
+                got = interleaved_graph_us(fns, len(sets), args.rounds, warmup_ms=10, rep_ms=40)
+                times = {name: (v if isinstance(v, str) else sorted(v)[len(v) // 2]) for name, v in got.items()}
+            else:
+                times = {}
+                for name, fn in {**peers, **ours}.items():
+                    try:
+                        times[name] = timed(fn)
+                    except Exception as e:  # noqa: BLE001 - one setting that fails to compile or launch is a finding
+                        times[name] = f"{type(e).__name__}: {e}"[:500]
+            t_bf16, t_smm = times["bf16"], times["smm"]
             rows.append({**shape, "setting": "peers", "cublas_bf16_us": round(t_bf16, 3),
-                         "scaled_mm_us": round(t_smm, 3)})
+                         "scaled_mm_us": round(t_smm, 3), "rounds": args.rounds})
             print(f"{m:5d} {n:6d} {k:6d} {'cuBLAS bf16 / _scaled_mm':58s} {t_bf16:8.1f} {flops / t_bf16 / 1e6:8.0f} "
                   f"{t_smm:6.1f}µs", flush=True)
-            for label, kwargs in settings(args.only):
-                if time.time() - start > args.budget_s:
-                    skipped.append({**shape, "setting": label})
-                    continue
-                try:
-                    t = timed(lambda s, kw=kwargs: fp8_gemm(xq, xs, s["q8"], s["s8"], **kw))
-                except Exception as e:  # noqa: BLE001 - one setting that fails to compile or launch is a finding
-                    print(f"{m:5d} {n:6d} {k:6d} {label:58s} failed: {type(e).__name__}: {e}"[:300], flush=True)
-                    rows.append({**shape, "setting": label, "error": f"{type(e).__name__}: {e}"[:500]})
+            for label in ours:
+                t, kwargs = times[label], kwargs_of[label]
+                if isinstance(t, str):
+                    print(f"{m:5d} {n:6d} {k:6d} {label:58s} failed: {t}"[:300], flush=True)
+                    rows.append({**shape, "setting": label, "error": t})
                     continue
                 row = {**shape, "setting": label, "kwargs": kwargs, "median_us": round(t, 3),
                        "tflops": round(flops / t / 1e6, 1), "vs_scaled_mm": round(t_smm / t, 3),
