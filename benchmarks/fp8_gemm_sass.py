@@ -23,7 +23,6 @@ FORMS = {"128x128": {"BN": 128, "STAGES": 4}, "128x128 AHEAD": {"BN": 128, "STAG
          "KSPLIT AHEAD": {"BN": 128, "STAGES": 6, "KSPLIT": 1, "AHEAD": 1},
          "128x128 AHEAD PAIR_SLOTS": {"BN": 128, "STAGES": 3, "AHEAD": 1, "PAIR_SLOTS": 1},
          "KSPLIT AHEAD PAIR_SLOTS": {"BN": 128, "STAGES": 2, "KSPLIT": 1, "AHEAD": 1, "PAIR_SLOTS": 1},
-         "128x128 AHEAD STAGGER": {"BN": 128, "STAGES": 5, "AHEAD": 1, "STAGGER": 1},
          "128x256": {"BN": 256, "STAGES": 4}}
 
 

@@ -284,14 +284,6 @@ def test_ws_config_pins_only_what_it_names_and_names_bad_settings():
     assert ws_config(512, 2048, 132, (128, 128), {"KSPLIT": 1, "AHEAD": 1, "PAIR_SLOTS": 1, "STAGES": 2})["STAGES"] == 2
     with pytest.raises(ValueError, match="PAIR_SLOTS needs AHEAD"):
         ws_config(8192, 7168, 132, (128, 128), {"PAIR_SLOTS": 1})
-    # STAGGER: group 0 takes STAGGER pairs alone first (2 · STAGGER slots); only the plain AHEAD consumer has it
-    assert ws_config(8192, 7168, 132, (128, 128), {"AHEAD": 1, "STAGGER": 2, "STAGES": 4})["STAGGER"] == 2
-    with pytest.raises(ValueError, match="STAGES 3 < 4"):
-        ws_config(8192, 7168, 132, (128, 128), {"AHEAD": 1, "STAGGER": 2, "STAGES": 3})
-    for bad in ({"STAGGER": 1}, {"AHEAD": 1, "PAIR_SLOTS": 1, "STAGGER": 1}, {"AHEAD": 1, "STAGGER": 3},
-                {"AHEAD": 1, "KSPLIT": 1, "STAGGER": 1, "STAGES": 6}):
-        with pytest.raises(ValueError, match="STAGGER .* needs AHEAD, without KSPLIT or PAIR_SLOTS"):
-            ws_config(8192, 7168, 132, (128, 128), bad)
 
 
 def test_ws_default_config_splits_k_between_the_groups_where_64_row_tiles_fill_one_wave():

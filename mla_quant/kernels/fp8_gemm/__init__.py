@@ -24,18 +24,14 @@ TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a g
 # / by TMA from shared memory where the output allows it; KSPLIT 0 / 1 (optional, BN 128): [64, BN] tiles, the two
 # groups on alternate K blocks of each, for shapes whose 128-row tiles leave SMs idle; AHEAD 0 / 1 (optional, BN 64 /
 # 128): each group's K blocks in pairs, the second's wgmma running through the first one's promotion; PAIR_SLOTS 0 / 1
-# (optional, with AHEAD): a ring slot holds the pair, one ready and one empty barrier per pair, STAGES counting slots;
-# STAGGER 0 / 1 / 2 (optional, with AHEAD, not KSPLIT or PAIR_SLOTS): group 1 runs that many pairs of K blocks behind
-# group 0, so each group's epilogue overlaps the other's wgmmas)
-WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD", "PAIR_SLOTS", "STAGGER")
+# (optional, with AHEAD): a ring slot holds the pair, one ready and one empty barrier per pair, STAGES counting slots)
+WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD", "PAIR_SLOTS")
 VARIANTS = ("auto", "portable", "tma", "ws")
 WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {}),
-                       **({"AHEAD": 1} if ah else {}), **({"PAIR_SLOTS": 1} if ah == 2 else {}),
-                       **({"STAGGER": ah - 2} if ah > 2 else {})}
-                      for bn, st, ts, ks, ah in (  # ah: 1 AHEAD, 2 with PAIR_SLOTS, 3 / 4 with STAGGER 1 / 2
+                       **({"AHEAD": 1} if ah else {}), **({"PAIR_SLOTS": 1} if ah == 2 else {})}
+                      for bn, st, ts, ks, ah in (  # ah: 1 AHEAD, 2 AHEAD with PAIR_SLOTS
                           (128, 4, 1, 0, 1), (128, 5, 1, 0, 1), (128, 4, 0, 0, 1), (128, 6, 1, 1, 1), (128, 6, 0, 1, 1),
                           (128, 2, 1, 0, 2), (128, 3, 1, 0, 2), (128, 3, 0, 0, 2), (128, 2, 1, 1, 2), (128, 4, 0, 1, 2),
-                          (128, 4, 1, 0, 3), (128, 5, 1, 0, 3), (128, 6, 1, 0, 3), (128, 6, 1, 0, 4),
                           (128, 4, 1, 0, 0), (128, 5, 1, 0, 0), (128, 6, 1, 0, 0), (128, 5, 0, 0, 0), (64, 8, 1, 0, 0),
                           (256, 3, 1, 0, 0), (256, 4, 1, 0, 0), (128, 4, 1, 1, 0), (128, 6, 1, 1, 0),
                           (128, 6, 0, 1, 0)))
@@ -93,11 +89,11 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
     would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
     BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256, fewer ring slots
     than one group holds at once (AHEAD: 2 without PAIR_SLOTS; KSPLIT: twice that, an even count),
-    PAIR_SLOTS without AHEAD, STAGGER outside AHEAD alone (or fewer than 2·STAGGER slots)."""
+    PAIR_SLOTS without AHEAD."""
     bn_s, bk = int(block[0]), int(block[1])
     defaults = ws_default_config(m, n, sms, bn_s)
     if config is not None:
-        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD", "PAIR_SLOTS", "STAGGER")}
+        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD", "PAIR_SLOTS")}
     cfg = _over_defaults(defaults, config, WS_CONFIG_KEYS)
     if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % min(cfg["BN"], 128):
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
@@ -106,16 +102,11 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
         raise ValueError("config: KSPLIT and AHEAD take BN 64 or 128 (the 256-column form holds two accumulators)")
     if cfg.get("PAIR_SLOTS") and not cfg.get("AHEAD"):
         raise ValueError("config: PAIR_SLOTS needs AHEAD (a slot holds the pair of K blocks an AHEAD group takes)")
-    if cfg.get("STAGGER") and (not cfg.get("AHEAD") or cfg.get("KSPLIT") or cfg.get("PAIR_SLOTS")
-                               or cfg["STAGGER"] not in (1, 2)):
-        raise ValueError(f"config: STAGGER {cfg['STAGGER']} must be 1 or 2 (pairs of K blocks) and needs AHEAD, "
-                         f"without KSPLIT or PAIR_SLOTS")
     if cfg.get("KSPLIT") and cfg["STAGES"] % 2:
         raise ValueError(f"config: KSPLIT splits the ring between the two groups; STAGES {cfg['STAGES']} must be even")
     # ring slots a group holds at once: a pair of K blocks (AHEAD), one slot with PAIR_SLOTS; under KSPLIT each group
     # has half of the STAGES slots
     need = (2 if cfg.get("AHEAD") and not cfg.get("PAIR_SLOTS") else 1) * (2 if cfg.get("KSPLIT") else 1)
-    need = max(need, 2 * cfg.get("STAGGER", 0))  # group 0 takes STAGGER pairs before group 1 starts
     if cfg["STAGES"] < need:
         raise ValueError(f"config: STAGES {cfg['STAGES']} < {need}: the ring cannot hold the K blocks one group waits "
                          f"for at once (AHEAD pairs{', KSPLIT' if cfg.get('KSPLIT') else ''}); it would deadlock")
@@ -285,7 +276,6 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     cfg = ws_config(m, n, num_sms(a.device), block, config)
     sub_n = min(cfg["BN"], 128)  # one wgmma's columns: BN = 256 runs two 128-column halves
     ksplit, ahead, pairs = (bool(cfg.get(key, 0)) for key in ("KSPLIT", "AHEAD", "PAIR_SLOTS"))
-    stagger = int(cfg.get("STAGGER", 0))
     bm = 64 if ksplit else 128
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([sub_n, bk], gl.float8e4nv)
@@ -301,6 +291,6 @@ def _launch_ws(a, a_scale, b, b_scale, c, block, config) -> torch.Tensor:
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(a.device)),)](
         a_desc, a_scale, b_desc, b_scale, c, c_desc, m, n, k, c.stride(0), BN_S=bn_s, BM=bm, BN=cfg["BN"], BK=bk,
         GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], TMA_STORE=bool(tma_store), KSPLIT=ksplit, AHEAD=ahead,
-        PAIR_SLOTS=pairs, STAGGER=stagger, num_warps=4)
+        PAIR_SLOTS=pairs, num_warps=4)
     return c
 

@@ -138,10 +138,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K, stride_cm,
               HALF: gl.constexpr, BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, AHEAD: gl.constexpr,
-              PAIR_SLOTS: gl.constexpr, go, STAGGER: gl.constexpr):
-    """Rows [HALF·BM/2, (HALF+1)·BM/2) of every tile of this program (one warp group). ``STAGGER`` (with AHEAD):
-    group 1 starts once group 0 has taken STAGGER pairs of K blocks of its first tile (``go``), and so stays that far
-    behind: each group's epilogue then runs while the other group's wgmmas keep the tensor cores busy."""
+              PAIR_SLOTS: gl.constexpr):
+    """Rows [HALF·BM/2, (HALF+1)·BM/2) of every tile of this program (one warp group)."""
     HM: gl.constexpr = BM // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -151,15 +149,13 @@ def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_sme
     grid_n = gl.cdiv(N, BN)
     zero = gl.zeros([HM, BN], gl.float32, mma)
     it = 0  # ring position of the tile's first unit
-    if STAGGER > 0 and HALF == 1:
-        mbarrier.wait(go.index(0), 0)
     for tile in range(gl.program_id(0), grid_m * grid_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, grid_m, grid_n, GROUP_M)
         rm = pid_m * BM + HALF * HM + gl.arange(0, HM, rows_l)
         a_s_ptrs = as_ptr + gl.minimum(rm, M - 1).to(gl.int64) * n_kb  # edge rows re-read row M-1
         b_s_ptr = bs_ptr + ((pid_n * BN) // BN_S) * n_kb
         acc = _k_blocks(a_bufs, b_bufs, ready, empty, it, 0, STAGES, 0, 1, n_units, a_s_ptrs, b_s_ptr, n_kb,
-                        HALF * HM, HM, zero, AHEAD, PAIR_SLOTS, go, STAGGER if HALF == 0 else 0, it == 0)
+                        HALF * HM, HM, zero, AHEAD, PAIR_SLOTS)
         it += n_units
         _store_block(acc, c_ptr, c_desc, c_smem, rm, pid_m * BM + HALF * HM, pid_n * BN, M, N, stride_cm, mma, BN,
                      TMA_STORE)
@@ -188,8 +184,7 @@ def _release(empty, pos, base, RING: gl.constexpr):
 
 @gluon.jit
 def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first, step, count, a_s_ptrs, b_s_ptr,
-              n_kb, ROW0: gl.constexpr, HM: gl.constexpr, zero, AHEAD: gl.constexpr, PAIR_SLOTS: gl.constexpr,
-              go=None, LEAD: gl.constexpr = 0, signal=False):
+              n_kb, ROW0: gl.constexpr, HM: gl.constexpr, zero, AHEAD: gl.constexpr, PAIR_SLOTS: gl.constexpr):
     """One group's sum over ``count`` units u = first, first + step, ... of a tile: K block kb = u (a pair of K
     blocks 2u and 2u + 1 with ``PAIR_SLOTS``), taken at ring positions pos, pos + 1, ... (``_ring_slot`` in the
     ``RING`` slots from ``base``). Per block an async wgmma into a fresh product, then the promotion ``acc +=
@@ -197,8 +192,7 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first
     and the block's slot released. ``AHEAD``: the blocks in pairs — both wgmmas issued, ``wait(1)`` and the first
     block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's. No wgmma stays in flight
     across a loop iteration: a loop-carried in-flight product is copied at the loop's phi, and ptxas then serializes
-    every wgmma (C7514). ``PAIR_SLOTS``: :func:`_k_slot_pairs`. ``LEAD`` (AHEAD): after the first LEAD pairs arrive
-    on ``go`` where ``signal`` (the STAGGER of ``_consumer``)."""
+    every wgmma (C7514). ``PAIR_SLOTS``: :func:`_k_slot_pairs`."""
     if PAIR_SLOTS:
         return _k_slot_pairs(a_bufs, b_bufs, ready, empty, pos, base, RING, first, step, count, a_s_ptrs, b_s_ptr,
                              n_kb, ROW0, HM, zero)
@@ -210,18 +204,21 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first
         a1 = gl.load(a_s_ptrs + gl.minimum(first + step, last))
         b1 = gl.load(b_s_ptr + gl.minimum(first + step, last))
         kb = first
-        done = 0
-        if LEAD > 0:  # (a loop of its own, so the one arrive is not a predicated barrier in every pair)
-            done = gl.minimum(count // 2, LEAD)
-            for _ in range(done):
-                acc, a0, b0, a1, b1 = _ahead_pair(a_bufs, b_bufs, ready, empty, pos, base, RING, kb, step, last,
-                                                  a_s_ptrs, b_s_ptr, acc, a0, b0, a1, b1, ROW0, HM, zero)
-                kb += 2 * step
-                pos += 2
-            mbarrier.arrive(go.index(0), count=1, pred=signal)
-        for _ in range(count // 2 - done):
-            acc, a0, b0, a1, b1 = _ahead_pair(a_bufs, b_bufs, ready, empty, pos, base, RING, kb, step, last,
-                                              a_s_ptrs, b_s_ptr, acc, a0, b0, a1, b1, ROW0, HM, zero)
+        for _ in range(count // 2):
+            s0 = a0 * b0
+            s1 = a1 * b1
+            a0 = gl.load(a_s_ptrs + gl.minimum(kb + 2 * step, last))  # the next pair's
+            b0 = gl.load(b_s_ptr + gl.minimum(kb + 2 * step, last))
+            a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3 * step, last))
+            b1 = gl.load(b_s_ptr + gl.minimum(kb + 3 * step, last))
+            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 1, ROW0, HM, zero)
+            p1 = _issue_block(a_bufs, b_bufs, ready, pos + 1, base, RING, 0, 1, ROW0, HM, zero)
+            d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+            _release(empty, pos, base, RING)
+            acc += d0 * s0[:, None]
+            d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+            _release(empty, pos + 1, base, RING)
+            acc += d1 * s1[:, None]
             kb += 2 * step
             pos += 2
         if count % 2 == 1:  # the last block alone
@@ -242,28 +239,6 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first
             _release(empty, pos + j, base, RING)
             acc += d * scale[:, None]
     return acc
-
-
-@gluon.jit
-def _ahead_pair(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, kb, step, last, a_s_ptrs, b_s_ptr, acc,
-                a0, b0, a1, b1, ROW0: gl.constexpr, HM: gl.constexpr, zero):
-    """One AHEAD pair: K blocks kb and kb + step at ring positions pos and pos + 1 (their scales a0·b0, a1·b1 loaded
-    a pair ago); returns the sum and the next pair's scales."""
-    s0 = a0 * b0
-    s1 = a1 * b1
-    a0 = gl.load(a_s_ptrs + gl.minimum(kb + 2 * step, last))  # the next pair's
-    b0 = gl.load(b_s_ptr + gl.minimum(kb + 2 * step, last))
-    a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3 * step, last))
-    b1 = gl.load(b_s_ptr + gl.minimum(kb + 3 * step, last))
-    p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 1, ROW0, HM, zero)
-    p1 = _issue_block(a_bufs, b_bufs, ready, pos + 1, base, RING, 0, 1, ROW0, HM, zero)
-    d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-    _release(empty, pos, base, RING)
-    acc += d0 * s0[:, None]
-    d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-    _release(empty, pos + 1, base, RING)
-    acc += d1 * s1[:, None]
-    return acc, a0, b0, a1, b1
 
 
 @gluon.jit
@@ -429,7 +404,7 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
                         BN_S: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
                         KSPLIT: gl.constexpr = False, AHEAD: gl.constexpr = False,
-                        PAIR_SLOTS: gl.constexpr = False, STAGGER: gl.constexpr = 0):
+                        PAIR_SLOTS: gl.constexpr = False):
     SN: gl.constexpr = b_desc.block_type.shape[0]
     SLOT_KB: gl.constexpr = 2 if PAIR_SLOTS else 1  # K blocks per ring slot
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * SLOT_KB, BM, BK], a_desc.layout)
@@ -477,13 +452,11 @@ def _fp8_gemm_ws_kernel(a_desc, as_ptr, b_desc, bs_ptr, c_ptr, c_desc, M, N, K, 
                          KSPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # STAGGER: group 1's start
-        mbarrier.init(go.index(0), count=1)
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem0, M, N, K, stride_cm,
-                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD, PAIR_SLOTS, go, STAGGER)),
+                         0, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD, PAIR_SLOTS)),
             (_consumer, (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem1, M, N, K, stride_cm,
-                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD, PAIR_SLOTS, go, STAGGER)),
+                         1, BN_S, BM, BN, BK, GROUP_M, STAGES, TMA_STORE, AHEAD, PAIR_SLOTS)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, SLOT_KB,
                          KSPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
