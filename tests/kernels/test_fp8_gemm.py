@@ -252,7 +252,8 @@ def test_auto_variant_is_ws_on_hopper_past_64_tokens():
 
 def test_ws_default_config_takes_128_column_tiles_with_k_blocks_in_pairs():
     for m, n in ((8192, 7168), (512, 7168), (2048, 2048), (2048, 7168), (512, 4096)):
-        assert ws_default_config(m, n, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
+        assert ws_default_config(m, n, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 3, "TMA_STORE": 1, "AHEAD": 1,
+                                                "PAIR_SLOTS": 1}
     assert ws_default_config(8192)["BN"] == 128  # no N or SM count: the same tile
 
 
@@ -288,8 +289,8 @@ def test_ws_config_pins_only_what_it_names_and_names_bad_settings():
 
 def test_ws_default_config_splits_k_between_the_groups_where_64_row_tiles_fill_one_wave():
     # 132 SMs: 512 x 2048 has 64 tiles of 128 rows (under 90 %) and 128 of 64 rows (one wave, 97 %)
-    assert ws_default_config(512, 2048, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 6, "TMA_STORE": 1, "KSPLIT": 1,
-                                                 "AHEAD": 1}
+    assert ws_default_config(512, 2048, 132) == {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 0, "KSPLIT": 1,
+                                                 "AHEAD": 1, "PAIR_SLOTS": 1}
     assert ws_default_config(256, 4096, 132).get("KSPLIT") == 1  # 64 / 128 tiles
     assert "KSPLIT" not in ws_default_config(512, 4096, 132)  # 128 tiles of 128 rows already fill the SMs
     assert "KSPLIT" not in ws_default_config(512, 1024, 132)  # 64 tiles of 64 rows: still under 90 %

@@ -63,37 +63,42 @@ def _ksplit_fills(m: int, n: int, sms: int) -> bool:
 
 
 def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s: int = 128) -> dict:
-    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, 4 stages, the output stored by
-    TMA where it can be, each group's K blocks in pairs (``AHEAD``); ``KSPLIT`` [64, 128] tiles with 6 stages (3 per group's
-    ring) where 128-row tiles would leave SMs idle and 64-row tiles fill one wave (:func:`_ksplit_fills`; needs
-    ``n`` and ``sms``).
+    """The "ws" variant's configuration (keys ``WS_CONFIG_KEYS``): 128 × 128 tiles, the output stored by TMA, each
+    group's K blocks in pairs (``AHEAD``), a ring of 3 slots of one pair each (``PAIR_SLOTS``); ``KSPLIT`` [64, 128]
+    tiles where 128-row tiles would leave SMs idle and 64-row tiles fill one wave (:func:`_ksplit_fills`; needs ``n``
+    and ``sms``), with 4 pair slots (2 per group's ring) and plain stores (a TMA staging buffer would not fit beside
+    them and the groups' hand-over buffer).
 
     H200, sweep of 518d14e: 4 stages best at 7 of 9 prefill shapes (5 or 6 within 2 % at the other two);
     TMA_STORE=0 1.04-1.37x the time; 128 × 64 tiles 1.2-1.5x. Session 23 (results/sweep_fp8_gemm_ws_h200.json):
     AHEAD with 4 stages (fdc5f24) the fastest setting at 11 of the 12 prefill shapes of M = 512 / 2048 / 8192,
     0.88-0.98x the time of the previous rule's choice (128 × 256 tiles where they added no wave — which AHEAD cannot
-    take: the 256-column form already holds two accumulators — else 128 × 128); 5 stages within 1-2 % at M = 512,
-    1-7 % slower above. KSPLIT at 512 × 2048 × 7168 (128 tiles of 64 rows) 19.6 µs with 7 stages (20.2 with 6,
-    21.9 with 4) against 25.0 for the tma kernel "auto" took before and 29.0 for 128 × 128; at the other prefill
-    shapes (256-1536 tiles of 64 rows) 1.1-1.5x the time of 128-row tiles. Session 24: each KSPLIT group got its own
-    half of the ring (a shared ring's odd stage counts let a group wait on a slot whose previous use, the other
-    group's, might still be in flight), so KSPLIT takes an even count: 6."""
+    take: the 256-column form already holds two accumulators — else 128 × 128). KSPLIT at 512 × 2048 × 7168 (128
+    tiles of 64 rows) 19.6 µs with 7 shared stages against 25.0 for the tma kernel "auto" took before and 29.0 for
+    128 × 128; at the other prefill shapes (256-1536 tiles of 64 rows) 1.1-1.5x the time of 128-row tiles.
+    Session 24 (same file; interleaved rounds, the settings compared after one of their own kind): PAIR_SLOTS with
+    3 slots took 0.97-1.04x (median 0.985) the time of AHEAD with 4 stages at the 11 shapes of 128-row tiles, in
+    two calls. Each KSPLIT group now has its own half of the ring (a shared ring let a group wait on a slot whose
+    previous use, the other group's, could still be in flight): with 6 stages that was 20.5-21.4 µs at 512 × 2048 ×
+    7168, with 4 pair slots 19.3-19.5."""
     if n is not None and sms and bn_s % 128 == 0 and _ksplit_fills(m, n, sms):
-        return {"BN": 128, "GROUP_M": 8, "STAGES": 6, "TMA_STORE": 1, "KSPLIT": 1, "AHEAD": 1}
-    return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1, "AHEAD": 1}
+        return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 0, "KSPLIT": 1, "AHEAD": 1, "PAIR_SLOTS": 1}
+    return {"BN": 128, "GROUP_M": 8, "STAGES": 3, "TMA_STORE": 1, "AHEAD": 1, "PAIR_SLOTS": 1}
+
+
+WS_PINNED_BASE = {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 1}  # what a pinned ws config leaves out
 
 
 def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | None) -> dict:
     """The "ws" launch's configuration: ``config`` (keys of ``WS_CONFIG_KEYS``) over :func:`ws_default_config`,
-    checked. A pinned ``config`` is its own: ``KSPLIT`` / ``AHEAD`` only where it names them (a default's KSPLIT
-    would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
+    checked. A pinned ``config`` is its own: the keys it leaves out come from ``WS_PINNED_BASE`` (128 × 128 tiles,
+    4 stages, TMA store), not from the shape's default, so ``KSPLIT`` / ``AHEAD`` / ``PAIR_SLOTS`` apply only where it
+    names them (a default's KSPLIT or slot count would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
     BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256, fewer ring slots
     than one group holds at once (AHEAD: 2 without PAIR_SLOTS; KSPLIT: twice that, an even count),
     PAIR_SLOTS without AHEAD."""
     bn_s, bk = int(block[0]), int(block[1])
-    defaults = ws_default_config(m, n, sms, bn_s)
-    if config is not None:
-        defaults = {key: v for key, v in defaults.items() if key not in ("KSPLIT", "AHEAD", "PAIR_SLOTS")}
+    defaults = ws_default_config(m, n, sms, bn_s) if config is None else WS_PINNED_BASE
     cfg = _over_defaults(defaults, config, WS_CONFIG_KEYS)
     if bk != 128 or cfg["BN"] not in (64, 128, 256) or bn_s % min(cfg["BN"], 128):
         raise ValueError(f"variant 'ws': needs bk = 128 and BN in (64, 128, 256) with min(BN, 128) dividing bn; "
