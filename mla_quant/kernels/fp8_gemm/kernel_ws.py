@@ -15,8 +15,9 @@ One persistent program per SM walks the output tiles (grouped order). Its warps 
   With ``AHEAD`` (the default) each group takes its K blocks in pairs (``_k_blocks``): both wgmmas issued, then
   ``wait(1)`` and the first block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's, so
   a group's own promotion no longer leaves the tensor cores to the other group alone. A group then holds two slots
-  at once (three ring positions under ``KSPLIT``, whose pair skips the other group's block): ``ws_config`` refuses
-  smaller rings, which would deadlock.
+  at once: ``ws_config`` refuses smaller rings, which would deadlock. With ``PAIR_SLOTS`` (the default since
+  session 24) one ring slot holds the pair (``_k_slot_pairs``): one ``ready`` wait and one ``empty`` release per pair
+  instead of two each (each comes with a 128-thread ``bar.sync`` from Gluon), ``STAGES`` counting pair slots.
 
 Registers: Triton gives the 12-warp kernel ``.maxnreg 168``, but ptxas allocates each partition's code within
 its ``setmaxnreg`` budget (232 for the consumers): the 128 × 256 form holds two accumulators [64, 128] and one
@@ -25,9 +26,13 @@ product (64 + 128 fp32 per thread) with no spills. Written as two wgmmas in one 
 live; as two iterations of one loop, one per half, with a branch on the half, it cannot.
 
 Phases: slot s is used for the k-th time (k = 0, 1, ...) at ring position ``it = k·STAGES + s`` (``it``
-counts K blocks over all of a program's tiles); ``ready`` flips to parity ``k & 1`` when filled, ``empty``
-to ``k & 1`` when both groups have released it. A fresh barrier counts as having completed parity 1, so the
-producer's first pass (waiting for parity ``(k & 1) ^ 1`` = 1) does not block.
+counts units — K blocks, or pairs with PAIR_SLOTS — over all of a program's tiles; ``_ring_slot``); ``ready`` flips
+to parity ``k & 1`` when filled, ``empty`` to ``k & 1`` when both groups have released it. A fresh barrier counts as
+having completed parity 1, so the producer's first pass (waiting for parity ``(k & 1) ^ 1`` = 1) does not block.
+The same reading makes a wait on use k pass early while use k - 1 has not completed, so every consumer waits for each
+use of its slots in order: both groups wait on every unit, and under ``KSPLIT`` (the groups on alternate units) each
+group has its own half of the ring (session 24; in one shared ring of odd size a group waited on a slot whose
+previous use, the other group's, could still be in flight).
 
 a: e4m3 [M, K] in [BM, BK] TMA tiles; a_scale fp32 [M, K/BK]; b: e4m3 [N, K] in [BN, BK] tiles; b_scale fp32
 [⌈N/BN_S⌉, K/BK] with BN <= BN_S, or BN = 256 and 128 | BN_S (one weight scale per 128 columns or fewer and K
@@ -60,8 +65,15 @@ prefill shapes, 0.88-0.98x the time of the previous default (results/sweep_fp8_g
 spills (accumulator and two products: 192 of the consumers' 232 registers). Written with the next block's wgmma
 carried across the loop iteration instead, ptxas copied the in-flight product at the loop's phi and serialized
 every wgmma (C7514: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each); the pair form keeps ``0x1``.
+Session 24 (results/sweep_fp8_gemm_ws_h200.json, interleaved rounds): PAIR_SLOTS with 3 slots took 0.97-1.04x
+(median 0.985) the time of AHEAD with 4 stages at the 11 shapes of 128-row tiles; KSPLIT with 4 pair slots 19.2-19.5
+µs at 512 × 2048 × 7168 against 20.5-21.4 with 6 single slots on the split ring. Timed in rounds, a setting reads up
+to 8 % faster right after a slow one (the clocks recover under less FP8 load), so compare settings after their own
+kind.
 Tried and left out:
 
+* (session 24) ``STAGGER``: group 1 started one or two pairs behind group 0, so that each group's epilogue would
+  run beside the other's wgmmas; right after the same kernel without it, 0.99-1.02x its time at the 12 shapes;
 * two wgmmas in flight per warp group (block kb + 1 issued before block kb is promoted): the kernel has 12 warps
   (the producer's warp group is padded to four), so ptxas caps every thread at 168 registers — the accumulator
   and two products (192) spill, and ptxas serializes the wgmmas (C7514), also with the K loop unrolled by two;
