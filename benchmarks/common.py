@@ -11,6 +11,7 @@ import datetime as _dt
 import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -101,10 +102,11 @@ def interleaved_graph_us(fns: dict, reps: int = 1, rounds: int = 5, warmup_ms: f
     """For settings whose differences are near the run-to-run drift: each ``fns[name]()`` (``reps`` calls) is
     captured once in a CUDA graph (after one eager call: compile, autotune), then the graphs are timed in
     ``rounds`` round-robin passes (do_bench medians, L2 flushed between replays), so slow drift of the clocks
-    or the host reaches every setting alike. Each pass starts one setting later than the one before, so no
-    setting always follows the same one: on the H200 a kernel timed right after a lighter one read up to 8 %
-    faster (session 24, the FP8 GEMM: the clocks recover under less load). Returns name -> the µs per call of each
-    round (in round order); a setting whose first call or capture raised maps to its error message instead."""
+    or the host reaches every setting alike. Passes after the first take the settings in a shuffled order (seeded
+    by the pass), so no setting always follows the same one: on the H200 a kernel timed right after a lighter one
+    read up to 8 % faster (session 24, the FP8 GEMM: the clocks recover under less load; a rotated order keeps
+    every setting's predecessor). Returns name -> the µs per call of each round (in round order); a setting whose
+    first call or capture raised maps to its error message instead."""
     import torch
 
     graphs, out = {}, {}
@@ -114,10 +116,11 @@ def interleaved_graph_us(fns: dict, reps: int = 1, rounds: int = 5, warmup_ms: f
         except Exception as e:  # noqa: BLE001 - one setting that fails to compile or capture is a finding
             torch.cuda.synchronize()
             out[name] = f"{type(e).__name__}: {e}"[:300]
-    names = list(graphs)
     for r in range(rounds):
-        start = r % len(names) if names else 0
-        for name in names[start:] + names[:start]:
+        order = list(graphs)
+        if r:
+            random.Random(r).shuffle(order)
+        for name in order:
             out[name].append(median_us(graphs[name].replay, warmup_ms, rep_ms) / reps)
     return out
 
