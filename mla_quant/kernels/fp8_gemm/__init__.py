@@ -76,11 +76,11 @@ def ws_default_config(m: int, n: int | None = None, sms: int | None = None, bn_s
     take: the 256-column form already holds two accumulators — else 128 × 128). KSPLIT at 512 × 2048 × 7168 (128
     tiles of 64 rows) 19.6 µs with 7 shared stages against 25.0 for the tma kernel "auto" took before and 29.0 for
     128 × 128; at the other prefill shapes (256-1536 tiles of 64 rows) 1.1-1.5x the time of 128-row tiles.
-    Session 24 (same file; interleaved rounds, the settings compared after one of their own kind): PAIR_SLOTS with
-    3 slots took 0.97-1.04x (median 0.985) the time of AHEAD with 4 stages at the 11 shapes of 128-row tiles, in
-    two calls. Each KSPLIT group now has its own half of the ring (a shared ring let a group wait on a slot whose
-    previous use, the other group's, could still be in flight): with 6 stages that was 20.5-21.4 µs at 512 × 2048 ×
-    7168, with 4 pair slots 19.3-19.5."""
+    Session 24 (same file; interleaved rounds): PAIR_SLOTS with 3 slots took 0.97-1.04x (median 0.985) the time
+    of AHEAD with 4 stages at the 11 shapes of 128-row tiles, 0.97-1.00x (median 0.975) in a call where each
+    followed a kernel of its own kind. Each KSPLIT group now has its own half of the ring (a shared ring let a group
+    wait on a slot whose previous use, the other group's, could still be in flight): with 6 stages that was
+    20.5-21.4 µs at 512 × 2048 × 7168, with 4 pair slots 19.2-19.5."""
     if n is not None and sms and bn_s % 128 == 0 and _ksplit_fills(m, n, sms):
         return {"BN": 128, "GROUP_M": 8, "STAGES": 4, "TMA_STORE": 0, "KSPLIT": 1, "AHEAD": 1, "PAIR_SLOTS": 1}
     return {"BN": 128, "GROUP_M": 8, "STAGES": 3, "TMA_STORE": 1, "AHEAD": 1, "PAIR_SLOTS": 1}
