@@ -93,10 +93,10 @@ def ws_config(m: int, n: int, sms: int, block: tuple[int, int], config: dict | N
     """The "ws" launch's configuration: ``config`` (keys of ``WS_CONFIG_KEYS``) over :func:`ws_default_config`,
     checked. A pinned ``config`` is its own: the keys it leaves out come from ``WS_PINNED_BASE`` (128 × 128 tiles,
     4 stages, TMA store), not from the shape's default, so ``KSPLIT`` / ``AHEAD`` / ``PAIR_SLOTS`` apply only where it
-    names them (a default's KSPLIT or slot count would otherwise land on, say, a pinned BN 256). Raises ValueError naming the problem: unknown keys, bk ≠ 128,
-    BN not in (64, 128, 256) or not dividing into the weight blocks, KSPLIT / AHEAD with BN 256, fewer ring slots
-    than one group holds at once (AHEAD: 2 without PAIR_SLOTS; KSPLIT: twice that, an even count),
-    PAIR_SLOTS without AHEAD."""
+    names them (a default's KSPLIT or slot count would otherwise land on, say, a pinned BN 256). Raises ValueError
+    naming the problem: unknown keys, bk ≠ 128, BN not in (64, 128, 256) or not dividing into the weight blocks,
+    KSPLIT / AHEAD with BN 256, fewer ring slots than one group holds at once (AHEAD: 2 without PAIR_SLOTS; KSPLIT:
+    twice that, an even count), PAIR_SLOTS without AHEAD."""
     bn_s, bk = int(block[0]), int(block[1])
     defaults = ws_default_config(m, n, sms, bn_s) if config is None else WS_PINNED_BASE
     cfg = _over_defaults(defaults, config, WS_CONFIG_KEYS)

@@ -66,10 +66,10 @@ spills (accumulator and two products: 192 of the consumers' 232 registers). Writ
 carried across the loop iteration instead, ptxas copied the in-flight product at the loop's phi and serialized
 every wgmma (C7514: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each); the pair form keeps ``0x1``.
 Session 24 (results/sweep_fp8_gemm_ws_h200.json, interleaved rounds): PAIR_SLOTS with 3 slots took 0.97-1.04x
-(median 0.985; 0.975 in a second call) the time of AHEAD with 4 stages at the 11 shapes of 128-row tiles; KSPLIT with 4 pair slots 19.2-19.5
-µs at 512 × 2048 × 7168 against 20.5-21.4 with 6 single slots on the split ring. Timed in rounds, a setting reads up
-to 8 % faster right after a slow one (the clocks recover under less FP8 load), so compare settings after their own
-kind.
+(median 0.985; 0.975 in a second call) the time of AHEAD with 4 stages at the 11 shapes of 128-row tiles; KSPLIT
+with 4 pair slots 19.2-19.5 µs at 512 × 2048 × 7168 against 20.5-21.4 with 6 single slots on the split ring. Timed
+in rounds, a setting reads up to 8 % faster right after a slow one (the clocks recover under less FP8 load), so
+compare settings after their own kind.
 Tried and left out:
 
 * (session 24) ``STAGGER``: group 1 started one or two pairs behind group 0, so that each group's epilogue would
