@@ -7,8 +7,7 @@ Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s 
 per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the plane GEMV with
 prefetch (``prefetch``, the default until session 23), the plain planes, ``half2`` and ``half2_prefetch`` (the
 defaults for bf16 x since) autotuned and with each candidate tile of the forms in ``--pin`` pinned (gate-up and down
-alike), ``half2_prefetch`` with ``pair_order`` launched without PDL and without the L2 prefetch hints before the PDL
-wait (``fused_moe.L2_AHEAD``), and at one token ``fused_moe`` on BF16 and
+alike), ``half2_prefetch`` with ``pair_order`` launched without PDL, and at one token ``fused_moe`` on BF16 and
 FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16 and ≥ 1.6× FP8). Per form also the largest |difference| to the
 reference over max |reference| on the first routing, and whether two calls give the same bits.
 """
@@ -19,14 +18,13 @@ import statistics
 
 import torch
 
-import mla_quant.kernels.fused_moe as fm
 from mla_quant.kernels.fused_moe import fused_moe, fused_moe_reference
 from mla_quant.kernels import _half2_gemv as H
 from mla_quant.kernels.fused_moe import kernel as moe_kernel
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
-from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, Context
+from .common import interleaved_graph_us, measure_ceilings, meta, sweep_args, Context
 
 
 def _tile_name(cfg, form="half2") -> str:
@@ -82,13 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     H.PAIR_ORDER_PDL = True
 
-            def no_l2_ahead():  # no L2 prefetch hints before the PDL wait (the GEMVs before session 24)
-                with module_attrs(fm, {"L2_AHEAD": False}):
-                    return routed("int4_g32", block_m=1, gemv="half2_prefetch")
-
             fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"),
                    "half2_prefetch_plain_pair_order": no_pair_pdl,
-                   "half2_prefetch_no_l2_ahead": no_l2_ahead,
                    "planes": setting("int4_g32", block_m=1, gemv="planes"),
                    "half2": setting("int4_g32", None, block_m=1, gemv="half2"),
                    "half2_prefetch": setting("int4_g32", None, block_m=1, gemv="half2_prefetch")}

@@ -76,18 +76,3 @@ def grid_dependency_sync(PDL: tl.constexpr):
     elif PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def l2_prefetch_rows(ptr, rows, stride, row_len, ROW_BLOCK: tl.constexpr):
-    """L2 prefetch hints (``prefetch.global.L2``, one per 128-byte line) for elements [0, row_len) of ``rows``
-    [ROW_BLOCK] (int64 row indices, rows ``stride`` elements apart) of ``ptr``. Only a hint: nothing is read into
-    registers and memory is unchanged, so it may run before ``grid_dependency_sync`` on addresses computed from
-    data the previous kernel may still write (the L2 is coherent: later loads see the writes). GPU only."""
-    LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    base = ptr + rows[:, None] * stride
-    for l0 in range(0, row_len, 8 * LINE):
-        col = tl.minimum(l0 + LINE * tl.arange(0, 8), row_len - 1)[None, :]  # past the row: its last line again
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l",
-                                  [base + col + tl.zeros((ROW_BLOCK, 8), dtype=tl.int64)], dtype=tl.int32,
-                                  is_pure=False, pack=1)

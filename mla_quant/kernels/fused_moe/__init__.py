@@ -36,9 +36,6 @@ GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2", "half2_prefetc
 # prefetch planes: one token 69.0 / 76.8 / 73.6 (1eb45a1) and 66.7 / 75.1 / 73.4 (6cf5cd6, pair_order with PDL);
 # 4 tokens 225.9 / 222.1 / 271.1 (6cf5cd6); 16 tokens 855.1 / 869.4 / 1083.4 and 891.2 / 838.1 / 1004.0
 HALF2_PREFETCH_MAX_TOKENS = 1
-# The half2 GEMVs of the decode path (launched with PDL) issue L2 prefetch hints for their weight rows before they
-# wait for the kernel before them (kernel.py, L2_AHEAD); a sweep setting
-L2_AHEAD = True
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -256,8 +253,7 @@ def fused_moe(
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
-                  IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm, DIRECT=direct,
-                  L2_AHEAD=bool(L2_AHEAD and half2 and direct and pdl["PDL"] and not interpret))
+                  IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm, DIRECT=direct)
     if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned

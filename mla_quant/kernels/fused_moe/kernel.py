@@ -54,7 +54,7 @@ import triton.language as tl
 from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, four_words, int4_codes, int4_plane_gemv_step,
                            load_k, plane_offsets, plane_scale, reduce_arrivals)
 from .._half2_gemv import load_pairs, pair_offsets, run_dot
-from .._triton_utils import grid_dependency_sync, l2_prefetch_rows
+from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
 
@@ -318,24 +318,13 @@ def _moe_gemm_kernel(
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
-        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, L2_AHEAD: tl.constexpr = False):
+        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
     # scales.
     # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
     # ids outside [0, E) skipped); the gate-up launch zeroes the down launch's counters (COUNTERS per program m),
     # the down launch combines each token's rows into res (+ shared) as they arrive (_combine_on_arrival).
-    # L2_AHEAD (DIRECT with PDL): before the wait, L2 prefetch hints for this program's weight rows and scales, so
-    # a program made resident while the kernels before it finish (the gate-up's last wave, the pair_order between)
-    # starts its HBM reads then. Its expert id may not be written yet: clamped into [0, E), only a hint.
-    if L2_AHEAD:
-        e_hint = tl.minimum(tl.maximum(tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64), 0), E - 1)
-        r_hint = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        l2_prefetch_rows(w1_ptr + e_hint * stride_we, r_hint, stride_wn, K // 8, BLOCK_N)
-        l2_prefetch_rows(s1_ptr + e_hint * stride_se, r_hint, stride_sn, K // GROUP, BLOCK_N)
-        if GATED:
-            l2_prefetch_rows(w3_ptr + e_hint * stride_we, r_hint, stride_wn, K // 8, BLOCK_N)
-            l2_prefetch_rows(s3_ptr + e_hint * stride_se, r_hint, stride_sn, K // GROUP, BLOCK_N)
     grid_dependency_sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
