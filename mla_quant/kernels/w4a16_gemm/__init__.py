@@ -10,7 +10,6 @@ from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from .._host import cdiv
-from .._pdl import pdl_launch
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
@@ -260,7 +259,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
               and (cfg is None or (cfg["BM"] == 1 and planes_tile_ok(cfg["BK"], cfg["num_warps"]))))
     common = dict(GROUP=group_size, INTERPRET=interpreted,
                   DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PLANES=planes, PLANES1=planes1,
-                  X_VEC=planes1 and x_vec, **(pdl_launch(x.device, "w4a16_gemv") if planes1 else {}))
+                  X_VEC=planes1 and x_vec)
     if planes:
         x2 = plane_order(x2)
     args = (x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,

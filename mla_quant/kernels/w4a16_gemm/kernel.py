@@ -55,7 +55,6 @@ import triton.language as tl
 from .._gemm_utils import (PLANE_BLOCK_K, _load_in_place, _nibble_products, autotune_bench, grouped_tile, int4_codes,
                            int4_plane_gemv_step, ld4, load_k, m_bucket, plane_offsets, split_k_for, store_split_k)
 from .._host import cdiv
-from .._triton_utils import grid_dependency_sync
 
 
 @triton.jit
@@ -204,12 +203,10 @@ def _w4a16_gemm_kernel(
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_DEQUANT: tl.constexpr = False, PLANES: tl.constexpr = False, PLANES1: tl.constexpr = False,
-    X_VEC: tl.constexpr = False, PDL: tl.constexpr = False,
+    X_VEC: tl.constexpr = False,
 ):
     # x [M, K] (row stride stride_xm; with PLANES the one row's fp32 nibble planes, _gemm_utils.plane_order),
-    # w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32. PDL: the one-token GEMV in one launch
-    # (PLANES1) is launched with programmatic dependent launch (_pdl.py).
-    grid_dependency_sync(PDL)
+    # w [N, K/8] int32, s [N, K/GROUP], y [M, N]; part [SPLIT_K, M, N] fp32.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BM)
