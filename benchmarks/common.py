@@ -116,13 +116,22 @@ def interleaved_graph_us(fns: dict, reps: int = 1, rounds: int = 5, warmup_ms: f
         except Exception as e:  # noqa: BLE001 - one setting that fails to compile or capture is a finding
             torch.cuda.synchronize()
             out[name] = f"{type(e).__name__}: {e}"[:300]
-    for r in range(rounds):
-        order = list(graphs)
-        if r:
-            random.Random(r).shuffle(order)
+    for order in round_orders(list(graphs), rounds):
         for name in order:
             out[name].append(median_us(graphs[name].replay, warmup_ms, rep_ms) / reps)
     return out
+
+
+def round_orders(names: list, rounds: int) -> list[list]:
+    """The order of each of ``rounds`` passes over ``names`` (``interleaved_graph_us``): as given, then shuffled
+    with the pass number as the seed (reproducible)."""
+    orders = []
+    for r in range(rounds):
+        order = list(names)
+        if r:
+            random.Random(r).shuffle(order)
+        orders.append(order)
+    return orders
 
 
 def random_kv_pool(kind: str, num_pages: int, page: int, d_latent: int, d_rope: int, device: str):

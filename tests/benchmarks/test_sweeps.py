@@ -90,3 +90,17 @@ def test_mla_gluon_sweep_setting_names_map_to_launcher_constants():
     assert all(hasattr(mla_decode, k) for k in s)
     with pytest.raises(ValueError, match="setting"):
         _settings_for("gluon_4warps")
+
+
+def test_interleaved_rounds_vary_each_settings_predecessor():
+    """interleaved_graph_us's passes: each setting once per pass, the first pass as given, and later passes in an order
+    that gives settings other predecessors (a setting timed after a lighter kernel reads faster on the H200; rotating
+    the order would keep every predecessor), the same orders on every call."""
+    from benchmarks.common import round_orders
+
+    names = ["bf16", "smm", "auto", "a", "b", "c"]
+    orders = round_orders(names, 6)
+    assert orders[0] == names and all(sorted(o) == sorted(names) for o in orders)
+    predecessors = {n: {o[o.index(n) - 1] for o in orders if o.index(n)} for n in names}
+    assert all(len(p) >= 2 for n, p in predecessors.items() if n != "bf16"), predecessors
+    assert round_orders(names, 6) == orders
