@@ -20,6 +20,7 @@ later, 452-457 µs — the clocks fall under sustained FP8 load.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -95,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             peers = {"bf16": lambda s: x @ s["w"].T,
                      "smm": lambda s: torch._scaled_mm(xq16, s["q8t"], scale_a=one, scale_b=one,
                                                        out_dtype=torch.bfloat16)}
-            ours = {label: (lambda s, kw=kwargs: fp8_gemm(xq, xs, s["q8"], s["s8"], **kw))
-                    for label, kwargs in settings(args.only)}
             kwargs_of = dict(settings(args.only))
+            ours = {label: (lambda s, kw=kw: fp8_gemm(xq, xs, s["q8"], s["s8"], **kw))
+                    for label, kw in kwargs_of.items()}
             if args.rounds > 1:  # everything of this shape round-robin; medians of the rounds
                 fns = {name: (lambda fn=fn: [fn(s) for s in sets]) for name, fn in {**peers, **ours}.items()}
                 got = interleaved_graph_us(fns, len(sets), args.rounds, warmup_ms=10, rep_ms=40)
-                times = {name: (v if isinstance(v, str) else sorted(v)[len(v) // 2]) for name, v in got.items()}
+                times = {name: (v if isinstance(v, str) else statistics.median(v)) for name, v in got.items()}
             else:
                 times = {}
                 for name, fn in {**peers, **ours}.items():

@@ -24,7 +24,7 @@ from mla_quant.kernels.fused_moe import kernel as moe_kernel
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
-from .common import interleaved_graph_us, measure_ceilings, meta, sweep_args, Context
+from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, Context
 
 
 def _tile_name(cfg, form="half2") -> str:
@@ -74,11 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 return fn
 
             def no_pair_pdl():  # pair_order launched plainly (the launch before session 23)
-                H.PAIR_ORDER_PDL = False
-                try:
+                with module_attrs(H, {"PAIR_ORDER_PDL": False}):
                     return routed("int4_g32", block_m=1, gemv="half2_prefetch")
-                finally:
-                    H.PAIR_ORDER_PDL = True
 
             fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"),
                    "half2_prefetch_plain_pair_order": no_pair_pdl,

@@ -23,9 +23,9 @@ TMA_CONFIG_KEYS = CONFIG_KEYS + ("PERSISTENT",)  # the "tma" variant: 0 / 1, a g
 # the "ws" variant (BM is 128: two consumer warp groups of 64 rows; TMA_STORE 0 / 1: the epilogue by plain stores
 # / by TMA from shared memory where the output allows it; KSPLIT 0 / 1 (optional, BN 128): [64, BN] tiles, the two
 # groups on alternate K blocks of each, each group on its own half of the STAGES slots (an even count), for shapes
-# whose 128-row tiles leave SMs idle; AHEAD 0 / 1 (optional, BN 64 /
-# 128): each group's K blocks in pairs, the second's wgmma running through the first one's promotion; PAIR_SLOTS 0 / 1
-# (optional, with AHEAD): a ring slot holds the pair, one ready and one empty barrier per pair, STAGES counting slots)
+# whose 128-row tiles leave SMs idle; AHEAD 0 / 1 (optional, BN 64 / 128): each group's K blocks in pairs, the
+# second's wgmma running through the first one's promotion; PAIR_SLOTS 0 / 1 (optional, with AHEAD): a ring slot
+# holds the pair, one ready and one empty barrier per pair, STAGES counting slots)
 WS_CONFIG_KEYS = ("BN", "GROUP_M", "STAGES", "TMA_STORE", "KSPLIT", "AHEAD", "PAIR_SLOTS")
 VARIANTS = ("auto", "portable", "tma", "ws")
 WS_CANDIDATES = tuple({"BN": bn, "GROUP_M": 8, "STAGES": st, "TMA_STORE": ts, **({"KSPLIT": 1} if ks else {}),

@@ -16,7 +16,7 @@ One persistent program per SM walks the output tiles (grouped order). Its warps 
   ``wait(1)`` and the first block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's, so
   a group's own promotion no longer leaves the tensor cores to the other group alone. A group then holds two slots
   at once: ``ws_config`` refuses smaller rings, which would deadlock. With ``PAIR_SLOTS`` (the default since
-  session 24) one ring slot holds the pair (``_k_slot_pairs``): one ``ready`` wait and one ``empty`` release per pair
+  session 24) one ring slot holds the pair (``_k_blocks``): one ``ready`` wait and one ``empty`` release per pair
   instead of two each (each comes with a 128-thread ``bar.sync`` from Gluon), ``STAGES`` counting pair slots.
 
 Registers: Triton gives the 12-warp kernel ``.maxnreg 168``, but ptxas allocates each partition's code within
@@ -195,6 +195,13 @@ def _release(empty, pos, base, RING: gl.constexpr):
 
 
 @gluon.jit
+def _pair_scales(a_s_ptrs, b_s_ptr, kb0, kb1, last):
+    """The scales of K blocks kb0 and kb1 (clamped to ``last``): a_scale rows and the b_scale of each."""
+    return (gl.load(a_s_ptrs + gl.minimum(kb0, last)), gl.load(b_s_ptr + gl.minimum(kb0, last)),
+            gl.load(a_s_ptrs + gl.minimum(kb1, last)), gl.load(b_s_ptr + gl.minimum(kb1, last)))
+
+
+@gluon.jit
 def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first, step, count, a_s_ptrs, b_s_ptr,
               n_kb, ROW0: gl.constexpr, HM: gl.constexpr, zero, AHEAD: gl.constexpr, PAIR_SLOTS: gl.constexpr):
     """One group's sum over ``count`` units u = first, first + step, ... of a tile: K block kb = u (a pair of K
@@ -204,37 +211,46 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first
     and the block's slot released. ``AHEAD``: the blocks in pairs — both wgmmas issued, ``wait(1)`` and the first
     block's promotion while the second's wgmma runs, then ``wait(0)`` and the second's. No wgmma stays in flight
     across a loop iteration: a loop-carried in-flight product is copied at the loop's phi, and ptxas then serializes
-    every wgmma (C7514). ``PAIR_SLOTS``: :func:`_k_slot_pairs`."""
-    if PAIR_SLOTS:
-        return _k_slot_pairs(a_bufs, b_bufs, ready, empty, pos, base, RING, first, step, count, a_s_ptrs, b_s_ptr,
-                             n_kb, ROW0, HM, zero)
+    every wgmma (C7514).
+
+    ``PAIR_SLOTS`` (with AHEAD): a ring slot holds the pair (shared-memory buffers 2s and 2s + 1 of slot s) behind
+    one ``ready`` and one ``empty`` barrier, so a pair costs one wait and one release instead of two each; the slot
+    is released after ``wait(0)``. With n_kb odd a tile's last slot holds one block, which the group whose last unit
+    it is takes after the loop."""
     acc = zero
     last = n_kb - 1
     if AHEAD:
-        a0 = gl.load(a_s_ptrs + gl.minimum(first, last))
-        b0 = gl.load(b_s_ptr + gl.minimum(first, last))
-        a1 = gl.load(a_s_ptrs + gl.minimum(first + step, last))
-        b1 = gl.load(b_s_ptr + gl.minimum(first + step, last))
-        kb = first
-        for _ in range(count // 2):
+        SLOT_KB: gl.constexpr = 2 if PAIR_SLOTS else 1
+        if PAIR_SLOTS:  # the pair is blocks 2u, 2u + 1 of one ring position
+            kb = 2 * first
+            dk = 1
+            tail = (n_kb % 2 == 1) & (count > 0) & (((n_kb + 1) // 2 - 1 - first) % step == 0)
+            pairs = count - tail.to(gl.int32)
+        else:  # the pair is units u, u + step at two ring positions
+            kb = first
+            dk = step
+            tail = count % 2 == 1
+            pairs = count // 2
+        a0, b0, a1, b1 = _pair_scales(a_s_ptrs, b_s_ptr, kb, kb + dk, last)
+        for _ in range(pairs):
             s0 = a0 * b0
             s1 = a1 * b1
-            a0 = gl.load(a_s_ptrs + gl.minimum(kb + 2 * step, last))  # the next pair's
-            b0 = gl.load(b_s_ptr + gl.minimum(kb + 2 * step, last))
-            a1 = gl.load(a_s_ptrs + gl.minimum(kb + 3 * step, last))
-            b1 = gl.load(b_s_ptr + gl.minimum(kb + 3 * step, last))
-            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 1, ROW0, HM, zero)
-            p1 = _issue_block(a_bufs, b_bufs, ready, pos + 1, base, RING, 0, 1, ROW0, HM, zero)
+            kb += 2 * step
+            a0, b0, a1, b1 = _pair_scales(a_s_ptrs, b_s_ptr, kb, kb + dk, last)  # the next pair's
+            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, SLOT_KB, ROW0, HM, zero)
+            # the second block: the slot's other half (PAIR_SLOTS, no second wait), else the next ring position
+            p1 = _issue_block(a_bufs, b_bufs, ready, pos + 2 - SLOT_KB, base, RING, SLOT_KB - 1, SLOT_KB, ROW0, HM,
+                              zero)
             d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-            _release(empty, pos, base, RING)
+            if not PAIR_SLOTS:
+                _release(empty, pos, base, RING)
             acc += d0 * s0[:, None]
             d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-            _release(empty, pos + 1, base, RING)
+            _release(empty, pos + 2 - SLOT_KB, base, RING)
             acc += d1 * s1[:, None]
-            kb += 2 * step
-            pos += 2
-        if count % 2 == 1:  # the last block alone
-            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 1, ROW0, HM, zero)
+            pos += 3 - SLOT_KB
+        if tail:  # the last block alone
+            p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, SLOT_KB, ROW0, HM, zero)
             d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
             _release(empty, pos, base, RING)
             acc += d0 * (a0 * b0)[:, None]
@@ -250,47 +266,6 @@ def _k_blocks(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first
             d = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
             _release(empty, pos + j, base, RING)
             acc += d * scale[:, None]
-    return acc
-
-
-@gluon.jit
-def _k_slot_pairs(a_bufs, b_bufs, ready, empty, pos, base, RING: gl.constexpr, first, step, count, a_s_ptrs,
-                  b_s_ptr, n_kb, ROW0: gl.constexpr, HM: gl.constexpr, zero):
-    """``PAIR_SLOTS``: a ring slot holds a tile's K blocks 2u and 2u + 1 (shared-memory buffers 2s and 2s + 1 of
-    slot s) behind one ``ready`` and one ``empty`` barrier, so a pair costs one wait and one release instead of two
-    each. Per slot: the wait, both wgmmas issued, ``wait(1)`` and the first block's promotion, ``wait(0)``, the slot
-    released, the second block's promotion. With n_kb odd the tile's last slot holds one block; the group whose
-    last unit it is takes it after the loop."""
-    acc = zero
-    last = n_kb - 1
-    n_units = (n_kb + 1) // 2
-    tail = (n_kb % 2 == 1) & (count > 0) & ((n_units - 1 - first) % step == 0)  # this group's last unit: one block
-    kb = 2 * first
-    a0 = gl.load(a_s_ptrs + gl.minimum(kb, last))
-    b0 = gl.load(b_s_ptr + gl.minimum(kb, last))
-    a1 = gl.load(a_s_ptrs + gl.minimum(kb + 1, last))
-    b1 = gl.load(b_s_ptr + gl.minimum(kb + 1, last))
-    for _ in range(count - tail.to(gl.int32)):
-        s0 = a0 * b0
-        s1 = a1 * b1
-        kb += 2 * step
-        a0 = gl.load(a_s_ptrs + gl.minimum(kb, last))  # the next slot's
-        b0 = gl.load(b_s_ptr + gl.minimum(kb, last))
-        a1 = gl.load(a_s_ptrs + gl.minimum(kb + 1, last))
-        b1 = gl.load(b_s_ptr + gl.minimum(kb + 1, last))
-        p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 2, ROW0, HM, zero)
-        p1 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 1, 2, ROW0, HM, zero)
-        d0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-        acc += d0 * s0[:, None]
-        d1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-        _release(empty, pos, base, RING)
-        acc += d1 * s1[:, None]
-        pos += 1
-    if tail:  # the tile's last slot, one block (kb = n_kb - 1)
-        p0 = _issue_block(a_bufs, b_bufs, ready, pos, base, RING, 0, 2, ROW0, HM, zero)
-        d0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
-        _release(empty, pos, base, RING)
-        acc += d0 * (a0 * b0)[:, None]
     return acc
 
 
