@@ -1,0 +1,104 @@
+"""The one-token W4A16 GEMV with whole rows per program (``w4a16_gemm(..., gemv="rows")``).
+
+y[n] = Σ_k x[k] · s[n, k / GROUP] · (q[n, k] - 8) for one activation row x [K] and W [N, K/8] int32 nibbles.
+
+Each program owns ``BN`` output rows and walks their whole K in chunks of ``BKW`` words: no split-K, so no
+partials, arrival counters or zero-fill launch, and every output is summed in one fixed order. Where K/8 fits one
+chunk (Kimi's 7168: 896 words, a 1024-word chunk with the last 128 masked) a program issues all its loads — words
+and scales of its rows — before its first arithmetic, so a wave of programs keeps ~BN·K/2 bytes per program in
+flight. The arithmetic is the plane GEMV's (``kernel.int4_x_plane_dot``: one LOP3 + FFMA + FFMA per weight, each
+word's 8 activations in one 128-bit load, the group scale once per run of 4 words).
+
+``PDL`` (launched with programmatic dependent launch, :mod:`.._pdl`): the program lets the next kernel be
+scheduled, loads its first chunk of words and scales, and only then waits for the kernel before it
+(``griddepcontrol.wait``) before reading x. The weights of a decode step do not depend on the kernel before, so
+their loads overlap that kernel's tail and the launch gap — which is the caller's promise (``w4a16_gemm``'s
+``prefetch_weights``): the weight and scale tensors are not written by the kernel launched just before.
+"""
+import triton
+import triton.language as tl
+
+from .._triton_utils import gdc_launch_dependents, gdc_wait
+from .kernel import int4_x_plane_dot
+
+
+@triton.jit
+def _scales(s_ptrs, mask, FULL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Group scales [runs, BN] as fp32; past K (``FULL`` false) 0, which zeroes the padded runs' products."""
+    if FULL and not INTERPRET:
+        DT: tl.constexpr = s_ptrs.dtype.element_ty
+        if DT == tl.float32:
+            return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [s_ptrs], dtype=tl.int32,
+                                             is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        bits = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [s_ptrs], dtype=tl.int16,
+                                         is_pure=True, pack=1)
+        return bits.to(DT, bitcast=True).to(tl.float32)
+    return tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk(w_cols, s_cols, c, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr):
+    """Words int32 [BKW, BN] and scales fp32 [BKW/4, BN] of chunk ``c`` (words past K/8 read as 0, scales as 0)."""
+    FULL: tl.constexpr = KW % BKW == 0
+    rw = c * BKW + tl.arange(0, BKW)[:, None]
+    runs = c * (BKW // 4) + tl.arange(0, BKW // 4)[:, None]  # runs of 4 words (32 K): one scale each
+    if FULL:
+        words = tl.load(w_cols + rw)
+    else:
+        words = tl.load(w_cols + rw, mask=rw < KW, other=0)
+    scales = _scales(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET)
+    return words, scales
+
+
+@triton.jit
+def _chunk_dot(words, scales, x_ptr, c, KW: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr,
+               VEC: tl.constexpr):
+    """Σ over chunk ``c`` of x · codes · scale, per output row: fp32 [BN]. x is read in place (element 8w of word
+    w; past K/8 the last word's, whose products the zero scales drop)."""
+    rw = c * BKW + tl.arange(0, BKW)[:, None]
+    x_ptrs = x_ptr + 8 * tl.minimum(rw, KW - 1)
+    inner = int4_x_plane_dot(words, x_ptrs, None, True, INTERPRET, VEC)          # [BKW, BN]
+    runs = tl.sum(tl.reshape(inner, (BKW // 4, 4, words.shape[1])), axis=1)     # [BKW/4, BN]
+    return tl.sum(runs * scales, axis=0)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
+                       K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                       VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]
+    KW: tl.constexpr = K // 8
+    CHUNKS: tl.constexpr = (KW + BKW - 1) // BKW
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    cols = (rn % N)[None, :].to(tl.int64)  # rows past N re-read valid ones; never stored
+    w_cols = w_ptr + cols * KW
+    s_cols = s_ptr + cols * (K // GROUP)
+    if PDL:
+        gdc_launch_dependents()
+    words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
+    if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
+        gdc_wait()
+    acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
+    for c in tl.static_range(1, CHUNKS):
+        words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
+        acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
+    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+# (BN, BKW, num_warps): output rows per program, words per K chunk, warps. Rows of K = 7168 (896 words) fit one
+# 1024-word chunk; each program keeps BN·K/2 bytes of words in flight.
+GEMV_TILE = (8, 1024, 8)
+
+
+def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple = GEMV_TILE, pdl: bool = False,
+                interpreted: bool = False) -> None:
+    """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (contiguous; ``tile`` = (BN, BKW, num_warps); ``pdl``:
+    programmatic dependent launch with the weights read before the wait)."""
+    n, kw = weight_packed.shape
+    bn, bkw, warps = tile
+    bkw = min(bkw, triton.next_power_of_2(kw))
+    vec = not interpreted and x1.data_ptr() % 16 == 0
+    extra = {"PDL": 1, "launch_pdl": True} if pdl else {}
+    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
+                                              BN=bn, BKW=bkw, VEC=vec, INTERPRET=interpreted, num_warps=warps,
+                                              **extra)
