@@ -1,5 +1,6 @@
 """Sweep of the whole-row one-token W4A16 GEMV (``w4a16_gemm(..., gemv="rows")``) against tinygemm and the
-split-K plane GEMV (``gemv="planes1"``), in interleaved CUDA-graph rounds.
+split-K plane GEMV (``gemv="planes1"``) and ``w4a16_gemm``'s default (``default``; ``default_prefetch``: with
+``prefetch_weights=True``), in interleaved CUDA-graph rounds.
 
     python -m benchmarks.sweep_w4a16_gemv [--rounds 3] [--out benchmarks/results/sweep_w4a16_gemv_h200.json]
 
@@ -27,7 +28,10 @@ from .common import L2_BYTES, interleaved_graph_us, meta, Context, sweep_args
 
 GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
-TILES = tuple(itertools.product((4, 8, 16, 32), (512, 1024), (4, 8)))  # (BN, BKW, warps)
+# (BN, chunks of the row prefetched (PRE; 1: one chunk of the row's words rounded up to a power of two, 2: two of
+# half that), warps)
+TILES = tuple(itertools.product((4, 8, 16, 32), (1, 2), (2, 4, 8)))
+PDL = {"PDL": 1, "launch_pdl": True}
 
 
 def _sets(n: int, k: int, dev: str) -> list[dict]:
@@ -56,29 +60,33 @@ def main(argv=None) -> None:
         fns = {
             "tinygemm": lambda: [torch.ops.aten._weight_int4pack_mm(x, s["tiny"][0], GROUP, s["tiny"][1])
                                  for s in sets],
-            "planes1": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y) for s in sets],
-            "planes1_ws": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, counters=counters) for s in sets],
+            "planes1": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="planes1") for s in sets],
+            "default": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y) for s in sets],
+            "default_prefetch": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, prefetch_weights=True)
+                                         for s in sets],
+            "planes1_ws": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, counters=counters, gemv="planes1")
+                                   for s in sets],
         }
         errors = {}
         seen = set()
-        for bn, bkw, warps in TILES:
-            bkw = min(bkw, 1 << (k // 8 - 1).bit_length())
-            for pdl in (False, True):
-                key = (bn, bkw, warps, pdl)
+        for bn, pre, warps in TILES:
+            bkw = (1 << (k // 8 - 1).bit_length()) // pre
+            for pdl in (None, PDL):
+                key = (bn, bkw, pre, warps, pdl is not None)
                 if key in seen:
                     continue
                 seen.add(key)
-                name = f"rows BN={bn} BKW={bkw} w={warps}" + (" pdl" if pdl else "")
+                name = f"rows BN={bn} BKW={bkw} PRE={pre} w={warps}" + (" pdl" if pdl else "")
                 try:
                     y.fill_(float("nan"))
-                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, (bn, bkw, warps), pdl)
+                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, (bn, bkw, pre, warps), pdl)
                     torch.cuda.synchronize()
                     errors[name] = float((y.float() - ref).abs().max() / ref.abs().max())
                 except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
                     continue
                 fns[name] = (lambda t, p: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, p)
-                                                   for s in sets])((bn, bkw, warps), pdl)
+                                                   for s in sets])((bn, bkw, pre, warps), pdl)
         rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
         rows = []
         tiny = min(rounds["tinygemm"]) if isinstance(rounds["tinygemm"], list) else None

@@ -23,9 +23,10 @@ from ._backend import triton_interpreted
 
 ENABLED = os.environ.get("MLA_QUANT_PDL", "1") != "0"   # module constant: the sweeps time both settings
 # sparse_mla_decode_wide: the split kernel at more than 16 heads; pair_order: the half2 GEMV's activation layout (x
-# before fused_moe's gate-up, h between its GEMVs)
+# before fused_moe's gate-up, h between its GEMVs); w4a16_gemv: w4a16_gemm's one-token "rows" GEMV with
+# prefetch_weights (it loads its weights before the wait: gemv.py)
 OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_decode", "sparse_mla_decode_wide",
-       "sparse_mla_decode_merge", "fused_moe", "pair_order")
+       "sparse_mla_decode_merge", "fused_moe", "pair_order", "w4a16_gemv")
 # Ops launched plainly even when ENABLED: they start once the previous kernel has finished, yet still let the next
 # kernel be scheduled early. Launched early, a kernel's programs are placed on the SMs as the previous kernel's
 # programs leave them, not spread evenly; that costs a kernel whose grid is one balanced wave of long programs.

@@ -51,15 +51,17 @@ COUNTERS_MAX_TOKENS = 16
 
 
 def _int4(x2: torch.Tensor, fmt: Int4Group, tensors: dict[str, torch.Tensor], reference: bool,
-          counters: torch.Tensor | None = None) -> torch.Tensor:
+          counters: torch.Tensor | None = None, prefetch_weights: bool = False) -> torch.Tensor:
     if reference:
         return w4a16_gemm_reference(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size)
     kept = counters if counters is not None and x2.shape[0] <= COUNTERS_MAX_TOKENS else None
-    return w4a16_gemm(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size, counters=kept)
+    return w4a16_gemm(x2, tensors["weight_packed"], tensors["weight_scale"], fmt.group_size, counters=kept,
+                      prefetch_weights=prefetch_weights)
 
 
 def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
-             bias: torch.Tensor | None, reference: bool, counters: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None, reference: bool, counters: torch.Tensor | None = None,
+             prefetch_weights: bool = False) -> torch.Tensor:
     if isinstance(fmt, BF16):
         return F.linear(x, tensors["weight"].to(x.dtype), bias)
     reference = reference or getattr(fmt, "kernel", "auto") == "torch"
@@ -67,7 +69,7 @@ def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor
     if isinstance(fmt, FP8Block):
         y = (_fp8_w8a8 if fmt.act_quant else _fp8_weight_only)(x2, fmt, tensors, reference)
     elif isinstance(fmt, Int4Group):
-        y = _int4(x2, fmt, tensors, reference, counters)
+        y = _int4(x2, fmt, tensors, reference, counters, prefetch_weights)
     else:
         raise TypeError(f"quant_linear: no compute path for format {fmt!r}")
     y = y.reshape(*x.shape[:-1], y.shape[-1])
@@ -75,13 +77,16 @@ def _compute(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor
 
 
 def quant_linear(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
-                 bias: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 prefetch_weights: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) for a weight held in ``fmt``. x: [..., K] -> [..., N] in x.dtype.
 
     ``counters`` (``Int4Group`` only, optional): int32 zeros [N] kept by the caller, the W4A16 GEMM's split-K
     arrival counters for calls of up to ``COUNTERS_MAX_TOKENS`` tokens (each launch leaves them zero; it saves the
-    ``torch.zeros`` launch of each call). Calls that may run at the same time (several streams) need their own."""
-    return _compute(x, fmt, tensors, bias, reference=False, counters=counters)
+    ``torch.zeros`` launch of each call). Calls that may run at the same time (several streams) need their own.
+    ``prefetch_weights`` (``Int4Group``, one token): ``w4a16_gemm``'s promise that the kernel launched just before
+    did not write ``tensors`` (the one-token GEMV then loads them before waiting for that kernel)."""
+    return _compute(x, fmt, tensors, bias, reference=False, counters=counters, prefetch_weights=prefetch_weights)
 
 
 def quant_linear_reference(x: torch.Tensor, fmt: WeightFormat, tensors: dict[str, torch.Tensor],
@@ -101,7 +106,10 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight lives in any :class:`WeightFormat`. ``x: [..., in] -> [..., out]``.
 
     An ``Int4Group`` layer keeps its W4A16 split-K counters (:meth:`split_k_counters`), so a call of up to 16 tokens is
-    one kernel launch; one layer must not run on two streams at the same time."""
+    one kernel launch; one layer must not run on two streams at the same time. From its second call on the same
+    weight tensors (same objects, storage and version counter: :meth:`weights_settled`) a one-token call lets the
+    GEMV load the weights before it waits for the kernel before it (``w4a16_gemm(prefetch_weights=True)``); the
+    first call after the weights were set, loaded or written in place launches plainly."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  fmt: WeightFormat | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -178,8 +186,19 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear: input has {x.shape[-1]} features, expected {self.in_features}")
-        counters = self.split_k_counters(x.device) if isinstance(self.fmt, Int4Group) else None
-        return quant_linear(x, self.fmt, self.tensors, self.bias, counters)
+        int4 = isinstance(self.fmt, Int4Group)
+        counters = self.split_k_counters(x.device) if int4 else None
+        prefetch = int4 and self.weights_settled()
+        return quant_linear(x, self.fmt, self.tensors, self.bias, counters, prefetch_weights=prefetch)
+
+    def weights_settled(self) -> bool:
+        """Whether this layer's weight tensors are those of its previous call, unwritten since (the same objects,
+        storages and in-place version counters): then no kernel just launched can have written them, and the
+        one-token INT4 GEMV may read them early. Records the tensors for the next call."""
+        key = tuple((id(t), t.data_ptr(), t._version) for t in self.tensors.values())
+        settled = self.__dict__.get("_weights_seen") == key
+        self.__dict__["_weights_seen"] = key
+        return settled
 
     def split_k_counters(self, device: torch.device) -> torch.Tensor | None:
         """The W4A16 GEMM's split-K counters this layer keeps on ``device`` (int32 [out_features], left zero by every

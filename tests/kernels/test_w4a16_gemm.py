@@ -530,6 +530,96 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
     assert_rel_close(w4a16_gemm(x_odd, packed, scale, 32, gemv="planes1").float(), y.float(), tol, "strided")
 
 
+# --- the whole-row one-token GEMV (gemv="rows", the default at M = 1: gemv.py) ---
+
+@pytest.mark.parametrize("n,k,group,tile", [
+    (37, 448, 32, (8, 64, 1, 4)),     # 56 words: a masked last chunk of 64; N ragged
+    (37, 448, 32, (8, 32, 2, 4)),     # two chunks prefetched, then five more, the last masked
+    (64, 1024, 64, (16, 64, 2, 4)),   # whole chunks, group 64 (two runs share a scale)
+    (20, 384, 128, (4, 16, 1, 2)),    # group 128, 3 chunks of 16 words
+    (9, 256, 32, (32, 32, 2, 4)),     # one program wider than N
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_gemv_matches_reference(triton_backend, n, k, group, tile, dtype):
+    from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
+
+    dev = triton_backend
+    g = torch.Generator().manual_seed(n + k)
+    packed, scale = I.int4_quantize_reference(torch.randn(n, k, generator=g), group, dtype)
+    packed, scale = packed.to(dev), scale.to(dev)
+    x = torch.randn(k, generator=g).to(dtype).to(dev)
+    y = poisoned_empty((n,), dtype, dev)
+    gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted())
+    ref = w4a16_gemm_reference(x[None], packed, scale, group)[0]
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} g{group}")
+
+
+def test_rows_gemv_is_the_default_exact_for_every_nibble_and_deterministic(triton_backend):
+    """Every code at every nibble position with power-of-two scales and activations (every sum exact): the default
+    one-token call (the rows GEMV) equals the reference bit for bit, also with prefetch_weights (on the CPU no PDL),
+    and repeated calls are bitwise equal (no split-K: one fixed order per output)."""
+    dev = triton_backend
+    x, packed, scale = _every_nibble_case(2, dev)
+    ref = w4a16_gemm_reference(x, packed, scale, 32).cpu()
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32).cpu(), ref)
+    assert torch.equal(w4a16_gemm(x, packed, scale, 32, gemv="rows", prefetch_weights=True).cpu(), ref)
+    xb = (x * 1.1).to(torch.bfloat16)
+    a, b = (w4a16_gemm(xb, packed, scale, 32) for _ in range(2))
+    assert_bitwise_equal(a, b, "two rows runs")
+
+
+def test_rows_gemv_strided_and_unaligned_activations(triton_backend):
+    """x not 16-byte aligned (a view one element in) and x with leading dimensions [1, 1, K]: the same result."""
+    dev = triton_backend
+    packed, scale = _weights(40, 512, 32, dev)
+    x = torch.randn(1, 513, device=dev)[:, 1:]
+    assert x.data_ptr() % 16
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    assert_rel_close(w4a16_gemm(x, packed, scale, 32), ref, 1e-5, "unaligned")
+    y = w4a16_gemm(x.contiguous().view(1, 1, 512), packed, scale, 32)
+    assert y.shape == (1, 1, 40)
+    assert_rel_close(y[0], ref, 1e-5, "leading dims")
+
+
+def test_rows_gemv_tile_rule():
+    """The chunk never passes the row's words rounded up to a power of two; the interpreter's tile prefetches two."""
+    from mla_quant.kernels.w4a16_gemm.gemv import gemv_tile
+
+    for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (64, 256)):
+        bn, bkw, pre, warps = gemv_tile(n, k)
+        assert bkw <= triton.next_power_of_2(k // 8) and bn >= 1 and pre in (1, 2) and warps in (2, 4, 8)
+    assert gemv_tile(64, 2048, interpreted=True)[2] == 2
+
+
+def test_quant_linear_prefetches_only_settled_weights(triton_backend, monkeypatch):
+    """QuantLinear lets the one-token GEMV read its weights early only from the second call on the same, unwritten
+    weight tensors: a new weight (set_weight) or an in-place write (copy_) makes the next call a plain launch."""
+    import mla_quant as mq
+    from mla_quant.kernels import w4a16_gemm as W
+
+    seen = []
+    real = W.w4a16_gemm
+
+    def spy(*args, prefetch_weights=False, **kw):
+        seen.append(prefetch_weights)
+        return real(*args, prefetch_weights=prefetch_weights, **kw)
+
+    monkeypatch.setattr("mla_quant.modules.linear.w4a16_gemm", spy)
+    dev = triton_backend
+    layer = mq.modules.QuantLinear(256, 24, fmt=mq.formats.Int4Group(32), dtype=torch.float32, device=dev)
+    layer.set_weight(torch.randn(24, 256))
+    x = torch.randn(1, 256, device=dev)
+    first = layer(x)
+    assert_bitwise_equal(layer(x), first, "the prefetching call")
+    layer.set_weight(torch.randn(24, 256))
+    layer(x)
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)
+    layer(x)
+    layer(x)
+    assert seen == [False, True, False, False, True]
+
+
 def test_caller_counters_are_left_zero_and_reused(triton_backend):
     """counters=: the split-K arrival counters from the caller (no torch.zeros launch per call); every launch
     leaves them zero, so one buffer serves repeated calls; too short, wrong dtype: a clear error."""
@@ -780,3 +870,38 @@ def test_gpu_fragment_kernel_real_shapes(m, n, k, dtype):
     assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, swap_ab=True).float(), 1e-2, "vs swapped")
     counters = torch.zeros(n, dtype=torch.int32, device="cuda")
     assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, counters=counters)) and not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (1000, 1536)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_rows_gemv_real_shapes(n, k, dtype):
+    """The compiled rows GEMV at real widths (18432: three chunks, the last masked; 1000 x 1536: ragged N, 192
+    words in a 256-word chunk): against the reference and the split-K plane GEMV; with prefetch_weights (PDL, the
+    weights read before the wait) bitwise equal to the plain launch, also in a chain of calls that each follow the
+    previous one's GEMV; deterministic."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    y = w4a16_gemm(x, packed, scale, 32, out=poisoned_empty((1, n), dtype, "cuda"))
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), tol, f"{n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, gemv="planes1").float(), tol, "rows vs planes1")
+    chain = [w4a16_gemm(x, packed, scale, 32, prefetch_weights=True) for _ in range(8)]
+    for i, c in enumerate(chain):
+        assert_bitwise_equal(c, y, f"prefetch call {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_rows_gemv_prefetch_reads_x_after_the_kernel_before():
+    """With prefetch_weights the GEMV reads its weights early but x only after the kernel before has finished: each
+    call's x is written in place by the kernel just before it, so a read of x before the wait would see the
+    previous values."""
+    packed, scale = _weights(4096, 7168, 32, "cuda")
+    x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
+    outs, xs = [], []
+    for i in range(6):
+        x.mul_(1.5 if i % 2 else -0.5)   # the kernel right before the GEMV writes its x
+        outs.append(w4a16_gemm(x, packed, scale, 32, prefetch_weights=True))
+        xs.append(x.clone())
+    for i, (o, xi) in enumerate(zip(outs, xs)):
+        assert_bitwise_equal(o, w4a16_gemm(xi, packed, scale, 32), f"call {i}")

@@ -10,13 +10,15 @@ from .._backend import triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from .._host import cdiv
+from .._pdl import pdl_launch
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# the one-token GEMV: the plane GEMV in one launch (default: 8.97 / 12.7 µs on the H200 at 2048 / 4096 x 7168,
-# 1.20 / 1.04x the two-launch form), nibble planes after a plane_order launch, or the previous form
-GEMV_FORMS = ("planes1", "planes", "tile")
+# the one-token GEMV: whole rows per program (default, gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs at
+# 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
+# counters), the split-K plane GEMV in one launch, nibble planes after a plane_order launch, or the first form
+GEMV_FORMS = ("rows", "planes1", "planes", "tile")
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
@@ -147,9 +149,9 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int | str = "auto", gemv: str = "planes1",
+               fast_dequant: int | str = "auto", gemv: str = "rows",
                counters: torch.Tensor | None = None, swap_ab: bool | str = "auto",
-               fragments: bool | str = "auto") -> torch.Tensor:
+               fragments: bool | str = "auto", prefetch_weights: bool = False) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -165,7 +167,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group partial; 2: biased codes, no float op
     per weight) and its own autotuned configs, which also try the 16-row tile at one token (docs/recipes.md).
 
-    ``gemv`` picks the one-token GEMV (M = 1, BM = 1, ``fast_dequant`` off): ``"planes1"`` (default: the plane
+    ``gemv`` picks the one-token GEMV (M = 1, ``fast_dequant`` off): ``"rows"`` (default without a pinned ``config``:
+    ``gemv.py``, whole rows per program, all of a row's words in flight, no split-K; its tile by
+    ``gemv.gemv_tile``; docs/moe.md "W4A16 at M = 1: whole rows"), ``"planes1"`` (the plane
     GEMV in one launch: each program reads its activations from x itself, with its own configs and split-K,
     ``kernel.planes1_split``; docs/moe.md "W4A16 at M = 1 in one launch"), ``"planes"`` (x re-ordered into fp32
     nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md "The INT4 plane GEMV")
@@ -186,6 +190,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     4-byte aligned rows; "auto" takes it for 2 to ``FRAG_MAX_M`` such tokens when neither ``config``, a
     ``fast_dequant`` level nor ``swap_ab`` True / False is given (``swap_ab`` then decides between the swapped kernel
     and the tile). True forces it (a call it cannot take raises, naming why), False keeps it off.
+
+    ``prefetch_weights`` (the ``"rows"`` GEMV on sm_90+, unless ``MLA_QUANT_PDL=0``): launch it with programmatic
+    dependent launch and load the weights and scales *before* waiting for the kernel launched just before, so they
+    stream during that kernel's tail and the launch gap. It is the caller's promise that ``weight_packed`` and
+    ``weight_scale`` are not written by that kernel (true of a model's weights at decode: ``QuantLinear`` sets it);
+    x is read only after the wait. Off by default.
 
     ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
     may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at
@@ -217,6 +227,15 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
+    if m == 1 and gemv == "rows" and config is None and not fast_dequant and not (frag or swap) and n:
+        from .gemv import gemv_launch, gemv_tile
+
+        y = torch.empty((*lead, n), dtype=x.dtype, device=x.device) if out is None else out
+        interpreted = triton_interpreted()
+        pdl = pdl_launch(x.device, "w4a16_gemv") if prefetch_weights else {"PDL": False}
+        gemv_launch(x2[0], weight_packed, weight_scale, y.view(n), group_size, gemv_tile(n, k, interpreted),
+                    pdl, interpreted)
+        return y
     from .._gemm_utils import plane_order
     from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, planes1_split, planes1_tile_ok,
                          planes_tile_ok, split_k, w4a16_gemm_autotuned, w4a16_gemv_planes1_autotuned,

@@ -37,9 +37,10 @@ def _scales(s_ptrs, mask, FULL: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _chunk(w_cols, s_cols, c, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr):
+def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr,
+           INTERPRET: tl.constexpr):
     """Words int32 [BKW, BN] and scales fp32 [BKW/4, BN] of chunk ``c`` (words past K/8 read as 0, scales as 0)."""
-    FULL: tl.constexpr = KW % BKW == 0
+    FULL: tl.constexpr = (c + 1) * BKW <= KW
     rw = c * BKW + tl.arange(0, BKW)[:, None]
     runs = c * (BKW // 4) + tl.arange(0, BKW // 4)[:, None]  # runs of 4 words (32 K): one scale each
     if FULL:
@@ -51,7 +52,7 @@ def _chunk(w_cols, s_cols, c, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.con
 
 
 @triton.jit
-def _chunk_dot(words, scales, x_ptr, c, KW: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr,
+def _chunk_dot(words, scales, x_ptr, c: tl.constexpr, KW: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr,
                VEC: tl.constexpr):
     """Σ over chunk ``c`` of x · codes · scale, per output row: fp32 [BN]. x is read in place (element 8w of word
     w; past K/8 the last word's, whose products the zero scales drop)."""
@@ -65,8 +66,9 @@ def _chunk_dot(words, scales, x_ptr, c, KW: tl.constexpr, BKW: tl.constexpr, INT
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
                        K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                       VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]
+                       PRE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PRE (1 or 2): chunks loaded before
+    # the first arithmetic (two chunks of half the width hold the same words in flight with half the temporaries)
     KW: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = (KW + BKW - 1) // BKW
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -76,29 +78,38 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
+    if PRE == 2 and CHUNKS > 1:
+        words1, scales1 = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
     if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
         gdc_wait()
     acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
-    for c in tl.static_range(1, CHUNKS):
+    FIRST: tl.constexpr = 2 if PRE == 2 and CHUNKS > 1 else 1
+    if FIRST == 2:
+        acc += _chunk_dot(words1, scales1, x_ptr, 1, KW, BKW, INTERPRET, VEC)
+    for c in tl.static_range(FIRST, CHUNKS):
         words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
         acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
+# (BN, BKW, PRE, num_warps): output rows per program, words per K chunk, chunks loaded before the arithmetic, warps.
+# Rows of K = 7168 (896 words) fit one 1024-word chunk or two of 512; each program keeps BN·K/2 bytes in flight.
+GEMV_TILE = (8, 1024, 1, 4)
+INTERPRETER_TILE = (8, 64, 2, 4)  # small chunks for the CPU interpreter: several chunks, both prefetched
 
-# (BN, BKW, num_warps): output rows per program, words per K chunk, warps. Rows of K = 7168 (896 words) fit one
-# 1024-word chunk; each program keeps BN·K/2 bytes of words in flight.
-GEMV_TILE = (8, 1024, 8)
+
+def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, int]:
+    """(BN, BKW, PRE, num_warps) for an N x K weight: ``GEMV_TILE`` with its chunk narrowed to the row's words."""
+    bn, bkw, pre, warps = INTERPRETER_TILE if interpreted else GEMV_TILE
+    return bn, min(bkw, triton.next_power_of_2(k // 8)), pre, warps
 
 
-def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple = GEMV_TILE, pdl: bool = False,
+def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
                 interpreted: bool = False) -> None:
-    """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (contiguous; ``tile`` = (BN, BKW, num_warps); ``pdl``:
-    programmatic dependent launch with the weights read before the wait)."""
+    """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, PRE,
+    num_warps); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl), the weights then read before the wait."""
     n, kw = weight_packed.shape
-    bn, bkw, warps = tile
-    bkw = min(bkw, triton.next_power_of_2(kw))
+    bn, bkw, pre, warps = tile
     vec = not interpreted and x1.data_ptr() % 16 == 0
-    extra = {"PDL": 1, "launch_pdl": True} if pdl else {}
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
-                                              BN=bn, BKW=bkw, VEC=vec, INTERPRET=interpreted, num_warps=warps,
-                                              **extra)
+                                              BN=bn, BKW=bkw, PRE=pre, VEC=vec, INTERPRET=interpreted,
+                                              num_warps=warps, **(pdl or {"PDL": False}))
