@@ -20,18 +20,22 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 levels, each with its own autotuned configs, docs/recipes.md), same weights, peers and goal,
                 next to ``int4_g32`` (``speedup_vs_int4_g32``); ``int4_g32_fast0`` with ``fast_dequant=0`` where
                 the default (``"auto"``) takes level 1 (2 to ``FAST_AUTO_MAX_M`` tokens).
-* ``int4_g32_tile`` (M = 1 only) the previous one-token GEMV (``w4a16_gemm(..., gemv="tile")``) beside
-                ``int4_g32``, whose M = 1 rows are the default one-launch plane GEMV (``gemv="planes1"``,
-                docs/moe.md "W4A16 at M = 1 in one launch"); ``int4_g32_planes`` the two-launch plane GEMV
-                (``gemv="planes"``: ``plane_order``, then the GEMV; the default until 8b4c3e0);
-                ``int4_g32_planes1_ws`` the default with split-K counters kept across calls (``counters=``:
-                no ``torch.zeros`` launch per call either, so exactly one kernel).
+* ``int4_g32`` at M = 1 is the whole-row GEMV (``gemv="rows"``, the default since session 25) launched plainly;
+                ``int4_g32_prefetch`` the same with ``prefetch_weights=True`` (PDL, the weights loaded before the
+                wait: what ``QuantLinear`` runs on settled weights; each call follows the previous one's GEMV);
+                ``int4_g32_planes1`` the split-K plane GEMV in one launch (the default until session 25,
+                docs/moe.md "W4A16 at M = 1 in one launch"), ``int4_g32_planes1_ws`` with its split-K counters
+                kept across calls; ``int4_g32_tile`` the first one-token GEMV (``gemv="tile"``);
+                ``int4_g32_planes`` the two-launch plane GEMV (``gemv="planes"``: ``plane_order``, then the GEMV).
 
 Goals (issue 6 / issue 5): W4A16 ≥ 2× tinygemm at M = 1 and faster at every M ≤ 64; FP8 block ≥ 0.7×
 ``_scaled_mm`` and ≥ 1.4× bf16 cuBLAS at M ≥ 512 — each row says ``goal`` and ``goal_met``. Inputs are
-rotated past the L2 cache (``common.rotating``) so small-M cases read their weights from HBM.
+rotated past the L2 cache (``common.rotating``) so small-M cases read their weights from HBM. ``GEMM_MS=1,2``
+(comma-separated) times only those token counts.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -52,9 +56,11 @@ FAST_FORMATS = {0: "int4_g32_fast0", 1: "int4_g32_fast", 2: "int4_g32_fast2"}  #
 FRAG_WS_FORMAT = "int4_g32_frag_ws"  # 2..FRAG_MAX_M tokens: the default (the fragment kernel) with kept counters
 SWAP_FORMAT = "int4_g32_swap"  # 2..SWAP_MAX_M tokens: the swapped-operand kernel (swap_ab=True)
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
-# M = 1 variants beside int4_g32: row format -> (gemv form, pass kept split-K counters)
-GEMV_FORMATS = {TILE_FORMAT: ("tile", False), "int4_g32_planes": ("planes", False),
-                "int4_g32_planes1_ws": ("planes1", True)}
+# M = 1 variants beside int4_g32 (the whole-row GEMV launched plainly): row format -> (gemv form, pass kept split-K
+# counters, prefetch_weights). int4_g32_prefetch is QuantLinear's one-token call on settled weights.
+GEMV_FORMATS = {"int4_g32_prefetch": ("rows", False, True), TILE_FORMAT: ("tile", False, False),
+                "int4_g32_planes": ("planes", False, False), "int4_g32_planes1": ("planes1", False, False),
+                "int4_g32_planes1_ws": ("planes1", True, False)}
 
 
 def _tinygemm_pack(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +98,15 @@ def _goal(fmt: str, m: int, row: dict) -> tuple[str, bool] | None:
     return None
 
 
+def _ms(quick: bool) -> tuple[int, ...]:
+    """The token counts to time: M_QUICK / M_ALL, or those named in ``GEMM_MS`` (comma-separated) for a focused run."""
+    named = tuple(int(v) for v in os.environ.get("GEMM_MS", "").split(",") if v)
+    return named or (M_QUICK if quick else M_ALL)
+
+
 def run(ctx: Context) -> list[dict]:
     dev = ctx.device
-    ms = M_QUICK if ctx.quick else M_ALL
+    ms = _ms(ctx.quick)
     nks = NK_ALL[1:3] if ctx.quick else NK_ALL
     rows: list[dict] = []
     for n, k in nks:
@@ -163,8 +175,8 @@ def run(ctx: Context) -> list[dict]:
                              speedup_vs_bf16=round(t_bf16 / t_int4, 3)))
             # INT4 variants beside the default: other one-token GEMVs, then the FAST_DEQUANT levels
             variants = [(fmt, {"gemv": form, "counters": torch.zeros(n, dtype=torch.int32, device=dev) if kept
-                               else None})  # kept counters: left zero by each call
-                        for fmt, (form, kept) in (GEMV_FORMATS.items() if m == 1 else ())]
+                               else None, "prefetch_weights": early})  # kept counters: left zero by each call
+                        for fmt, (form, kept, early) in (GEMV_FORMATS.items() if m == 1 else ())]
             variants += [(fmt, {"fast_dequant": level}) for level, fmt in FAST_FORMATS.items()
                          if level or 1 < m <= FAST_AUTO_MAX_M]  # level 0: where level 1 was the default
             if 1 < m <= FRAG_MAX_M:  # the default there (fragments="auto"), with split-K counters kept across calls

@@ -91,16 +91,24 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
         acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
-# (BN, BKW, PRE, num_warps): output rows per program, words per K chunk, chunks loaded before the arithmetic, warps.
-# Rows of K = 7168 (896 words) fit one 1024-word chunk or two of 512; each program keeps BN·K/2 bytes in flight.
-GEMV_TILE = (8, 1024, 1, 4)
+# (BN, PRE, num_warps): output rows per program, chunks loaded before the arithmetic, warps; the chunk is the row's
+# words rounded up to a power of two (PRE 1) or half that (PRE 2). H200, sweep_w4a16_gemv (session 25, interleaved
+# CUDA-graph rounds, prefetch_weights): K = 7168 (896 words): 8 rows, one 1024-word chunk: 3.59 / 7.06 µs at 2048 /
+# 4096 rows (two 512-word chunks 3.73 / 7.19; 16 rows 4.39 / 7.96); K = 2048 (256 words): 16 rows, two 128-word
+# chunks: 3.82 µs at 7168 rows (one 256-word chunk of 8 rows: 5.72). Plain launches rank the tiles alike.
+LONG_ROW_TILE, SHORT_ROW_TILE, SHORT_ROW_WORDS = (8, 1, 4), (16, 2, 4), 256
 INTERPRETER_TILE = (8, 64, 2, 4)  # small chunks for the CPU interpreter: several chunks, both prefetched
 
 
 def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, int]:
-    """(BN, BKW, PRE, num_warps) for an N x K weight: ``GEMV_TILE`` with its chunk narrowed to the row's words."""
-    bn, bkw, pre, warps = INTERPRETER_TILE if interpreted else GEMV_TILE
-    return bn, min(bkw, triton.next_power_of_2(k // 8)), pre, warps
+    """(BN, BKW, PRE, num_warps) for an N x K weight (rows of ``SHORT_ROW_WORDS`` words or fewer take
+    ``SHORT_ROW_TILE``, longer ones ``LONG_ROW_TILE``)."""
+    words = triton.next_power_of_2(k // 8)
+    if interpreted:
+        bn, bkw, pre, warps = INTERPRETER_TILE
+        return bn, min(bkw, words), pre, warps
+    bn, pre, warps = SHORT_ROW_TILE if words <= SHORT_ROW_WORDS else LONG_ROW_TILE
+    return bn, max(words // pre, 16), pre, warps
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
