@@ -351,6 +351,12 @@ def cases_w4a16_gemm() -> Iterator[Case]:
     for x_dtype in (BF16, torch.float32):
         yield f"M=1 gemv=planes1 {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(1, k, dtype=x_dtype),
                                                                    packed, scale, 32, gemv="planes1")
+    # M = 1, the whole-row GEMV (the default): each tile of gemv.gemv_tile, plain and with prefetch_weights (PDL)
+    for n, k in ((2048, 7168), (7168, 2048), (7168, 18432)):
+        packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
+        for early in (False, True):
+            yield f"M=1 gemv=rows {n}x{k} prefetch={early}", partial(w4a16_gemm, torch.randn(1, k, dtype=BF16),
+                                                                      packed, scale, 32, prefetch_weights=early)
 
 
 def cases_moe_align() -> Iterator[Case]:

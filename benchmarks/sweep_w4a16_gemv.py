@@ -32,6 +32,19 @@ NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
 # half that), warps)
 TILES = tuple(itertools.product((4, 8, 16, 32), (1, 2), (2, 4, 8)))
 PDL = {"PDL": 1, "launch_pdl": True}
+# --pipe: (BN, BKW, PRE, warps, PIPE) tiles of the pipelined loop (chunk c + 1 loaded before chunk c's arithmetic)
+PIPE_TILES = ((8, 128, 1, 4, 1), (8, 256, 1, 4, 1), (16, 128, 1, 4, 1), (16, 256, 1, 4, 1), (16, 256, 1, 8, 1),
+              (8, 128, 1, 2, 1), (4, 256, 1, 4, 1), (32, 128, 1, 8, 1), (8, 512, 1, 4, 1), (16, 64, 1, 4, 1),
+              (32, 64, 1, 4, 1))
+
+
+def _tiles(k: int, pipe: bool) -> list[tuple]:
+    """The (BN, BKW, PRE, warps[, PIPE]) tiles swept for rows of K: PIPE_TILES (chunks no wider than the row's words
+    rounded up), or TILES with the chunk the row's words rounded up (PRE 1) or half that (PRE 2)."""
+    words = 1 << (k // 8 - 1).bit_length()
+    if pipe:
+        return sorted({t for t in PIPE_TILES if t[1] <= words // 2})
+    return [(bn, words // pre, pre, warps) for bn, pre, warps in TILES]
 
 
 def _sets(n: int, k: int, dev: str) -> list[dict]:
@@ -45,8 +58,11 @@ def _sets(n: int, k: int, dev: str) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv,
-                      lambda ap: ap.add_argument("--rounds", type=int, default=3))
+    def extra(ap):
+        ap.add_argument("--rounds", type=int, default=3)
+        ap.add_argument("--pipe", action="store_true", help="sweep PIPE_TILES (the pipelined chunk loop) instead")
+
+    args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv, extra)
     if args is None:
         sys.exit(1)
     dev = "cuda"
@@ -69,24 +85,25 @@ def main(argv=None) -> None:
         }
         errors = {}
         seen = set()
-        for bn, pre, warps in TILES:
-            bkw = (1 << (k // 8 - 1).bit_length()) // pre
+        for tile in _tiles(k, args.pipe):
+            bn, bkw, pre, warps = tile[:4]
             for pdl in (None, PDL):
-                key = (bn, bkw, pre, warps, pdl is not None)
+                key = (tile, pdl is not None)
                 if key in seen:
                     continue
                 seen.add(key)
-                name = f"rows BN={bn} BKW={bkw} PRE={pre} w={warps}" + (" pdl" if pdl else "")
+                name = (f"rows BN={bn} BKW={bkw} PRE={pre} w={warps}" + (" pipe" if tile[4:] and tile[4] else "")
+                        + (" pdl" if pdl else ""))
                 try:
                     y.fill_(float("nan"))
-                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, (bn, bkw, pre, warps), pdl)
+                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, pdl)
                     torch.cuda.synchronize()
                     errors[name] = float((y.float() - ref).abs().max() / ref.abs().max())
                 except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
                     continue
                 fns[name] = (lambda t, p: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, p)
-                                                   for s in sets])((bn, bkw, pre, warps), pdl)
+                                                   for s in sets])(tile, pdl)
         rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
         rows = []
         tiny = min(rounds["tinygemm"]) if isinstance(rounds["tinygemm"], list) else None

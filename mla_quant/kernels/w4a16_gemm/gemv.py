@@ -66,11 +66,14 @@ def _chunk_dot(words, scales, x_ptr, c: tl.constexpr, KW: tl.constexpr, BKW: tl.
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
                        K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                       PRE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                       PRE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                       PIPE: tl.constexpr = False):
     # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PRE (1 or 2): chunks loaded before
-    # the first arithmetic (two chunks of half the width hold the same words in flight with half the temporaries)
+    # the first arithmetic. PIPE: each chunk's loads are issued before the previous chunk's arithmetic (a register
+    # double buffer), so a program's loads and arithmetic overlap; else chunk c + 1 is loaded after chunk c's sums.
     KW: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = (KW + BKW - 1) // BKW
+    FIRST: tl.constexpr = 2 if (PRE == 2 or PIPE) and CHUNKS > 1 else 1  # chunks loaded before the wait
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = (rn % N)[None, :].to(tl.int64)  # rows past N re-read valid ones; never stored
     w_cols = w_ptr + cols * KW
@@ -78,17 +81,23 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
-    if PRE == 2 and CHUNKS > 1:
+    if FIRST == 2:
         words1, scales1 = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
     if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
         gdc_wait()
     acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
-    FIRST: tl.constexpr = 2 if PRE == 2 and CHUNKS > 1 else 1
-    if FIRST == 2:
-        acc += _chunk_dot(words1, scales1, x_ptr, 1, KW, BKW, INTERPRET, VEC)
-    for c in tl.static_range(FIRST, CHUNKS):
-        words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
-        acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
+    if PIPE:
+        for c in tl.static_range(1, CHUNKS):
+            words, scales = words1, scales1
+            if c + 1 < CHUNKS:
+                words1, scales1 = _chunk(w_cols, s_cols, c + 1, KW, GROUP, BKW, INTERPRET)
+            acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
+    else:
+        if FIRST == 2:
+            acc += _chunk_dot(words1, scales1, x_ptr, 1, KW, BKW, INTERPRET, VEC)
+        for c in tl.static_range(FIRST, CHUNKS):
+            words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
+            acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 # (BN, PRE, num_warps): output rows per program, chunks loaded before the arithmetic, warps; the chunk is the row's
@@ -116,8 +125,8 @@ def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tupl
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, PRE,
     num_warps); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl), the weights then read before the wait."""
     n, kw = weight_packed.shape
-    bn, bkw, pre, warps = tile
+    bn, bkw, pre, warps, *pipe = tile
     vec = not interpreted and x1.data_ptr() % 16 == 0
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
                                               BN=bn, BKW=bkw, PRE=pre, VEC=vec, INTERPRET=interpreted,
-                                              num_warps=warps, **(pdl or {"PDL": False}))
+                                              PIPE=bool(pipe and pipe[0]), num_warps=warps, **(pdl or {"PDL": False}))
