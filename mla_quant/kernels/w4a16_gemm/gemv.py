@@ -54,13 +54,14 @@ def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexp
 @triton.jit
 def _chunk_dot(words, scales, x_ptr, c: tl.constexpr, KW: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr,
                VEC: tl.constexpr):
-    """Σ over chunk ``c`` of x · codes · scale, per output row: fp32 [BN]. x is read in place (element 8w of word
-    w; past K/8 the last word's, whose products the zero scales drop)."""
+    """x · codes · scale of chunk ``c`` summed per run of 4 words: fp32 [BKW/4, BN] (the sum over runs, across
+    warps, is left to the end of the row: one cross-warp reduction per program, not per chunk). x is read in place
+    (element 8w of word w; past K/8 the last word's, whose products the zero scales drop)."""
     rw = c * BKW + tl.arange(0, BKW)[:, None]
     x_ptrs = x_ptr + 8 * tl.minimum(rw, KW - 1)
     inner = int4_x_plane_dot(words, x_ptrs, None, True, INTERPRET, VEC)          # [BKW, BN]
     runs = tl.sum(tl.reshape(inner, (BKW // 4, 4, words.shape[1])), axis=1)     # [BKW/4, BN]
-    return tl.sum(runs * scales, axis=0)
+    return runs * scales
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
         for c in tl.static_range(FIRST, CHUNKS):
             words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
             acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
-    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 # (BN, PRE, num_warps): output rows per program, chunks loaded before the arithmetic, warps; the chunk is the row's
 # words rounded up to a power of two (PRE 1) or half that (PRE 2). H200, sweep_w4a16_gemv (session 25, interleaved
