@@ -101,30 +101,35 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
             acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
     tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
-# (BN, PRE, num_warps): output rows per program, chunks loaded before the arithmetic, warps; the chunk is the row's
-# words rounded up to a power of two (PRE 1) or half that (PRE 2). H200, sweep_w4a16_gemv (session 25, interleaved
-# CUDA-graph rounds, prefetch_weights): K = 7168 (896 words): 8 rows, one 1024-word chunk: 3.59 / 7.06 µs at 2048 /
-# 4096 rows (two 512-word chunks 3.73 / 7.19; 16 rows 4.39 / 7.96); K = 2048 (256 words): 16 rows, two 128-word
-# chunks: 3.82 µs at 7168 rows (one 256-word chunk of 8 rows: 5.72). Plain launches rank the tiles alike.
-LONG_ROW_TILE, SHORT_ROW_TILE, SHORT_ROW_WORDS = (8, 1, 4), (16, 2, 4), 256
-INTERPRETER_TILE = (8, 64, 2, 4)  # small chunks for the CPU interpreter: several chunks, both prefetched
+# The tiles (BN, BKW, PRE, num_warps, PIPE) by row length, H200, sweep_w4a16_gemv (session 25, interleaved CUDA-graph
+# rounds, with prefetch_weights; plain launches rank them alike):
+# - up to 1024 words (K = 7168: 896): 8 rows, the row in one chunk, 4 warps: 3.58 / 7.06 µs at 2048 / 4096 rows
+#   (two prefetched 512-word chunks 3.73 / 7.19, pipelined 512-word chunks 3.58 / 7.06, 16 rows 4.39 / 7.96);
+# - up to 256 words (K = 2048): 32 rows, pipelined 128-word chunks, 8 warps: 3.60 µs at 7168 rows (16 rows, two
+#   prefetched chunks: 3.82 with a reduction per chunk, 4.38 with one per row);
+# - longer rows (K = 18432: 2304 words; one chunk, or 4 warps, would spill): pipelined 512-word chunks, 8 warps
+#   (101 registers at sm_90; not timed).
+SHORT_ROW_WORDS, LONG_ROW_WORDS = 256, 1024
+INTERPRETER_TILE = (8, 64, 2, 4, 0)  # small chunks for the CPU interpreter: several chunks, two prefetched
 
 
-def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, int]:
-    """(BN, BKW, PRE, num_warps) for an N x K weight (rows of ``SHORT_ROW_WORDS`` words or fewer take
-    ``SHORT_ROW_TILE``, longer ones ``LONG_ROW_TILE``)."""
+def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, int, int]:
+    """(BN, BKW, PRE, num_warps, PIPE) for an N x K weight, by the row's words rounded up to a power of two."""
     words = triton.next_power_of_2(k // 8)
     if interpreted:
-        bn, bkw, pre, warps = INTERPRETER_TILE
-        return bn, min(bkw, words), pre, warps
-    bn, pre, warps = SHORT_ROW_TILE if words <= SHORT_ROW_WORDS else LONG_ROW_TILE
-    return bn, max(words // pre, 16), pre, warps
+        bn, bkw, pre, warps, pipe = INTERPRETER_TILE
+        return bn, min(bkw, words), pre, warps, pipe
+    if words <= SHORT_ROW_WORDS:
+        return 32, max(words // 2, 16), 1, 8, 1
+    if words <= LONG_ROW_WORDS:
+        return 8, words, 1, 4, 0
+    return 8, 512, 1, 8, 1
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
                 interpreted: bool = False) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, PRE,
-    num_warps); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl), the weights then read before the wait."""
+    num_warps[, PIPE]); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl), the weights then read before the wait."""
     n, kw = weight_packed.shape
     bn, bkw, pre, warps, *pipe = tile
     vec = not interpreted and x1.data_ptr() % 16 == 0
