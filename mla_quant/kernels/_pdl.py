@@ -43,7 +43,9 @@ OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_d
 # The top-k launches and the sparse merge gain 0.2-1.0 µs each from PDL.
 # - w4a16_gemm's one-token GEMV (planes1, not in OPS): launched with PDL in session 24 (d253abe, reverted), bench gemm
 #   at M = 1 with kept counters read 7.90 / 12.05 µs against 7.55 / 10.69 plain (2048 / 4096 x 7168; each call after
-#   the previous one's GEMV), 8.81 / 11.99 against 8.61 / 11.76 for a bare call.
+#   the previous one's GEMV), 8.81 / 11.99 against 8.61 / 11.76 for a bare call: it waited before its first load, so
+#   nothing overlapped. The whole-row GEMV (w4a16_gemv, session 25) loads its weights before the wait: 3.56 / 7.01 µs
+#   against 6.70 / 9.28 plain (bench gemm of a5009ca).
 SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode", "sparse_mla_decode_wide"})
 # Each program lets the next kernel be scheduled before (True) or after (False) its own wait; before, a chain's
 # kernels are scheduled up to two ahead (MLA_QUANT_PDL_EARLY=0: after). Run of 29275a0: the DSA step at 8 heads

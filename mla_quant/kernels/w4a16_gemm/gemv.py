@@ -7,10 +7,13 @@ partials, arrival counters or zero-fill launch, and every output is summed in on
 chunk (Kimi's 7168: 896 words, a 1024-word chunk with the last 128 masked) a program issues all its loads — words
 and scales of its rows — before its first arithmetic, so a wave of programs keeps ~BN·K/2 bytes per program in
 flight. The arithmetic is the plane GEMV's (``kernel.int4_x_plane_dot``: one LOP3 + FFMA + FFMA per weight, each
-word's 8 activations in one 128-bit load, the group scale once per run of 4 words).
+word's 8 activations in one 128-bit load, the group scale once per run of 4 words). Rows of several chunks either
+load the next chunk after a chunk's arithmetic or, with ``PIPE``, before it (a register double buffer); the per-run
+partials are summed across warps once, at the end of the row. Tiles by row length: :func:`gemv_tile`; measured in
+docs/moe.md "W4A16 at M = 1: whole rows".
 
 ``PDL`` (launched with programmatic dependent launch, :mod:`.._pdl`): the program lets the next kernel be
-scheduled, loads its first chunk of words and scales, and only then waits for the kernel before it
+scheduled, loads its first chunk of words and scales (two with ``PRE`` 2 or ``PIPE``), and only then waits for the kernel before it
 (``griddepcontrol.wait``) before reading x. The weights of a decode step do not depend on the kernel before, so
 their loads overlap that kernel's tail and the launch gap — which is the caller's promise (``w4a16_gemm``'s
 ``prefetch_weights``): the weight and scale tensors are not written by the kernel launched just before.
@@ -129,7 +132,8 @@ def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int,
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
                 interpreted: bool = False) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, PRE,
-    num_warps[, PIPE]); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl), the weights then read before the wait."""
+    num_warps[, PIPE]); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before
+    the wait."""
     n, kw = weight_packed.shape
     bn, bkw, pre, warps, *pipe = tile
     vec = not interpreted and x1.data_ptr() % 16 == 0
