@@ -7,8 +7,8 @@ split-K plane GEMV (``gemv="planes1"``) and ``w4a16_gemm``'s default (``default`
 For each N×K (group 32, bf16 x and scales) one graph per setting holds one call per weight set, over enough sets
 to miss L2 (as ``bench_gemm``), all with the same x. Settings: ``tinygemm`` (the peer), ``planes1`` (the bare
 call: its split-K counters zeroed by a fill launch) and ``planes1_ws`` (kept counters), then the rows kernel at
-each tile (BN rows per program, BKW words per K chunk, warps) launched plainly and with PDL (``pdl``: each call's
-weights loaded before it waits for the call before — consecutive GEMVs overlap). Each rows setting is first
+each tile (BN rows per program, BKW words per K chunk, warps, PIPE: the chunks pipelined) launched plainly and
+with PDL (``pdl``: each call's weights loaded before it waits for the call before — consecutive GEMVs overlap). Each rows setting is first
 checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). Writes every round's µs.
 """
 from __future__ import annotations
@@ -28,23 +28,18 @@ from .common import L2_BYTES, interleaved_graph_us, meta, Context, sweep_args
 
 GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
-# (BN, chunks of the row prefetched (PRE; 1: one chunk of the row's words rounded up to a power of two, 2: two of
-# half that), warps)
-TILES = tuple(itertools.product((4, 8, 16, 32), (1, 2), (2, 4, 8)))
 PDL = {"PDL": 1, "launch_pdl": True}
-# --pipe: (BN, BKW, PRE, warps, PIPE) tiles of the pipelined loop (chunk c + 1 loaded before chunk c's arithmetic)
-PIPE_TILES = ((8, 128, 1, 4, 1), (8, 256, 1, 4, 1), (16, 128, 1, 4, 1), (16, 256, 1, 4, 1), (16, 256, 1, 8, 1),
-              (8, 128, 1, 2, 1), (4, 256, 1, 4, 1), (32, 128, 1, 8, 1), (8, 512, 1, 4, 1), (16, 64, 1, 4, 1),
-              (32, 64, 1, 4, 1))
+# (BN, BKW, warps, PIPE); a BKW of 0 stands for the row's words rounded up to a power of two (one chunk)
+TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,)))
+         + ((8, 128, 4, True), (8, 256, 4, True), (16, 128, 4, True), (16, 256, 4, True), (16, 256, 8, True),
+            (8, 128, 2, True), (4, 256, 4, True), (32, 128, 8, True), (8, 512, 4, True), (16, 64, 4, True),
+            (32, 64, 4, True)))
 
 
-def _tiles(k: int, pipe: bool) -> list[tuple]:
-    """The (BN, BKW, PRE, warps[, PIPE]) tiles swept for rows of K: PIPE_TILES (chunks no wider than the row's words
-    rounded up), or TILES with the chunk the row's words rounded up (PRE 1) or half that (PRE 2)."""
+def _tiles(k: int) -> list[tuple]:
+    """TILES for rows of K: the one-chunk tiles at the row's width, the pipelined ones whose chunks split the row."""
     words = 1 << (k // 8 - 1).bit_length()
-    if pipe:
-        return sorted({t for t in PIPE_TILES if t[1] <= words // 2})
-    return [(bn, words // pre, pre, warps) for bn, pre, warps in TILES]
+    return [(bn, bkw or words, warps, pipe) for bn, bkw, warps, pipe in TILES if not pipe or bkw <= words // 2]
 
 
 def _sets(n: int, k: int, dev: str) -> list[dict]:
@@ -58,11 +53,8 @@ def _sets(n: int, k: int, dev: str) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    def extra(ap):
-        ap.add_argument("--rounds", type=int, default=3)
-        ap.add_argument("--pipe", action="store_true", help="sweep PIPE_TILES (the pipelined chunk loop) instead")
-
-    args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv, extra)
+    args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv,
+                      lambda ap: ap.add_argument("--rounds", type=int, default=3))
     if args is None:
         sys.exit(1)
     dev = "cuda"
@@ -84,16 +76,10 @@ def main(argv=None) -> None:
                                    for s in sets],
         }
         errors = {}
-        seen = set()
-        for tile in _tiles(k, args.pipe):
-            bn, bkw, pre, warps = tile[:4]
+        for tile in _tiles(k):
+            bn, bkw, warps, pipe = tile
             for pdl in (None, PDL):
-                key = (tile, pdl is not None)
-                if key in seen:
-                    continue
-                seen.add(key)
-                name = (f"rows BN={bn} BKW={bkw} PRE={pre} w={warps}" + (" pipe" if tile[4:] and tile[4] else "")
-                        + (" pdl" if pdl else ""))
+                name = f"rows BN={bn} BKW={bkw} w={warps}" + (" pipe" if pipe else "") + (" pdl" if pdl else "")
                 try:
                     y.fill_(float("nan"))
                     gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, pdl)
@@ -106,7 +92,8 @@ def main(argv=None) -> None:
                                                    for s in sets])(tile, pdl)
         rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
         rows = []
-        tiny = min(rounds["tinygemm"]) if isinstance(rounds["tinygemm"], list) else None
+        tiny = rounds["tinygemm"]
+        tiny_us = sorted(tiny)[len(tiny) // 2] if isinstance(tiny, list) else None
         for name, r in rounds.items():
             row = {"setting": name, "rounds_us": r if isinstance(r, list) else None,
                    "error": r if isinstance(r, str) else None, "rel_err": errors.get(name)}
@@ -114,8 +101,8 @@ def main(argv=None) -> None:
                 med = sorted(r)[len(r) // 2]
                 row["median_us"] = round(med, 3)
                 row["tbps"] = round((n * k // 2 + 2 * n * k // GROUP) / (med * 1e-6) / 1e12, 3)
-                if tiny:
-                    row["vs_tinygemm"] = round(sorted(rounds["tinygemm"])[len(r) // 2] / med, 3)
+                if tiny_us:
+                    row["vs_tinygemm"] = round(tiny_us / med, 3)
             rows.append(row)
         rows.sort(key=lambda rw: rw.get("median_us", 1e9))
         print(f"\n{n} x {k}: {len(sets)} weight sets")

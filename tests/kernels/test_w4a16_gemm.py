@@ -533,13 +533,13 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
 # --- the whole-row one-token GEMV (gemv="rows", the default at M = 1: gemv.py) ---
 
 @pytest.mark.parametrize("n,k,group,tile", [
-    (37, 448, 32, (8, 64, 1, 4)),     # 56 words: a masked last chunk of 64; N ragged
-    (37, 448, 32, (8, 32, 2, 4)),     # two chunks prefetched, then five more, the last masked
-    (64, 1024, 64, (16, 64, 2, 4)),   # whole chunks, group 64 (two runs share a scale)
-    (20, 384, 128, (4, 16, 1, 2)),    # group 128, 3 chunks of 16 words
-    (9, 256, 32, (32, 32, 2, 4)),     # one program wider than N
-    (37, 448, 32, (8, 16, 1, 4, 1)),  # pipelined: each chunk loaded before the previous chunk's sums
-    (20, 384, 64, (4, 64, 1, 2, 1)),  # pipelined, a masked last chunk
+    (37, 448, 32, (8, 64, 4, False)),     # 56 words: a masked last chunk of 64; N ragged
+    (37, 448, 32, (8, 32, 4, False)),     # seven chunks, each loaded after the previous one's sums, the last masked
+    (37, 448, 32, (8, 16, 4, True)),      # pipelined: each chunk loaded before the previous chunk's sums
+    (64, 1024, 64, (16, 64, 4, True)),    # whole chunks, group 64 (two runs share a scale)
+    (20, 384, 128, (4, 16, 2, False)),    # group 128, 3 chunks of 16 words
+    (20, 384, 64, (4, 64, 2, True)),      # pipelined, a masked last chunk
+    (9, 256, 32, (32, 32, 4, True)),      # one program wider than N, one chunk: nothing to pipeline
 ], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_gemv_matches_reference(triton_backend, n, k, group, tile, dtype):
@@ -585,14 +585,14 @@ def test_rows_gemv_strided_and_unaligned_activations(triton_backend):
 
 def test_rows_gemv_tile_rule():
     """The chunk never passes the row's words rounded up to a power of two, nor 1024 words (a 4096-word chunk spilled
-    at K = 18432); the interpreter's tile prefetches two."""
+    at K = 18432); the interpreter's tile pipelines its chunks."""
     from mla_quant.kernels.w4a16_gemm.gemv import gemv_tile
 
     for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (64, 256)):
-        bn, bkw, pre, warps, pipe = gemv_tile(n, k)
-        assert bkw <= min(triton.next_power_of_2(k // 8), 1024) and bn >= 1 and pre in (1, 2) and warps in (2, 4, 8)
-        assert pipe or bkw >= k // 8 or pre == 2  # a row in several chunks overlaps their loads
-    assert gemv_tile(64, 2048, interpreted=True)[2] == 2
+        bn, bkw, warps, pipe = gemv_tile(n, k)
+        assert bkw <= min(triton.next_power_of_2(k // 8), 1024) and bn >= 1 and warps in (2, 4, 8)
+        assert pipe or bkw >= k // 8  # a row in several chunks overlaps their loads
+    assert gemv_tile(64, 2048, interpreted=True)[3]
 
 
 def test_quant_linear_prefetches_only_settled_weights(triton_backend, monkeypatch):

@@ -13,30 +13,18 @@ partials are summed across warps once, at the end of the row. Tiles by row lengt
 docs/moe.md "W4A16 at M = 1: whole rows".
 
 ``PDL`` (launched with programmatic dependent launch, :mod:`.._pdl`): the program lets the next kernel be
-scheduled, loads its first chunk of words and scales (two with ``PRE`` 2 or ``PIPE``), and only then waits for the kernel before it
-(``griddepcontrol.wait``) before reading x. The weights of a decode step do not depend on the kernel before, so
-their loads overlap that kernel's tail and the launch gap — which is the caller's promise (``w4a16_gemm``'s
-``prefetch_weights``): the weight and scale tensors are not written by the kernel launched just before.
+scheduled, loads its first chunk of words and scales (two with ``PIPE``), and only then waits for the kernel
+before it (``griddepcontrol.wait``) before reading x. The weights of a decode step do not depend on the kernel
+before, so their loads overlap that kernel's tail and the launch gap — which is the caller's promise
+(``w4a16_gemm``'s ``prefetch_weights``): the weight and scale tensors are not written by the kernel launched just
+before.
 """
 import triton
 import triton.language as tl
 
+from .._gemm_utils import _load_in_place
 from .._triton_utils import gdc_launch_dependents, gdc_wait
 from .kernel import int4_x_plane_dot
-
-
-@triton.jit
-def _scales(s_ptrs, mask, FULL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Group scales [runs, BN] as fp32; past K (``FULL`` false) 0, which zeroes the padded runs' products."""
-    if FULL and not INTERPRET:
-        DT: tl.constexpr = s_ptrs.dtype.element_ty
-        if DT == tl.float32:
-            return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [s_ptrs], dtype=tl.int32,
-                                             is_pure=True, pack=1).to(tl.float32, bitcast=True)
-        bits = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [s_ptrs], dtype=tl.int16,
-                                         is_pure=True, pack=1)
-        return bits.to(DT, bitcast=True).to(tl.float32)
-    return tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -50,7 +38,7 @@ def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexp
         words = tl.load(w_cols + rw)
     else:
         words = tl.load(w_cols + rw, mask=rw < KW, other=0)
-    scales = _scales(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET)
+    scales = _load_in_place(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET)  # 0 past K
     return words, scales
 
 
@@ -70,14 +58,11 @@ def _chunk_dot(words, scales, x_ptr, c: tl.constexpr, KW: tl.constexpr, BKW: tl.
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
                        K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                       PRE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                       PIPE: tl.constexpr = False):
-    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PRE (1 or 2): chunks loaded before
-    # the first arithmetic. PIPE: each chunk's loads are issued before the previous chunk's arithmetic (a register
-    # double buffer), so a program's loads and arithmetic overlap; else chunk c + 1 is loaded after chunk c's sums.
+                       PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PIPE: chunk c + 1 is loaded before
+    # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it.
     KW: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = (KW + BKW - 1) // BKW
-    FIRST: tl.constexpr = 2 if (PRE == 2 or PIPE) and CHUNKS > 1 else 1  # chunks loaded before the wait
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = (rn % N)[None, :].to(tl.int64)  # rows past N re-read valid ones; never stored
     w_cols = w_ptr + cols * KW
@@ -85,58 +70,55 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
-    if FIRST == 2:
-        words1, scales1 = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
+    if PIPE and CHUNKS > 1:
+        ahead, ahead_scales = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
     if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
         gdc_wait()
     acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
-    if PIPE:
-        for c in tl.static_range(1, CHUNKS):
-            words, scales = words1, scales1
+    for c in tl.static_range(1, CHUNKS):
+        if PIPE:
+            words, scales = ahead, ahead_scales
             if c + 1 < CHUNKS:
-                words1, scales1 = _chunk(w_cols, s_cols, c + 1, KW, GROUP, BKW, INTERPRET)
-            acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
-    else:
-        if FIRST == 2:
-            acc += _chunk_dot(words1, scales1, x_ptr, 1, KW, BKW, INTERPRET, VEC)
-        for c in tl.static_range(FIRST, CHUNKS):
+                ahead, ahead_scales = _chunk(w_cols, s_cols, c + 1, KW, GROUP, BKW, INTERPRET)
+        else:
             words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
-            acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
+        acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
     tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
-# The tiles (BN, BKW, PRE, num_warps, PIPE) by row length, H200, sweep_w4a16_gemv (session 25, interleaved CUDA-graph
+
+# The tiles (BN, BKW, num_warps, PIPE) by row length, H200, sweep_w4a16_gemv (session 25, interleaved CUDA-graph
 # rounds, with prefetch_weights; plain launches rank them alike):
 # - up to 1024 words (K = 7168: 896): 8 rows, the row in one chunk, 4 warps: 3.58 / 7.06 µs at 2048 / 4096 rows
-#   (two prefetched 512-word chunks 3.73 / 7.19, pipelined 512-word chunks 3.58 / 7.06, 16 rows 4.39 / 7.96);
+#   (pipelined 512-word chunks 3.58 / 7.06, 16 rows 4.39 / 7.96; two 512-word chunks both loaded before any
+#   arithmetic, a PRE setting removed since, 3.73 / 7.19);
 # - up to 256 words (K = 2048): 32 rows, pipelined 128-word chunks, 8 warps: 3.60 µs at 7168 rows (16 rows, two
 #   prefetched chunks: 3.82 with a reduction per chunk, 4.38 with one per row);
 # - longer rows (K = 18432: 2304 words; one chunk, or 4 warps, would spill): pipelined 512-word chunks, 8 warps
 #   (101 registers at sm_90; not timed).
 SHORT_ROW_WORDS, LONG_ROW_WORDS = 256, 1024
-INTERPRETER_TILE = (8, 64, 2, 4, 0)  # small chunks for the CPU interpreter: several chunks, two prefetched
+INTERPRETER_TILE = (8, 64, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
 
-def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, int, int]:
-    """(BN, BKW, PRE, num_warps, PIPE) for an N x K weight, by the row's words rounded up to a power of two."""
+def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, bool]:
+    """(BN, BKW, num_warps, PIPE) for an N x K weight, by the row's words rounded up to a power of two."""
     words = triton.next_power_of_2(k // 8)
     if interpreted:
-        bn, bkw, pre, warps, pipe = INTERPRETER_TILE
-        return bn, min(bkw, words), pre, warps, pipe
+        bn, bkw, warps, pipe = INTERPRETER_TILE
+        return bn, min(bkw, words), warps, pipe
     if words <= SHORT_ROW_WORDS:
-        return 32, max(words // 2, 16), 1, 8, 1
+        return 32, max(words // 2, 16), 8, True
     if words <= LONG_ROW_WORDS:
-        return 8, words, 1, 4, 0
-    return 8, 512, 1, 8, 1
+        return 8, words, 4, False
+    return 8, 512, 8, True
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
                 interpreted: bool = False) -> None:
-    """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, PRE,
-    num_warps[, PIPE]); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before
-    the wait."""
+    """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, num_warps,
+    PIPE); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait."""
     n, kw = weight_packed.shape
-    bn, bkw, pre, warps, *pipe = tile
+    bn, bkw, warps, pipe = tile
     vec = not interpreted and x1.data_ptr() % 16 == 0
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
-                                              BN=bn, BKW=bkw, PRE=pre, VEC=vec, INTERPRET=interpreted,
-                                              PIPE=bool(pipe and pipe[0]), num_warps=warps, **(pdl or {"PDL": False}))
+                                              BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec, INTERPRET=interpreted,
+                                              num_warps=warps, **(pdl or {"PDL": False}))

@@ -23,9 +23,9 @@ planes (``_gemm_utils.plane_order``), words stay in their ``[BK/8, BN]`` load la
 per weight, the scale once per 32 K (docs/moe.md "The INT4 plane GEMV").
 
 ``PLANES1`` (``gemv="planes1"``; the default at one token until ``gemv.py``'s whole-row GEMV) is that GEMV in one
-launch: no ``plane_order``; each thread reads its words' activations from x (``int4_x_plane_dot``: one 128-bit load per word when x is 16-byte aligned,
-``X_VEC``) and the plane scale 16^-j goes onto the codes (``_x_products``); its own configs and split-K
-(``planes1_split``: ~4 programs per SM). docs/moe.md "W4A16 at M = 1 in one launch".
+launch: no ``plane_order``; each thread reads its words' activations from x (``int4_x_plane_dot``: one 128-bit load
+per word when x is 16-byte aligned, ``X_VEC``) and the plane scale 16^-j goes onto the codes (``_x_products``); its
+own configs and split-K (``planes1_split``: ~4 programs per SM). docs/moe.md "W4A16 at M = 1 in one launch".
 
 ``FAST_DEQUANT`` (0 = off, the default; ``w4a16_gemm(..., fast_dequant=1 or 2)`` or ``config["FAST_DEQUANT"]``)
 changes the tensor-core paths (``BM >= 16``; also usable at one token, the row tile then re-reading the one
