@@ -1,0 +1,205 @@
+"""Probe: where the fixed cost of a short MLA decode goes (issue #3: 16 heads, batch 32 × 4k).
+
+    python -m benchmarks.probe_mla_fixed [--out probe_mla_fixed.json] [--rounds 5]
+
+A bench ``mla_decode`` row at 16 heads × batch 32 × 4k (151 MB of BF16 pages) reads ~51 µs where the pages alone
+take ~36 µs at the copy rate, and the split decode's time fits ``a + b·tiles`` with ``a`` ≈ 14-17 µs. This probe
+splits that ``a`` into its parts, on one GPU call:
+
+- ``floor``: a CUDA graph of one (two) tiny kernels, timed as the bench times a decode (do_bench median, L2 flushed
+  between replays): what the measurement itself adds to any graph;
+- ``copy``: ``dst.copy_(src)`` at the decode's page bytes (read + written), in a graph: the copy rate at this size
+  against the 1 GiB ceiling;
+- per shape (BF16 pages and the Gluon kernel's fp8_e4m3 pages): the bench's time (one call per graph), the time
+  per call of a graph of four calls over distinct pages, and a profiler trace of the one-call graph (each kernel's
+  duration, the gap between the decode and merge kernels, the span from the first kernel's start to the last one's
+  end);
+- ``tiles``: the decode kernel's duration at batch 32, 4 splits, 1k-16k tokens (4-64 tiles per program): the fit
+  ``a + b·tiles`` of the kernel alone;
+- ``pdl``: interleaved rounds of the launcher as it is against its decode and merge kernels launched with PDL
+  (``_pdl.SKIP`` without them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+
+from .common import graph_us, interleaved_graph_us, median_us, module_attrs, random_kv_pool
+
+HEADS, D, D_LATENT, PAGE, SCALE = 16, 576, 512, 64, 0.1447
+FLUSH = 256 * 2**20
+
+
+def _pool(kind, pages, dev):
+    return random_kv_pool(kind, pages, PAGE, D_LATENT, D - D_LATENT, dev)
+
+
+def _sets(batch, ctx, n_sets, dev):
+    """``n_sets`` (q, block table) over distinct pages of one pool of ``n_sets·batch·ctx/PAGE`` pages."""
+    pages = ctx // PAGE
+    perm = torch.randperm(n_sets * batch * pages, device=dev).to(torch.int32)
+    return [(torch.randn(batch, 1, HEADS, D, device=dev, dtype=torch.bfloat16),
+             perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous()) for i in range(n_sets)]
+
+
+def trace(fn, reps: int = 30) -> dict:
+    """Kernel durations of ``fn`` replayed from a CUDA graph ``reps`` times (L2 flushed before each replay), from
+    the profiler's trace: mean µs per kernel name, the mean gap between consecutive kernels of a replay and the mean
+    span from its first kernel's start to its last one's end."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(FLUSH, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        flush.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    replays, cur = [], []
+    for e in kernels:  # a replay = the kernels after one flush (the memset / fill kernel)
+        if "fill" in e["name"].lower() or "memset" in e["name"].lower():
+            if cur:
+                replays.append(cur)
+            cur = []
+        else:
+            cur.append(e)
+    if cur:
+        replays.append(cur)
+    dur, gaps, spans = {}, [], []
+    for rep in replays:
+        for e in rep:
+            dur.setdefault(e["name"][:60], []).append(e["dur"])
+        gaps += [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(rep, rep[1:])]
+        spans.append(rep[-1]["ts"] + rep[-1]["dur"] - rep[0]["ts"])
+    return {"kernels_us": {k: round(statistics.mean(v), 2) for k, v in dur.items()},
+            "gap_us": round(statistics.mean(gaps), 2) if gaps else None,
+            "span_us": round(statistics.mean(spans), 2), "replays": len(replays)}
+
+
+def floor() -> dict:
+    a = torch.zeros(1, device="cuda")
+    b = torch.zeros(1, device="cuda")
+    one = graph_us(lambda: a.add_(1.0))[0]
+    two = graph_us(lambda: (a.add_(1.0), b.add_(1.0)))[0]
+    eager = median_us(lambda: a.add_(1.0))
+    return {"graph_one_tiny_us": round(one, 2), "graph_two_tiny_us": round(two, 2), "eager_one_tiny_us": round(eager, 2)}
+
+
+def copy_at(moved_bytes: int) -> dict:
+    n = moved_bytes // 4  # bf16 elements read (n·2 bytes) and written (n·2)
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = graph_us(lambda: dst.copy_(src))[0]
+    return {"bytes_moved": 4 * n, "us": round(t, 2), "tbps": round(4 * n / t / 1e6, 3)}
+
+
+def shape_probe(kind: str, batch: int, ctx: int, dev: str = "cuda") -> dict:
+    from mla_quant.kernels.mla_decode import last_launch, mla_decode
+
+    sets = _sets(batch, ctx, 4, dev)
+    kv, sc = _pool(kind, 4 * batch * ctx // PAGE, dev)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+
+    def call(q, table, **kw):
+        return mla_decode(q, kv, sc, table, lens, SCALE, kind, D_LATENT, validate=False, max_seq_len=ctx, **kw)
+
+    one = graph_us(lambda: call(*sets[0]))[0]
+    splits, config = last_launch() if kind == "bf16" else (None, "gluon")
+    four = graph_us(lambda: [call(q, t) for q, t in sets], 4)[0]
+    row_bytes = 2 * D if kind == "bf16" else D + 4
+    page_bytes = batch * ctx * row_bytes
+    out = {"kind": kind, "batch": batch, "ctx": ctx, "splits": splits, "config": config,
+           "page_mb": round(page_bytes / 1e6, 1), "one_call_graph_us": round(one, 2),
+           "four_call_graph_us_per_call": round(four, 2), "trace": trace(lambda: call(*sets[0]))}
+    return out
+
+
+def tiles_fit(kind: str, batch: int = 32, splits: int = 4, contexts=(1024, 2048, 4096, 8192, 16384)) -> dict:
+    from mla_quant.kernels.mla_decode import mla_decode
+
+    dev = "cuda"
+    kv, sc = _pool(kind, batch * max(contexts) // PAGE, dev)
+    rows = []
+    for ctx in contexts:
+        (q, table), = _sets(batch, ctx, 1, dev)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        tr = trace(lambda: mla_decode(q, kv, sc, table, lens, SCALE, kind, D_LATENT, validate=False,
+                                      max_seq_len=ctx, num_splits=splits))
+        decode_us = max(tr["kernels_us"].values())
+        rows.append({"ctx": ctx, "tiles_per_program": ctx // splits // 64, "decode_kernel_us": decode_us,
+                     "trace": tr})
+    xs = [r["tiles_per_program"] for r in rows]
+    ys = [r["decode_kernel_us"] for r in rows]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {"kind": kind, "batch": batch, "splits": splits, "rows": rows, "fit_a_us": round(my - b * mx, 2),
+            "fit_b_us_per_tile": round(b, 3)}
+
+
+def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
+    import mla_quant.kernels._pdl as pdl
+    from mla_quant.kernels.mla_decode import mla_decode
+
+    dev = "cuda"
+    (q, table), = _sets(batch, ctx, 1, dev)
+    kv, sc = _pool(kind, batch * ctx // PAGE, dev)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+
+    def with_skip(skip):
+        def call():
+            with module_attrs(pdl, {"SKIP": skip}):
+                return mla_decode(q, kv, sc, table, lens, SCALE, kind, D_LATENT, validate=False, max_seq_len=ctx)
+        return call
+
+    settings = {"as_is": with_skip(pdl.SKIP),
+                "merge_early": with_skip(pdl.SKIP - {"mla_decode_merge"}),
+                "both_early": with_skip(pdl.SKIP - {"mla_decode_merge", "mla_decode"})}
+    res = interleaved_graph_us(settings, rounds=rounds)
+    return {k: (round(statistics.median(v), 2) if isinstance(v, list) else v) for k, v in res.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="probe_mla_fixed.json")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    res = {"commit": os.environ.get("MLA_QUANT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
+    big = 2**30
+    res["copy_1gib"] = copy_at(2 * big)
+    res["floor"] = floor()
+    res["copy_at_32x4k"] = copy_at(32 * 4096 * 2 * D)
+    res["copy_at_64x4k"] = copy_at(64 * 4096 * 2 * D)
+    print(json.dumps(res), flush=True)
+    res["shapes"] = []
+    for kind, batch, ctx in (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 16, 8192), ("fp8_e4m3", 16, 8192),
+                             ("bf16", 64, 4096), ("fp8_e4m3", 64, 4096), ("bf16", 1, 4096), ("fp8_e4m3", 1, 4096)):
+        res["shapes"].append(shape_probe(kind, batch, ctx))
+        print(json.dumps(res["shapes"][-1]), flush=True)
+        torch.cuda.empty_cache()
+    res["tiles"] = [tiles_fit("bf16"), tiles_fit("fp8_e4m3")]
+    print(json.dumps(res["tiles"]), flush=True)
+    res["pdl"] = {f"{k}_{b}x{c}": pdl_rounds(k, b, c, args.rounds) for k, b, c in
+                  (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 64, 4096))}
+    print(json.dumps(res["pdl"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
