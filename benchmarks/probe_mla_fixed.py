@@ -16,6 +16,10 @@ splits that ``a`` into its parts, on one GPU call:
   end);
 - ``tiles``: the decode kernel's duration at batch 32, 4 splits, 1k-16k tokens (4-64 tiles per program): the fit
   ``a + b·tiles`` of the kernel alone;
+- ``timeline``: each decode program's own timeline (``mla_decode.PROBE_BUFFER``: globaltimer and clock64 stamps at
+  entry, seq_len loaded, page ids loaded, first tile scored, loop done, outputs stored; kernel.py ``PROBE``), as
+  percentiles over the programs of eager calls after an L2 flush: how long the programs wait to start, how long each
+  step takes and how far apart they finish;
 - ``pdl``: interleaved rounds of the launcher as it is against its decode and merge kernels launched with PDL
   (``_pdl.SKIP`` without them).
 """
@@ -152,6 +156,57 @@ def tiles_fit(kind: str, batch: int = 32, splits: int = 4, contexts=(1024, 2048,
             "fit_b_us_per_tile": round(b, 3)}
 
 
+STEPS = ("wait_and_seq_len", "page_ids", "first_tile", "tile_loop", "masked_phase", "epilogue")
+
+
+def _pct(xs, qs=(0, 50, 90, 100)) -> dict:
+    xs = sorted(xs)
+    return {f"p{q}": round(xs[min(len(xs) - 1, q * len(xs) // 100)], 2) for q in qs}
+
+
+def timeline(kind: str, batch: int, ctx: int, calls: int = 10, num_splits: int | None = None) -> dict:
+    """Per-program timelines of the Triton decode kernel (bf16 pages: TMA_CONFIG) over ``calls`` eager calls."""
+    import mla_quant.kernels.mla_decode as md
+
+    dev = "cuda"
+    (q, table), = _sets(batch, ctx, 1, dev)
+    kv, sc = _pool(kind, batch * ctx // PAGE, dev)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    buf = torch.zeros(16 * 4 * batch * 256, dtype=torch.int64, device=dev)
+    flush = torch.empty(FLUSH, dtype=torch.int8, device=dev)
+    acc = {k: [] for k in ("entry_after_first", "finish_before_last", "span_us", "clock_ghz", *STEPS)}
+    try:
+        md.PROBE_BUFFER = buf
+        for i in range(calls + 2):
+            buf.zero_()
+            flush.zero_()
+            md.mla_decode(q, kv, sc, table, lens, SCALE, kind, D_LATENT, validate=False, max_seq_len=ctx,
+                          num_splits=num_splits)
+            torch.cuda.synchronize()
+            if i < 2:  # compile, warm-up
+                continue
+            st = buf.view(-1, 16)
+            st = st[st[:, 0] != 0].double()
+            g, c = st[:, 0:14:2], st[:, 1:14:2]
+            ghz = ((c[:, 6] - c[:, 0]) / (g[:, 6] - g[:, 0])).median().item()
+            acc["clock_ghz"].append(ghz)
+            acc["entry_after_first"] += ((g[:, 0] - g[:, 0].min()) / 1e3).tolist()
+            acc["finish_before_last"] += ((g[:, 6].max() - g[:, 6]) / 1e3).tolist()
+            acc["span_us"].append(((g[:, 6].max() - g[:, 0].min()) / 1e3).item())
+            for j, name in enumerate(STEPS):  # (slot j + 1 minus slot j, in this SM's cycles)
+                acc[name] += ((c[:, j + 1] - c[:, j]) / ghz / 1e3).tolist()
+            sms = st[:, 14].long()
+        programs = int(st.shape[0])
+    finally:
+        md.PROBE_BUFFER = None
+    per_sm = torch.bincount(sms).max().item()
+    return {"kind": kind, "batch": batch, "ctx": ctx, "programs": programs, "splits": md.last_launch()[0],
+            "sms_used": int(sms.unique().numel()), "max_programs_per_sm": per_sm,
+            "clock_ghz": round(statistics.median(acc.pop("clock_ghz")), 3),
+            "span_us": _pct(acc.pop("span_us"), (0, 50, 100)),
+            **{k: _pct(v) for k, v in acc.items()}}
+
+
 def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
     import mla_quant.kernels._pdl as pdl
     from mla_quant.kernels.mla_decode import mla_decode
@@ -174,29 +229,44 @@ def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
     return {k: (round(statistics.median(v), 2) if isinstance(v, list) else v) for k, v in res.items()}
 
 
+PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="probe_mla_fixed.json")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     res = {"commit": os.environ.get("MLA_QUANT_COMMIT", "unknown"), "device": torch.cuda.get_device_name()}
-    big = 2**30
-    res["copy_1gib"] = copy_at(2 * big)
-    res["floor"] = floor()
-    res["copy_at_32x4k"] = copy_at(32 * 4096 * 2 * D)
-    res["copy_at_64x4k"] = copy_at(64 * 4096 * 2 * D)
-    print(json.dumps(res), flush=True)
-    res["shapes"] = []
-    for kind, batch, ctx in (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 16, 8192), ("fp8_e4m3", 16, 8192),
-                             ("bf16", 64, 4096), ("fp8_e4m3", 64, 4096), ("bf16", 1, 4096), ("fp8_e4m3", 1, 4096)):
-        res["shapes"].append(shape_probe(kind, batch, ctx))
-        print(json.dumps(res["shapes"][-1]), flush=True)
-        torch.cuda.empty_cache()
-    res["tiles"] = [tiles_fit("bf16"), tiles_fit("fp8_e4m3")]
-    print(json.dumps(res["tiles"]), flush=True)
-    res["pdl"] = {f"{k}_{b}x{c}": pdl_rounds(k, b, c, args.rounds) for k, b, c in
-                  (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 64, 4096))}
-    print(json.dumps(res["pdl"]), flush=True)
+    copy_at(2**30)  # (the clocks ramp up: the first timing of an idle GPU read 2.7 TB/s)
+    if "ceilings" in parts:
+        res["copy_1gib"] = copy_at(2**31)
+        res["floor"] = floor()
+        res["copy_at_32x4k"] = copy_at(32 * 4096 * 2 * D)
+        res["copy_at_64x4k"] = copy_at(64 * 4096 * 2 * D)
+        print(json.dumps(res), flush=True)
+    if "shapes" in parts:
+        res["shapes"] = []
+        for kind, batch, ctx in (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 16, 8192),
+                                 ("fp8_e4m3", 16, 8192), ("bf16", 64, 4096), ("fp8_e4m3", 64, 4096),
+                                 ("bf16", 1, 4096), ("fp8_e4m3", 1, 4096)):
+            res["shapes"].append(shape_probe(kind, batch, ctx))
+            print(json.dumps(res["shapes"][-1]), flush=True)
+            torch.cuda.empty_cache()
+    if "timeline" in parts:
+        res["timeline"] = []
+        for b, c in ((32, 4096), (64, 4096), (1, 4096), (32, 1024)):
+            res["timeline"].append(timeline("bf16", b, c))
+            print(json.dumps(res["timeline"][-1]), flush=True)
+    if "tiles" in parts:
+        res["tiles"] = [tiles_fit("bf16"), tiles_fit("fp8_e4m3")]
+        print(json.dumps(res["tiles"]), flush=True)
+    if "pdl" in parts:
+        res["pdl"] = {f"{k}_{b}x{c}": pdl_rounds(k, b, c, args.rounds) for k, b, c in
+                      (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 64, 4096))}
+        print(json.dumps(res["pdl"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -76,3 +76,21 @@ def grid_dependency_sync(PDL: tl.constexpr):
     elif PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def timeline_stamp(ptr, slot: tl.constexpr, dep, mask=True):
+    """Diagnostics (GPU only): store ``%globaltimer`` (ns, comparable across SMs) at ``ptr[2·slot]`` and
+    ``%clock64`` (this SM's cycles) at ``ptr[2·slot + 1]``, read once the int32 scalar ``dep`` is known (a value the
+    stamp must follow: a load's result, a loop's output). A kernel's ``PROBE`` mode (off by default) calls it."""
+    g = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False,
+                                  pack=1)
+    c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(ptr + 2 * slot, g, mask=mask)
+    tl.store(ptr + 2 * slot + 1, c, mask=mask)
+
+
+@triton.jit
+def sm_id(dep):
+    """The SM this program runs on (``%smid``; diagnostics)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)

@@ -272,6 +272,9 @@ def _config_name(kw: dict) -> str:
 
 
 _LAST_LAUNCH: tuple[int, str | None] | None = None
+# diagnostics (benchmarks/probe_mla_fixed.py): an int64 CUDA tensor here makes the Triton decode kernel store each
+# program's timeline into it (16 values per program: kernel.py, ``PROBE``); None (default) compiles no probe
+PROBE_BUFFER: torch.Tensor | None = None
 
 
 def last_launch() -> tuple[int, str | None] | None:
@@ -341,6 +344,11 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
                 **pdl_launch(q.device, "mla_decode"))
+    if PROBE_BUFFER is not None and not interpreted:  # diagnostics: each program's timeline (kernel.py, PROBE)
+        grid_size = cdiv(m_rows, (config or {}).get("BLOCK_M", 16)) * num_splits * bsz
+        if PROBE_BUFFER.numel() < 16 * grid_size or PROBE_BUFFER.dtype != torch.int64:
+            raise ValueError(f"PROBE_BUFFER: needs ≥ {16 * grid_size} int64 values for this launch")
+        meta.update(PROBE=True, probe_ptr=PROBE_BUFFER)
 
     def grid(m):
         return (cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)

@@ -24,7 +24,7 @@ PREFETCH loads the next tile's bytes one iteration ahead into registers (docs/ml
 import triton
 import triton.language as tl
 
-from .._triton_utils import cast_fp8_saturating, grid_dependency_sync, reciprocal, rint
+from .._triton_utils import cast_fp8_saturating, grid_dependency_sync, reciprocal, rint, sm_id, timeline_stamp
 
 # how the latent part of a row is scaled (mirrors kv_layout.py)
 SCALE_NONE = tl.constexpr(0)    # bf16
@@ -201,7 +201,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    PDL: tl.constexpr = False, TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False, PROBE: tl.constexpr = False, probe_ptr=None,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -220,9 +220,16 @@ def _mla_decode_kernel(
     [BLOCK_N, D_ROPE] blocks (FP8_BITCAST with fewer than 64 rows: over the pages as int32 words, [BLOCK_N,
     D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's
     causal limit are read through them (the pipeliner stages descriptor loads in shared memory; no masks), the
-    rest with the masked pointer loads."""
-    grid_dependency_sync(PDL)
+    rest with the masked pointer loads.
+    PROBE (diagnostics, ``mla_decode.PROBE_BUFFER``): each program stores a timeline of int64 stamps at ``probe_ptr``
+    + 16·(its linear id) (``timeline_stamp``: globaltimer ns and clock64 per slot; slot 7: its SM): 0 entry, 1 seq_len
+    loaded, 2 the first chunk's page ids loaded, 3 the first tile's scores, 4 the TMA phase's loop done, 5 every tile
+    done, 6 the outputs stored."""
     pid_m, pid_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PROBE:
+        stamps = probe_ptr + 16 * (pid_m + tl.num_programs(0) * (pid_split + NUM_SPLITS * b)).to(tl.int64)
+        timeline_stamp(stamps, 0, pid_m)
+    grid_dependency_sync(PDL)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -300,6 +307,8 @@ def _mla_decode_kernel(
         q_lat = tl.permute(tl.reshape(q_lat, (BLOCK_M, NT, TILE)), (1, 0, 2))
 
     seq_len = tl.load(seq_lens_ptr + b)
+    if PROBE:
+        timeline_stamp(stamps, 1, seq_len)
     limit = seq_len - S_Q + 1 + s_idx  # row s sees tokens < limit (causal among the S_Q new tokens)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = pid_split * split_len
@@ -369,6 +378,8 @@ def _mla_decode_kernel(
                 c_hi = tl.minimum(hi, c * CHUNK_TOKENS + CHUNK_TOKENS)
                 chunk_idx = c * CHUNK_PAGES + tl.arange(0, CHUNK_PAGES)
                 chunk_pages = tl.load(bt_row + chunk_idx, mask=chunk_idx * PAGE_SIZE < hi, other=0)
+                if PROBE and phase == 0:
+                    timeline_stamp(stamps, 2, tl.sum(chunk_pages), c == c_first)
             else:
                 c_lo = lo
                 c_hi = hi
@@ -511,6 +522,8 @@ def _mla_decode_kernel(
                     s = tl.where(visible, s, float("-inf"))
 
                 m_new = tl.maximum(m_i, tl.max(s, 1))
+                if PROBE and phase == 0:
+                    timeline_stamp(stamps, 3, tl.max(m_new, 0).to(tl.int32, bitcast=True), n0 == start)
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(s - m_use[:, None])
@@ -561,6 +574,10 @@ def _mla_decode_kernel(
                         p = p * pre
                     acc = tl.dot(p.to(dot_ty), k.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
                 m_i = m_new
+        if PROBE and phase == 0:
+            timeline_stamp(stamps, 4, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
+    if PROBE:
+        timeline_stamp(stamps, 5, tl.sum(l_i, 0).to(tl.int32, bitcast=True))
 
     if SWAP:
         acc = tl.trans(acc)
@@ -591,6 +608,10 @@ def _mla_decode_kernel(
         tl.store(out_ptr + (base + rows)[:, None] * D_LAT + d_lat[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(lse_ptr + base + rows, lse2 * LN2, mask=row_ok)
+    if PROBE:
+        done = tl.sum(lse2, 0).to(tl.int32, bitcast=True)
+        timeline_stamp(stamps, 6, done)
+        tl.store(stamps + 14, sm_id(done).to(tl.int64))
 
 
 def _config_key(c) -> tuple:
