@@ -229,41 +229,7 @@ def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
     return {k: (round(statistics.median(v), 2) if isinstance(v, list) else v) for k, v in res.items()}
 
 
-def l2_rounds(batch: int, ctx: int, aheads, rounds: int) -> dict:
-    """Interleaved rounds of ``mla_decode.L2_AHEAD`` settings on BF16 pages, input sets and graph as in
-    ``sweep_mla_decode`` (enough sets to pass 3x L2), with each setting's output checked bitwise against off."""
-    import mla_quant.kernels.mla_decode as md
-
-    from .bench_mla_decode import _input_sets, _row_bytes
-    from .common import L2_BYTES
-
-    n_sets = max(1, min(16, -(-3 * L2_BYTES // (batch * ctx * _row_bytes("bf16")))))
-    num_pages = n_sets * batch * ctx // PAGE
-    kv, _ = _pool("bf16", num_pages, "cuda")
-    sets = _input_sets(batch, ctx, HEADS, "bf16", num_pages, "cuda")
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-
-    def setting(ahead):
-        def call():
-            with module_attrs(md, {"L2_AHEAD": ahead}):
-                return [md.mla_decode(q, kv, None, t, lens, SCALE, "bf16", D_LATENT, validate=False, max_seq_len=ctx)
-                        for q, t in sets]
-        return call
-
-    fns = {f"l2_ahead={a}": setting(a) for a in aheads}
-    ref = fns["l2_ahead=0"]()[0][0].clone()
-    same = {k: bool(torch.equal(f()[0][0], ref)) for k, f in fns.items()}
-    res = interleaved_graph_us(fns, reps=len(sets), rounds=rounds)
-    moved = batch * ctx * _row_bytes("bf16") + batch * HEADS * 2 * (D + D_LATENT)
-    out = {"batch": batch, "ctx": ctx, "sets": len(sets), "bitwise_equal_to_off": same}
-    for k, v in res.items():
-        out[k] = round(statistics.median(v), 2) if isinstance(v, list) else v
-        if isinstance(v, list):
-            out[k + "_TBps"] = round(moved / statistics.median(v) / 1e6, 3)
-    return out
-
-
-PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "l2")
+PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl")
 
 
 def main() -> None:
@@ -301,12 +267,6 @@ def main() -> None:
         res["pdl"] = {f"{k}_{b}x{c}": pdl_rounds(k, b, c, args.rounds) for k, b, c in
                       (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 64, 4096))}
         print(json.dumps(res["pdl"]), flush=True)
-    if "l2" in parts:
-        res["l2"] = []
-        for b, c in ((32, 4096), (16, 8192), (64, 4096), (128, 4096), (8, 16384), (64, 65536)):
-            res["l2"].append(l2_rounds(b, c, (0, 3, 4, 5, 6), args.rounds))
-            print(json.dumps(res["l2"][-1]), flush=True)
-            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -94,15 +94,3 @@ def timeline_stamp(ptr, slot: tl.constexpr, dep, mask=True):
 def sm_id(dep):
     """The SM this program runs on (``%smid``; diagnostics)."""
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch_bulk(ptr, nbytes, pred):
-    """Ask the L2 to fetch ``nbytes`` contiguous bytes from global memory at ``ptr`` (16-byte aligned, ``nbytes`` a
-    multiple of 16): one ``cp.async.bulk.prefetch.L2`` (sm_90) issued by the program's thread 0 when the int32
-    ``pred`` is nonzero. Nothing lands in shared memory or registers and nothing waits for it: a later load of those
-    bytes hits the L2. Returns a dummy int32 (GPU only)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.and.s32 p, $3, 0, p; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptr, nbytes, pred], dtype=tl.int32, is_pure=False, pack=1)

@@ -50,8 +50,6 @@ COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that
 # the autotuner as before (sweeps).
 TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, TMA=True, num_warps=8, num_stages=3)
 TMA_LAUNCH = True
-# TMA tiles of bf16 pages: while tile i is read, the L2 is asked for tile i + L2_AHEAD (kernel.py; 0 or ≤ 2: off)
-L2_AHEAD = 0
 # fp8_e4m3 pages read by the bitcast (fp8_dequant="bitcast", which "auto" takes where this applies), bf16 queries,
 # ≤ 16 query rows: the launcher runs FP8_TMA_CONFIG (the int32 words of whole 32-token tiles staged by TMA, two in
 # flight; 231 registers, 89 KB: two programs per SM). H200, 16 heads, session 12 (bench mla_decode of 825d320, the
@@ -345,7 +343,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
-                L2_AHEAD=L2_AHEAD if tma_launch is not None else 0, **pdl_launch(q.device, "mla_decode"))
+                **pdl_launch(q.device, "mla_decode"))
     if PROBE_BUFFER is not None and not interpreted:  # diagnostics: each program's timeline (kernel.py, PROBE)
         grid_size = cdiv(m_rows, (config or {}).get("BLOCK_M", 16)) * num_splits * bsz
         if PROBE_BUFFER.numel() < 16 * grid_size or PROBE_BUFFER.dtype != torch.int64:

@@ -24,8 +24,7 @@ PREFETCH loads the next tile's bytes one iteration ahead into registers (docs/ml
 import triton
 import triton.language as tl
 
-from .._triton_utils import (cast_fp8_saturating, grid_dependency_sync, l2_prefetch_bulk, reciprocal, rint, sm_id,
-                             timeline_stamp)
+from .._triton_utils import cast_fp8_saturating, grid_dependency_sync, reciprocal, rint, sm_id, timeline_stamp
 
 # how the latent part of a row is scaled (mirrors kv_layout.py)
 SCALE_NONE = tl.constexpr(0)    # bf16
@@ -192,15 +191,6 @@ def _load_tile_raw(lat_rows, rope_rows, sc_rows, tok_ok, d_lat, d_rope, SCALE_MO
 
 
 @triton.jit
-def _l2_tile(n0, c_hi, c, chunk_pages, lat_ptr, stride_lat_page, stride_lat_row, tile_bytes, PAGE_SIZE: tl.constexpr,
-             CHUNK_PAGES: tl.constexpr):
-    """L2 prefetch of the tile at token n0 of chunk c (page ids ``chunk_pages``) when n0 < c_hi (L2_AHEAD)."""
-    page = tl.sum(tl.where(tl.arange(0, CHUNK_PAGES) == n0 // PAGE_SIZE - c * CHUNK_PAGES, chunk_pages, 0))
-    row = lat_ptr + page.to(tl.int64) * stride_lat_page + (n0 % PAGE_SIZE) * stride_lat_row
-    l2_prefetch_bulk(row, tile_bytes, (n0 < c_hi).to(tl.int32))
-
-
-@triton.jit
 def _mla_decode_kernel(
     q_ptr, lat_ptr, rope_ptr, scale_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, lat_desc, rope_desc,
     sm_scale_log2, S_Q, H, NUM_SPLITS,
@@ -211,8 +201,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    PDL: tl.constexpr = False, TMA: tl.constexpr = False, L2_AHEAD: tl.constexpr = 0, PROBE: tl.constexpr = False,
-    probe_ptr=None,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False, PROBE: tl.constexpr = False, probe_ptr=None,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -232,9 +221,6 @@ def _mla_decode_kernel(
     D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's
     causal limit are read through them (the pipeliner stages descriptor loads in shared memory; no masks), the
     rest with the masked pointer loads.
-    L2_AHEAD (TMA tiles of bf16 pages; 0: off): while tile i is read, the L2 is asked for tile i + L2_AHEAD (one bulk
-    L2 prefetch of its BLOCK_N contiguous rows, tiles within the chunk of page ids at hand; tiles 2 .. L2_AHEAD - 1
-    before the loop), so more of the split's bytes are on their way from HBM than the shared-memory buffers hold.
     PROBE (diagnostics, ``mla_decode.PROBE_BUFFER``): each program stores a timeline of int64 stamps at ``probe_ptr``
     + 16·(its linear id) (``timeline_stamp``: globaltimer ns and clock64 per slot; slot 7: its SM): 0 entry, 1 seq_len
     loaded, 2 the first chunk's page ids loaded, 3 the first tile's scores, 4 the TMA phase's loop done, 5 every tile
@@ -365,10 +351,6 @@ def _mla_decode_kernel(
     CHUNK_TOKENS: tl.constexpr = CHUNK_PAGES * PAGE_SIZE
     DESC_ON: tl.constexpr = TMA and ONE_PAGE
     NPHASE: tl.constexpr = 2 if DESC_ON else 1
-    # L2 prefetch: TMA tiles of bf16 pages (a tile is BLOCK_N whole rows of one page: contiguous bytes)
-    PF: tl.constexpr = L2_AHEAD > 2 and DESC_ON and SCALE_MODE == SCALE_NONE and not INTERPRET
-    if PF:
-        tile_bytes = BLOCK_N * stride_lat_row * 2
     if DESC_ON:  # tiles [start, full_end) are whole and visible to every query row (causal limit ≥ seq_len - S_Q + 1)
         full_end = start + tl.maximum(tl.minimum(end, seq_len - S_Q + 1) - start, 0) // BLOCK_N * BLOCK_N
     for phase in tl.static_range(NPHASE):
@@ -399,10 +381,6 @@ def _mla_decode_kernel(
                 chunk_pages = tl.load(bt_row + chunk_idx, mask=chunk_idx * PAGE_SIZE < hi, other=0)
                 if PROBE and phase == 0:
                     timeline_stamp(stamps, 2, tl.sum(chunk_pages), c == c_first)
-                if PF and phase == 0:  # the tiles between the pipeline's first loads and the loop's first prefetch
-                    for ahead in tl.static_range(2, L2_AHEAD):
-                        _l2_tile(c_lo + ahead * BLOCK_N, c_hi, c, chunk_pages, lat_ptr, stride_lat_page, stride_lat_row,
-                                 tile_bytes, PAGE_SIZE, CHUNK_PAGES)
             else:
                 c_lo = lo
                 c_hi = hi
@@ -429,9 +407,6 @@ def _mla_decode_kernel(
                                                                       stride_rope_row, stride_sc_page, stride_sc_row,
                                                                       PAGE_SIZE, BLOCK_N, False, page, ONE_PAGE)
                     if DESC_ON and phase == 0:  # two TMA block loads at row page·PAGE_SIZE + slot (no masks)
-                        if PF:
-                            _l2_tile(n0 + L2_AHEAD * BLOCK_N, c_hi, c, chunk_pages, lat_ptr, stride_lat_page,
-                                     stride_lat_row, tile_bytes, PAGE_SIZE, CHUNK_PAGES)
                         row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
                         k_raw = lat_desc.load([row0, 0])
                         # (WORDS: the descriptors count int32 words of the e4m3 bytes: the rope starts at D_LAT / 4)
