@@ -22,8 +22,6 @@ splits that ``a`` into its parts, on one GPU call:
   step takes and how far apart they finish;
 - ``groups``: interleaved rounds of ``mla_decode.HEAD_GROUPS`` 1, 2, 4 (each request's heads in that many
   programs over the same tiles, with fewer, longer KV splits);
-- ``chunked``: interleaved rounds of the BF16 launch through kernel_chunked.py against kernel.py's TMA path, with
-  fp8_e4m3 pages (the Gluon kernel) at the same shape;
 - ``pdl``: interleaved rounds of the launcher as it is against its decode and merge kernels launched with PDL
   (``_pdl.SKIP`` without them).
 """
@@ -273,66 +271,7 @@ def group_rounds(batch: int, ctx: int, groups, rounds: int, heads: int = HEADS) 
     return out
 
 
-def chunked_rounds(batch: int, ctx: int, rounds: int, heads: int = HEADS) -> dict:
-    """Interleaved rounds of the BF16 launch through kernel_chunked.py (``BF16_CHUNKED``) and through kernel.py's
-    TMA path, and of fp8_e4m3 pages (the Gluon kernel "auto" runs) at the same shape: input sets and graphs as in
-    ``sweep_mla_decode`` (enough sets to pass 3x L2, per format)."""
-    import mla_quant.kernels.mla_decode as md
-
-    from .bench_mla_decode import _row_bytes
-    from .common import L2_BYTES
-
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    pages = ctx // PAGE
-    fns, moved, splits = {}, {}, {}
-    for kind in ("bf16", "fp8_e4m3"):
-        n_sets = max(1, min(16, -(-3 * L2_BYTES // (batch * ctx * _row_bytes(kind)))))
-        kv, sc = _pool(kind, n_sets * batch * pages, "cuda")
-        perm = torch.randperm(n_sets * batch * pages, device="cuda").to(torch.int32)
-        sets = [(torch.randn(batch, 1, heads, D, device="cuda", dtype=torch.bfloat16),
-                 perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous())
-                for i in range(n_sets)]
-        moved[kind] = batch * ctx * _row_bytes(kind) + batch * heads * 2 * (D + D_LATENT)
-
-        def setting(kind=kind, kv=kv, sc=sc, sets=sets, chunked=True):
-            def call():
-                with module_attrs(md, {"BF16_CHUNKED": chunked}):
-                    out = [md.mla_decode(q, kv, sc, t, lens, SCALE, kind, D_LATENT, validate=False,
-                                         max_seq_len=ctx) for q, t in sets]
-                    splits[(kind, chunked)] = md.last_launch()
-                    return out
-            return call, len(sets)
-
-        if kind == "bf16":
-            fns["bf16_chunked"] = setting(chunked=True)
-            fns["bf16_kernel_py"] = setting(chunked=False)
-        else:
-            fns["fp8_e4m3"] = setting()
-    ref = fns["bf16_kernel_py"][0]()[0][0].float()
-    err = float((fns["bf16_chunked"][0]()[0][0].float() - ref).abs().max() / ref.abs().max())
-    out = {"batch": batch, "ctx": ctx, "heads": heads, "rel_err_chunked_vs_kernel_py": err}
-    # interleaved rounds, each setting with its own number of calls per graph (the sets differ per format)
-    from .common import _captured, round_orders
-
-    times = {name: [] for name in fns}
-    graphs = {name: (_captured(fn), reps) for name, (fn, reps) in fns.items()}
-    for order in round_orders(list(graphs), rounds):
-        for name in order:
-            g, reps = graphs[name]
-            times[name].append(median_us(g.replay, 10, 30) / reps)
-    for name, v in times.items():
-        t = statistics.median(v)
-        kind = "bf16" if name.startswith("bf16") else "fp8_e4m3"
-        out[name] = round(t, 2)
-        out[name + "_TBps"] = round(moved[kind] / t / 1e6, 3)
-    out["launch"] = {f"{k[0]}{'' if k[0] != 'bf16' else ('_chunked' if k[1] else '_kernel_py')}": v
-                     for k, v in splits.items()}
-    out["fp8_vs_bf16_chunked"] = round(out["fp8_e4m3"] / out["bf16_chunked"], 3)
-    out["fp8_vs_bf16_kernel_py"] = round(out["fp8_e4m3"] / out["bf16_kernel_py"], 3)
-    return out
-
-
-PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "groups", "chunked")
+PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "groups")
 
 
 def main() -> None:
@@ -376,14 +315,6 @@ def main() -> None:
                         (32, 16384, 16), (32, 4096, 8), (64, 4096, 8), (1, 4096, 16)):
             res["groups"].append(group_rounds(b, c, (1, 2, 4), args.rounds, h))
             print(json.dumps(res["groups"][-1]), flush=True)
-            torch.cuda.empty_cache()
-    if "chunked" in parts:
-        res["chunked"] = []
-        for b, c, h in ((32, 4096, 16), (16, 8192, 16), (8, 16384, 16), (64, 4096, 16), (128, 4096, 16),
-                        (32, 16384, 16), (64, 65536, 16), (32, 4096, 8), (64, 4096, 8), (1, 4096, 16),
-                        (1, 65536, 16), (8, 4096, 16)):
-            res["chunked"].append(chunked_rounds(b, c, args.rounds, h))
-            print(json.dumps(res["chunked"][-1]), flush=True)
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
