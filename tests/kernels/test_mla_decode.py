@@ -625,38 +625,6 @@ def test_tma_tiles_equal_pointer_loads_and_need_plain_pages(triton_backend, monk
     assert md._page_descriptors(data, "bf16", 128, 16, words=True) == (None, None)  # words: fp8_e4m3 only
 
 
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(data=st.data(), s_q=st.integers(1, 3), heads=st.sampled_from([1, 4, 5]), splits=st.integers(1, 4))
-def test_chunked_kernel_matches_reference(triton_backend, data, s_q, heads, splits):
-    """kernel_chunked.py (the BF16 TMA launch: four latent column chunks, tail tiles by masked pointer loads) on
-    ragged lengths that end inside pages, shared prefixes, shuffled tables, NaN in every unused slot and in the
-    outputs, several query tokens (causal rows), 1-4 splits merged by the launcher's merge: the reference's
-    result within bf16 rounding, every output written."""
-    import mla_quant.kernels.mla_decode as md
-
-    if heads * s_q > 16:
-        heads = 16 // s_q
-    args, q, stored, out, lse = _drawn_case(data, triton_backend, ("bf16", None), 16, s_q, heads, torch.bfloat16,
-                                            max_requests=3, max_len=70, d_latent=64, d_rope=16)
-    q_, kv, _, table, seq_lens, scale, _, d_latent = args
-    bsz = q_.shape[0]
-    if splits > 1:
-        o_dst = poisoned_empty((bsz, splits, s_q * heads, d_latent), device=triton_backend)
-        l_dst = poisoned_empty((bsz, splits, s_q * heads), device=triton_backend)
-    else:
-        o_dst, l_dst = out, lse
-    md._launch_chunked(q_, kv, table, seq_lens, o_dst, l_dst, scale, d_latent, splits,
-                       dict(BLOCK_N=16, num_warps=4, num_stages=2))
-    if splits > 1:
-        md.combine_splits(o_dst, l_dst, out, lse)
-    assert_all_written(out, "out")
-    assert_all_written(lse, "lse")
-    o_r, lse_r = mla_decode_reference(*args)
-    assert rel_err(out.float().cpu(), o_r.float().cpu()) < 1e-2
-    assert torch.allclose(lse.cpu(), lse_r.cpu(), atol=1e-3)
-
-
 def test_tma_launch_plans_one_program_per_sm():
     """The launcher's TMA_CONFIG (one program per SM) plans its KV splits for one program per SM: 16 heads x
     batch 64 x 4k on 132 SMs takes 2 splits (128 programs) where the autotuned kernel's 2 per SM take 4."""
@@ -749,28 +717,6 @@ def test_tma_and_multi_buffered_tiles_match_reference_gpu(kind, tensor_scale, he
                 assert rel_err(out.float(), o_ref.float()) < 1e-2, (dequant, cfg, splits)
                 assert rel_err(out.float(), base) < 1e-2, (dequant, cfg, splits)
                 assert torch.allclose(lse, lse_ref, atol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads, s_q, lengths", [(16, 1, [1, 63, 1000, 4097, 64 * 37]), (8, 2, [3, 130, 2049]),
-                                                 (5, 3, [4, 64, 700])])
-def test_chunked_kernel_matches_old_tma_path_gpu(heads, s_q, lengths, monkeypatch):
-    """The BF16 TMA launch through kernel_chunked.py against kernel.py's TMA path (BF16_CHUNKED off) and the
-    reference, real dims, NaN in every unused slot, splits by the launcher and forced; the launch is the chunked
-    one (last_launch names it)."""
-    import mla_quant.kernels.mla_decode as md
-
-    args = _real_dim_args("bf16", None, heads, s_q, lengths, seed=5)
-    o_ref, lse_ref = mla_decode_reference(*args)
-    for splits in (None, 1, 3, 9):
-        out, lse = mla_decode(*args, num_splits=splits)
-        assert md.last_launch()[1].endswith("-chunked")
-        monkeypatch.setattr(md, "BF16_CHUNKED", False)
-        o_old, lse_old = mla_decode(*args, num_splits=splits)
-        monkeypatch.setattr(md, "BF16_CHUNKED", True)
-        assert_all_written(out, "out")
-        assert rel_err(out.float(), o_ref.float()) < 1e-2 and torch.allclose(lse, lse_ref, atol=2e-2), splits
-        assert rel_err(out.float(), o_old.float()) < 1e-2 and torch.allclose(lse, lse_old, atol=1e-3), splits
 
 
 @pytest.mark.gpu

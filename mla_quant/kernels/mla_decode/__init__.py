@@ -53,9 +53,6 @@ TMA_LAUNCH = True
 # TMA_CONFIG launches: each request's query rows in this many programs (kernel.py, M_GROUP) reading the same tiles,
 # with the KV split planned for that many work items per request (fewer, longer splits)
 HEAD_GROUPS = 1
-# TMA_CONFIG launches of bf16 pages run kernel_chunked.py (the latent in four column chunks: five independent score-dot
-# chains per tile instead of one) instead of kernel.py's TMA path
-BF16_CHUNKED = True
 # fp8_e4m3 pages read by the bitcast (fp8_dequant="bitcast", which "auto" takes where this applies), bf16 queries,
 # ≤ 16 query rows: the launcher runs FP8_TMA_CONFIG (the int32 words of whole 32-token tiles staged by TMA, two in
 # flight; 231 registers, 89 KB: two programs per SM). H200, 16 heads, session 12 (bench mla_decode of 825d320, the
@@ -341,15 +338,6 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
                          "(row stride, page stride, offset)")
     split = num_splits > 1
     o_dst, lse_dst = _split_outputs(num_splits, bsz, m_rows, d_latent, out, lse)
-    global _LAST_LAUNCH
-    if (BF16_CHUNKED and tma_launch is not None and kind == "bf16" and groups == 1 and d_latent >= 64
-            and PROBE_BUFFER is None):
-        _launch_chunked(q, kv_data, block_table, seq_lens, o_dst, lse_dst, softmax_scale, d_latent, num_splits,
-                        config)
-        _LAST_LAUNCH = (num_splits, _config_name(config) + "-chunked")
-        if split:
-            combine_splits(o_dst, lse_dst, out, lse, combine)
-        return out, lse
     descs = (None, None)
     if config is not None and config.get("TMA"):
         descs = _page_descriptors(kv_data, kind, d_latent, config["BLOCK_N"], words=fp8_bitcast)
@@ -374,6 +362,7 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
 
     if config is None and interpreted:
         config = dict(BLOCK_M=_block_m(m_rows), BLOCK_N=16, QK_SPLIT_LOAD=False)
+    global _LAST_LAUNCH
     if config is not None:
         _check_config(config)
         _mla_decode_kernel[grid](*args, **meta, **config)
@@ -384,27 +373,6 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if split:
         combine_splits(o_dst, lse_dst, out, lse, combine)
     return out, lse
-
-
-def _launch_chunked(q, kv_data, block_table, seq_lens, o_dst, lse_dst, softmax_scale, d_latent, num_splits, config):
-    """The BF16 TMA launch through kernel_chunked.py (``BF16_CHUNKED``): TMA_CONFIG's tiles, warps and stages, the
-    latent read as four column chunks."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from .kernel_chunked import _mla_decode_chunked_kernel
-
-    bsz, s_q, heads, d = q.shape
-    pages, page_size, width = kv_data.shape
-    block_n = config["BLOCK_N"]
-    shape, strides = [pages * page_size, width], [kv_data.stride(1), 1]
-    lat_desc = TensorDescriptor(kv_data, shape, strides, [block_n, d_latent // 4])
-    rope_desc = TensorDescriptor(kv_data, shape, strides, [block_n, d - d_latent])
-    _mla_decode_chunked_kernel[(num_splits, bsz)](
-        q, kv_data, block_table, seq_lens, o_dst, lse_dst, lat_desc, rope_desc, softmax_scale * math.log2(math.e),
-        s_q, heads, num_splits, q.stride(0), q.stride(1), q.stride(2), kv_data.stride(0), kv_data.stride(1),
-        block_table.stride(0),
-        D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SPLIT_OUT=num_splits > 1, BLOCK_N=block_n,
-        INTERPRET=triton_interpreted(), num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_launch(q.device, "mla_decode"))
 
 
 # fp8_dequant="gluon" (kernel_gluon.py): 64-token tiles, a ring of GLUON_STAGES TMA slots (37 KB each)
