@@ -20,8 +20,6 @@ splits that ``a`` into its parts, on one GPU call:
   entry, seq_len loaded, page ids loaded, first tile scored, loop done, outputs stored; kernel.py ``PROBE``), as
   percentiles over the programs of eager calls after an L2 flush: how long the programs wait to start, how long each
   step takes and how far apart they finish;
-- ``groups``: interleaved rounds of ``mla_decode.HEAD_GROUPS`` 1, 2, 4 (each request's heads in that many
-  programs over the same tiles, with fewer, longer KV splits);
 - ``pdl``: interleaved rounds of the launcher as it is against its decode and merge kernels launched with PDL
   (``_pdl.SKIP`` without them).
 """
@@ -231,47 +229,7 @@ def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
     return {k: (round(statistics.median(v), 2) if isinstance(v, list) else v) for k, v in res.items()}
 
 
-def group_rounds(batch: int, ctx: int, groups, rounds: int, heads: int = HEADS) -> dict:
-    """Interleaved rounds of ``mla_decode.HEAD_GROUPS`` settings on BF16 pages (input sets and graphs as in
-    ``sweep_mla_decode``: enough sets to pass 3x L2), each setting's output compared with one group's."""
-    import mla_quant.kernels.mla_decode as md
-
-    from .bench_mla_decode import _row_bytes
-    from .common import L2_BYTES
-
-    n_sets = max(1, min(16, -(-3 * L2_BYTES // (batch * ctx * _row_bytes("bf16")))))
-    kv, _ = _pool("bf16", n_sets * batch * ctx // PAGE, "cuda")
-    pages = ctx // PAGE
-    perm = torch.randperm(n_sets * batch * pages, device="cuda").to(torch.int32)
-    sets = [(torch.randn(batch, 1, heads, D, device="cuda", dtype=torch.bfloat16),
-             perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous()) for i in range(n_sets)]
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    splits = {}
-
-    def setting(g):
-        def call():
-            with module_attrs(md, {"HEAD_GROUPS": g}):
-                out = [md.mla_decode(q, kv, None, t, lens, SCALE, "bf16", D_LATENT, validate=False,
-                                     max_seq_len=ctx) for q, t in sets]
-                splits[g] = md.last_launch()[0]
-                return out
-        return call
-
-    fns = {f"groups={g}": setting(g) for g in groups}
-    ref = fns["groups=1"]()[0][0].float()
-    err = {k: float((f()[0][0].float() - ref).abs().max() / ref.abs().max()) for k, f in fns.items()}
-    res = interleaved_graph_us(fns, reps=len(sets), rounds=rounds)
-    moved = batch * ctx * _row_bytes("bf16") + batch * heads * 2 * (D + D_LATENT)
-    out = {"batch": batch, "ctx": ctx, "heads": heads, "sets": len(sets), "rel_err_vs_one_group": err,
-           "splits": {f"groups={g}": splits.get(g) for g in groups}}
-    for k, v in res.items():
-        out[k] = round(statistics.median(v), 2) if isinstance(v, list) else v
-        if isinstance(v, list):
-            out[k + "_TBps"] = round(moved / statistics.median(v) / 1e6, 3)
-    return out
-
-
-PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "groups")
+PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl")
 
 
 def main() -> None:
@@ -309,13 +267,6 @@ def main() -> None:
         res["pdl"] = {f"{k}_{b}x{c}": pdl_rounds(k, b, c, args.rounds) for k, b, c in
                       (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 64, 4096))}
         print(json.dumps(res["pdl"]), flush=True)
-    if "groups" in parts:
-        res["groups"] = []
-        for b, c, h in ((32, 4096, 16), (16, 8192, 16), (8, 16384, 16), (64, 4096, 16), (128, 4096, 16),
-                        (32, 16384, 16), (32, 4096, 8), (64, 4096, 8), (1, 4096, 16)):
-            res["groups"].append(group_rounds(b, c, (1, 2, 4), args.rounds, h))
-            print(json.dumps(res["groups"][-1]), flush=True)
-            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -50,9 +50,6 @@ COMBINES = ("auto", "rows", "tiles")  # mla_decode(combine=...): the kernel that
 # the autotuner as before (sweeps).
 TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, QK_SPLIT_LOAD=False, TMA=True, num_warps=8, num_stages=3)
 TMA_LAUNCH = True
-# TMA_CONFIG launches: each request's query rows in this many programs (kernel.py, M_GROUP) reading the same tiles,
-# with the KV split planned for that many work items per request (fewer, longer splits)
-HEAD_GROUPS = 1
 # fp8_e4m3 pages read by the bitcast (fp8_dequant="bitcast", which "auto" takes where this applies), bf16 queries,
 # ≤ 16 query rows: the launcher runs FP8_TMA_CONFIG (the int32 words of whole 32-token tiles staged by TMA, two in
 # flight; 231 registers, 89 KB: two programs per SM). H200, 16 heads, session 12 (bench mla_decode of 825d320, the
@@ -324,13 +321,9 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
     if tma_launch is not None:
         config = tma_launch[0]
     per_sm = tma_launch[1] if tma_launch is not None else None
-    # (the TMA launch's BLOCK_M and the interpreter's cover the request's rows, so a group of them fits one block)
-    groups = HEAD_GROUPS if kind == "bf16" and (tma_launch is not None or interpreted and config is None) else 1
-    m_group = cdiv(m_rows, groups) if groups > 1 else 0
     num_splits = _checked_splits(
         num_splits, q, block_table, page_size, max_seq_len, 4 if interpreted else None,
-        lambda b, s, h, n, sms: plan_num_splits(b * groups, s, h, n, kind, d_latent, d - d_latent, sms,
-                                                per_sm=per_sm))
+        lambda b, s, h, n, sms: plan_num_splits(b, s, h, n, kind, d_latent, d - d_latent, sms, per_sm=per_sm))
 
     lat, rope, sc, (sc_page, sc_row) = _page_views(kv_data, kv_scales, kind, d_latent)
     if fp8_bitcast and not _word_aligned(kv_data):
@@ -349,16 +342,16 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
             block_table.stride(0))
     meta = dict(D_LAT=d_latent, D_ROPE=d - d_latent, PAGE_SIZE=page_size, SCALE_MODE=_scale_mode(kind, kv_scales),
                 TILE=DS_MLA_TILE, SPLIT_OUT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma, M_GROUP=m_group,
+                INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
                 **pdl_launch(q.device, "mla_decode"))
     if PROBE_BUFFER is not None and not interpreted:  # diagnostics: each program's timeline (kernel.py, PROBE)
-        grid_size = cdiv(m_rows, m_group or (config or {}).get("BLOCK_M", 16)) * num_splits * bsz
+        grid_size = cdiv(m_rows, (config or {}).get("BLOCK_M", 16)) * num_splits * bsz
         if PROBE_BUFFER.numel() < 16 * grid_size or PROBE_BUFFER.dtype != torch.int64:
             raise ValueError(f"PROBE_BUFFER: needs ≥ {16 * grid_size} int64 values for this launch")
         meta.update(PROBE=True, probe_ptr=PROBE_BUFFER)
 
     def grid(m):
-        return (cdiv(m_rows, m_group or m["BLOCK_M"]), num_splits, bsz)
+        return (cdiv(m_rows, m["BLOCK_M"]), num_splits, bsz)
 
     if config is None and interpreted:
         config = dict(BLOCK_M=_block_m(m_rows), BLOCK_N=16, QK_SPLIT_LOAD=False)

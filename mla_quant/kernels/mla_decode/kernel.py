@@ -201,8 +201,7 @@ def _mla_decode_kernel(
     TILE: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SPLIT_LOAD: tl.constexpr, FP8_BITCAST: tl.constexpr = False,
     F16_DOTS: tl.constexpr = False, PREFETCH: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    PDL: tl.constexpr = False, TMA: tl.constexpr = False, M_GROUP: tl.constexpr = 0, PROBE: tl.constexpr = False,
-    probe_ptr=None,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False, PROBE: tl.constexpr = False, probe_ptr=None,
 ):
     """QK_SPLIT_LOAD: load the tile a second time, transposed, for the score dot (more L2 traffic, fewer
     registers when FP8 tiles are converted for two dots); otherwise one load feeds both dots.
@@ -222,10 +221,6 @@ def _mla_decode_kernel(
     D_LAT/4] / [BLOCK_N, D_ROPE/4], the words the bit trick converts). The split's full tiles below every row's
     causal limit are read through them (the pipeliner stages descriptor loads in shared memory; no masks), the
     rest with the masked pointer loads.
-    M_GROUP (0: BLOCK_M): query rows per program, ≤ BLOCK_M (the rest of the block masked): with fewer rows than a
-    request has, its head groups run as separate programs over the same KV tiles (the launcher's ``HEAD_GROUPS``),
-    which lets each program read a longer split; the second read of a tile comes from the L2 when the programs of a
-    request run side by side.
     PROBE (diagnostics, ``mla_decode.PROBE_BUFFER``): each program stores a timeline of int64 stamps at ``probe_ptr``
     + 16·(its linear id) (``timeline_stamp``: globaltimer ns and clock64 per slot; slot 7: its SM): 0 entry, 1 seq_len
     loaded, 2 the first chunk's page ids loaded, 3 the first tile's scores, 4 the TMA phase's loop done, 5 every tile
@@ -237,9 +232,8 @@ def _mla_decode_kernel(
     grid_dependency_sync(PDL)
     M = S_Q * H
     # query rows of this program: row = s·H + h over the S_Q speculative tokens and H heads
-    ROWS: tl.constexpr = BLOCK_M if M_GROUP == 0 else M_GROUP
-    rows = pid_m * ROWS + tl.arange(0, BLOCK_M)
-    row_ok = (rows < M) & (tl.arange(0, BLOCK_M) < ROWS)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
     s_idx = rows // H
     h_idx = rows % H
     d_lat = tl.arange(0, D_LAT)
