@@ -17,7 +17,9 @@ longest branch span also covers the TMA warp's waits), per attention warp and 64
 ``--buffers`` prints instead (JSON) how many shared-memory buffers Triton's pipeliner gives the latent tile of
 a few bf16 configurations (``BUFFER_CASES``, TTGIR ``memdesc<N x BLOCK_N x 512>``): ``num_stages - 1`` since the
 block table is read per chunk of tiles, one whatever ``num_stages`` while the page lookup sat in the tile loop
-(docs/mla.md, "Tile pipelining and TMA tiles"). A test runs it.
+(docs/mla.md, "Tile pipelining and TMA tiles"); ``tma_config_probe`` is TMA_CONFIG with the timeline stamps on
+(``mla_decode.PROBE_BUFFER``), which must keep the same buffers, and ``probe_stamps`` counts its ``%globaltimer``
+reads in the PTX. A test runs it.
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ BUFFER_CASES = {
 
 def tile_buffers() -> dict[str, list[int]]:
     """{case: the buffer counts of the latent tile's shared-memory allocations in its sm_90 TTGIR} (one entry per
-    tile loop: the TMA config has a TMA loop and a pointer-load loop for the masked tail)."""
+    tile loop: the TMA config has a TMA loop and a pointer-load loop for the masked tail), and ``probe_stamps``."""
     out = {}
     with collect_compiled(("_mla_decode_kernel",)) as (log, compiled):
+        import mla_quant.kernels.mla_decode as md
         from mla_quant.kernels.mla_decode import TMA_CONFIG, mla_decode
 
         table, lens = cc._table([100, 200])
@@ -63,6 +66,15 @@ def tile_buffers() -> dict[str, list[int]]:
             ttgir = "".join(kernel.asm["ttgir"] for _, _, kernel in compiled[start:])
             tile_alloc = rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x{cc.D_LATENT}x"
             out[name] = sorted(int(n) for n in re.findall(tile_alloc, ttgir))
+        start = len(compiled)
+        md.PROBE_BUFFER = torch.zeros(16 * 64, dtype=torch.int64)
+        try:
+            mla_decode(q, data, scales, table, lens, 0.1, "bf16", cc.D_LATENT, num_splits=2, config=TMA_CONFIG)
+        finally:
+            md.PROBE_BUFFER = None
+        ttgir = "".join(kernel.asm["ttgir"] for _, _, kernel in compiled[start:])
+        out["tma_config_probe"] = sorted(int(n) for n in re.findall(tile_alloc, ttgir))
+        out["probe_stamps"] = sum(kernel.asm["ptx"].count("%globaltimer") for _, _, kernel in compiled[start:])
         if log.errors:
             raise RuntimeError(log.errors[0])
     return out

@@ -57,7 +57,8 @@ def test_compiles_topk_and_kv_append_for_sm90():
 def test_mla_decode_tiles_get_num_stages_minus_one_buffers_on_sm90():
     """Compiled for sm_90 (fake Hopper, a subprocess): the bf16 decode's latent tile gets num_stages - 1 shared-memory
     buffers — the guard on the block table read per chunk of tiles (a page lookup back in the tile loop makes the
-    pipeliner keep one, whatever num_stages says) — and TMA_CONFIG's TMA and tail loops two each."""
+    pipeliner keep one, whatever num_stages says) — and TMA_CONFIG's TMA and tail loops two each, also with the
+    diagnostic timeline stamps on (PROBE: at least one %globaltimer read per stamp)."""
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -65,7 +66,10 @@ def test_mla_decode_tiles_get_num_stages_minus_one_buffers_on_sm90():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {"tma_config": [2, 2], "m16n32w8s3": [2], "m16n32w8s4": [3], "m16n64w8s2": [1]}, got
+    stamps = got.pop("probe_stamps")
+    assert got == {"tma_config": [2, 2], "m16n32w8s3": [2], "m16n32w8s4": [3], "m16n64w8s2": [1],
+                   "tma_config_probe": [2, 2]}, got
+    assert stamps >= 7, stamps
 
 
 def test_fragment_kernel_mma_operands_hold_one_element_per_thread_on_sm90():

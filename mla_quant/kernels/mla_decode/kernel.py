@@ -366,9 +366,10 @@ def _mla_decode_kernel(
         # one page per tile: the chunk's page ids are loaded before its tile loop, so no load feeds the tiles'
         # addresses inside the loop and the pipeliner can issue the tile loads num_stages - 1 iterations ahead
         # (with a block-table load in the loop it issues each tile's load one iteration ahead, into one buffer)
-        if ONE_PAGE:  # (an empty phase runs no chunk: its page-id load cost 1.6 µs at the end of the programs whose
-            # split ends inside a chunk, H200 timeline probe)
+        if ONE_PAGE:
             c_first = lo // CHUNK_TOKENS
+            # an empty phase runs no chunk (its page-id load took 1.6 µs at the end of the programs whose split ends
+            # inside a chunk: H200 timelines, docs/mla.md "Where the fixed cost of a short decode goes")
             c_last = tl.where(hi > lo, tl.cdiv(hi, CHUNK_TOKENS), c_first)
         else:
             c_first = 0
