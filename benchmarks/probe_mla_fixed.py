@@ -20,6 +20,7 @@ splits that ``a`` into its parts, on one GPU call:
   entry, seq_len loaded, page ids loaded, first tile scored, loop done, outputs stored; kernel.py ``PROBE``), as
   percentiles over the programs of eager calls after an L2 flush: how long the programs wait to start, how long each
   step takes and how far apart they finish;
+- ``warps``: interleaved rounds of ``TMA_CONFIG`` with 16 warps against the launcher's 8;
 - ``pdl``: interleaved rounds of the launcher as it is against its decode and merge kernels launched with PDL
   (``_pdl.SKIP`` without them).
 """
@@ -231,7 +232,43 @@ def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
     return {k: (round(statistics.median(v), 2) if isinstance(v, list) else v) for k, v in res.items()}
 
 
-PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl")
+def config_rounds(batch: int, ctx: int, configs: dict, rounds: int, heads: int = HEADS) -> dict:
+    """Interleaved rounds of ``mla_decode.TMA_CONFIG`` variants (name -> overrides) on BF16 pages, input sets and
+    graphs as in ``sweep_mla_decode``; each variant's output compared with the launcher's."""
+    import mla_quant.kernels.mla_decode as md
+
+    from .bench_mla_decode import _row_bytes
+    from .common import L2_BYTES
+
+    n_sets = max(1, min(16, -(-3 * L2_BYTES // (batch * ctx * _row_bytes("bf16")))))
+    pages = ctx // PAGE
+    kv, _ = _pool("bf16", n_sets * batch * pages, "cuda")
+    perm = torch.randperm(n_sets * batch * pages, device="cuda").to(torch.int32)
+    sets = [(torch.randn(batch, 1, heads, D, device="cuda", dtype=torch.bfloat16),
+             perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous()) for i in range(n_sets)]
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+    def setting(over):
+        def call():
+            with module_attrs(md, {"TMA_CONFIG": {**md.TMA_CONFIG, **over}}):
+                return [md.mla_decode(q, kv, None, t, lens, SCALE, "bf16", D_LATENT, validate=False,
+                                      max_seq_len=ctx) for q, t in sets]
+        return call
+
+    fns = {"launcher": setting({}), **{name: setting(over) for name, over in configs.items()}}
+    ref = fns["launcher"]()[0][0].float()
+    err = {k: float((f()[0][0].float() - ref).abs().max() / ref.abs().max()) for k, f in fns.items()}
+    res = interleaved_graph_us(fns, reps=len(sets), rounds=rounds)
+    moved = batch * ctx * _row_bytes("bf16") + batch * heads * 2 * (D + D_LATENT)
+    out = {"batch": batch, "ctx": ctx, "heads": heads, "sets": len(sets), "rel_err_vs_launcher": err}
+    for k, v in res.items():
+        out[k] = round(statistics.median(v), 2) if isinstance(v, list) else v
+        if isinstance(v, list):
+            out[k + "_TBps"] = round(moved / statistics.median(v) / 1e6, 3)
+    return out
+
+
+PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "warps")
 
 
 def main() -> None:
@@ -269,6 +306,12 @@ def main() -> None:
         res["pdl"] = {f"{k}_{b}x{c}": pdl_rounds(k, b, c, args.rounds) for k, b, c in
                       (("bf16", 32, 4096), ("fp8_e4m3", 32, 4096), ("bf16", 64, 4096))}
         print(json.dumps(res["pdl"]), flush=True)
+    if "warps" in parts:  # TMA_CONFIG with 16 warps (128 registers, 212 B of spills at sm_90) against 8
+        res["warps"] = []
+        for b, c in ((32, 4096), (16, 8192), (64, 4096), (128, 4096), (64, 65536), (1, 4096)):
+            res["warps"].append(config_rounds(b, c, {"w16": {"num_warps": 16}}, args.rounds))
+            print(json.dumps(res["warps"][-1]), flush=True)
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 
