@@ -21,7 +21,6 @@ splits that ``a`` into its parts, on one GPU call:
   percentiles over the programs of eager calls after an L2 flush: how long the programs wait to start, how long each
   step takes and how far apart they finish;
 - ``warps``: interleaved rounds of ``TMA_CONFIG`` with 16 warps against the launcher's 8;
-- ``partials``: interleaved rounds of fp32 and bf16 split partials (``PARTIAL_DTYPE``), BF16 and fp8_e4m3 pages;
 - ``pdl``: interleaved rounds of the launcher as it is against its decode and merge kernels launched with PDL
   (``_pdl.SKIP`` without them).
 """
@@ -269,47 +268,7 @@ def config_rounds(batch: int, ctx: int, configs: dict, rounds: int, heads: int =
     return out
 
 
-def partial_rounds(batch: int, ctx: int, rounds: int, heads: int = HEADS) -> dict:
-    """Interleaved rounds of the split partials in fp32 (``PARTIAL_DTYPE``, the default) and in bf16, for BF16 pages
-    and fp8_e4m3 pages (the Gluon kernel) at one shape, input sets and graphs as in ``sweep_mla_decode``."""
-    import mla_quant.kernels.mla_decode as md
-
-    from .bench_mla_decode import _row_bytes
-    from .common import L2_BYTES, _captured, round_orders
-
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    pages = ctx // PAGE
-    graphs, outs = {}, {}
-    for kind in ("bf16", "fp8_e4m3"):
-        n_sets = max(1, min(16, -(-3 * L2_BYTES // (batch * ctx * _row_bytes(kind)))))
-        kv, sc = _pool(kind, n_sets * batch * pages, "cuda")
-        perm = torch.randperm(n_sets * batch * pages, device="cuda").to(torch.int32)
-        sets = [(torch.randn(batch, 1, heads, D, device="cuda", dtype=torch.bfloat16),
-                 perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous())
-                for i in range(n_sets)]
-        for dt in (torch.float32, torch.bfloat16):
-            def call(kind=kind, kv=kv, sc=sc, sets=sets, dt=dt):
-                with module_attrs(md, {"PARTIAL_DTYPE": dt}):
-                    return [md.mla_decode(q, kv, sc, t, lens, SCALE, kind, D_LATENT, validate=False,
-                                          max_seq_len=ctx) for q, t in sets]
-            name = f"{kind}_{str(dt).split('.')[-1]}"
-            outs[name] = call()[0][0].float()
-            graphs[name] = (_captured(call), len(sets))
-    times = {name: [] for name in graphs}
-    for order in round_orders(list(graphs), rounds):
-        for name in order:
-            g, reps = graphs[name]
-            times[name].append(median_us(g.replay, 10, 30) / reps)
-    out = {"batch": batch, "ctx": ctx, "heads": heads,
-           "rel_err_bf16_partials": {k: float((outs[f"{k}_bfloat16"] - outs[f"{k}_float32"]).abs().max()
-                                              / outs[f"{k}_float32"].abs().max()) for k in ("bf16", "fp8_e4m3")}}
-    out.update({k: round(statistics.median(v), 2) for k, v in times.items()})
-    out["fp8_vs_bf16_fp32_partials"] = round(out["fp8_e4m3_float32"] / out["bf16_float32"], 3)
-    out["fp8_vs_bf16_bf16_partials"] = round(out["fp8_e4m3_bfloat16"] / out["bf16_bfloat16"], 3)
-    return out
-
-
-PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "warps", "partials")
+PARTS = ("ceilings", "shapes", "timeline", "tiles", "pdl", "warps")
 
 
 def main() -> None:
@@ -352,12 +311,6 @@ def main() -> None:
         for b, c in ((32, 4096), (16, 8192), (64, 4096), (128, 4096), (64, 65536), (1, 4096)):
             res["warps"].append(config_rounds(b, c, {"w16": {"num_warps": 16}}, args.rounds))
             print(json.dumps(res["warps"][-1]), flush=True)
-            torch.cuda.empty_cache()
-    if "partials" in parts:
-        res["partials"] = []
-        for b, c in ((32, 4096), (16, 8192), (8, 16384), (64, 4096)):
-            res["partials"].append(partial_rounds(b, c, args.rounds))
-            print(json.dumps(res["partials"][-1]), flush=True)
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
