@@ -1,6 +1,9 @@
 """Probe: where the fixed cost of a short MLA decode goes (issue #3: 16 heads, batch 32 × 4k).
 
-    python -m benchmarks.probe_mla_fixed [--out probe_mla_fixed.json] [--rounds 5]
+    python -m benchmarks.probe_mla_fixed [--out probe_mla_fixed.json] [--rounds 5] [--parts timeline,tiles]
+
+Parts (``--parts``, comma-separated; default all): ceilings (``floor`` and ``copy`` below), shapes, tiles, timeline,
+warps, pdl. Findings: docs/mla.md "Where the fixed cost of a short decode goes"; results/probe_mla_fixed_h200.json.
 
 A bench ``mla_decode`` row at 16 heads × batch 32 × 4k (151 MB of BF16 pages) reads ~51 µs where the pages alone
 take ~36 µs at the copy rate, and the split decode's time fits ``a + b·tiles`` with ``a`` ≈ 14-17 µs. This probe
@@ -8,8 +11,8 @@ splits that ``a`` into its parts, on one GPU call:
 
 - ``floor``: a CUDA graph of one (two) tiny kernels, timed as the bench times a decode (do_bench median, L2 flushed
   between replays): what the measurement itself adds to any graph;
-- ``copy``: ``dst.copy_(src)`` at the decode's page bytes (read + written), in a graph: the copy rate at this size
-  against the 1 GiB ceiling;
+- ``copy``: ``dst.copy_(src)`` at the decode's page bytes (read + written), timed eagerly as the bench's ceiling is:
+  the copy rate at this size against the 1 GiB ceiling;
 - per shape (BF16 pages and the Gluon kernel's fp8_e4m3 pages): the bench's time (one call per graph), the time
   per call of a graph of four calls over distinct pages, and a profiler trace of the one-call graph (each kernel's
   duration, the gap between the decode and merge kernels, the span from the first kernel's start to the last one's
