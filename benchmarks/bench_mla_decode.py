@@ -64,11 +64,16 @@ def _row_bytes(kind: str) -> int:
     return KVFormat(kind).bytes_per_token(D_LATENT, D_ROPE)
 
 
-def _input_sets(batch: int, ctx: int, heads: int, kind: str, num_pages: int, dev: str):
-    """Block tables over distinct pages of the pool (and queries), enough that one pass exceeds 3× L2."""
+def rotation_sets(batch: int, ctx: int, kind: str) -> int:
+    """Input sets a timed graph rotates over so that one pass reads more than 3× L2 (at most 16)."""
+    return max(1, min(16, math.ceil(3 * L2_BYTES / (batch * ctx * _row_bytes(kind)))))
+
+
+def _input_sets(batch: int, ctx: int, heads: int, kind: str, num_pages: int, dev: str, n_sets: int | None = None):
+    """Block tables over distinct pages of the pool (and queries): ``n_sets`` of them, by default enough that one
+    pass exceeds 3× L2 (:func:`rotation_sets`), at most as many as the pool holds."""
     pages = ctx // PAGE
-    case_bytes = batch * ctx * _row_bytes(kind)
-    n_sets = max(1, min(16, math.ceil(3 * L2_BYTES / case_bytes), num_pages // (batch * pages)))
+    n_sets = max(1, min(n_sets or rotation_sets(batch, ctx, kind), num_pages // (batch * pages)))
     perm = torch.randperm(num_pages, device=dev).to(torch.int32)
     sets = []
     for i in range(n_sets):

@@ -37,7 +37,8 @@ import tempfile
 
 import torch
 
-from .common import graph_us, interleaved_graph_us, median_us, module_attrs, random_kv_pool
+from .bench_mla_decode import _input_sets, _row_bytes, rotation_sets
+from .common import _captured, graph_us, interleaved_graph_us, median_us, module_attrs, random_kv_pool
 
 HEADS, D, D_LATENT, PAGE, SCALE = 16, 576, 512, 64, 0.1447
 FLUSH = 256 * 2**20
@@ -47,23 +48,21 @@ def _pool(kind, pages, dev):
     return random_kv_pool(kind, pages, PAGE, D_LATENT, D - D_LATENT, dev)
 
 
-def _sets(batch, ctx, n_sets, dev):
+def _sets(batch, ctx, n_sets, dev, heads=HEADS):
     """``n_sets`` (q, block table) over distinct pages of one pool of ``n_sets·batch·ctx/PAGE`` pages."""
-    pages = ctx // PAGE
-    perm = torch.randperm(n_sets * batch * pages, device=dev).to(torch.int32)
-    return [(torch.randn(batch, 1, HEADS, D, device=dev, dtype=torch.bfloat16),
-             perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous()) for i in range(n_sets)]
+    return _input_sets(batch, ctx, heads, "bf16", n_sets * batch * ctx // PAGE, dev, n_sets=n_sets)
+
+
+def _medians(rounds: dict) -> dict:
+    """``interleaved_graph_us``'s rounds -> the median µs per setting (a setting's error message as it is)."""
+    return {k: round(statistics.median(v), 2) if isinstance(v, list) else v for k, v in rounds.items()}
 
 
 def trace(fn, reps: int = 30) -> dict:
     """Kernel durations of ``fn`` replayed from a CUDA graph ``reps`` times (L2 flushed before each replay), from
     the profiler's trace: mean µs per kernel name, the mean gap between consecutive kernels of a replay and the mean
     span from its first kernel's start to its last one's end."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = _captured(fn)
     flush = torch.empty(FLUSH, dtype=torch.int8, device="cuda")
     for _ in range(3):
         flush.zero_()
@@ -132,8 +131,7 @@ def shape_probe(kind: str, batch: int, ctx: int, dev: str = "cuda") -> dict:
     one = graph_us(lambda: call(*sets[0]))[0]
     splits, config = last_launch() if kind == "bf16" else (None, "gluon")
     four = graph_us(lambda: [call(q, t) for q, t in sets], 4)[0]
-    row_bytes = 2 * D if kind == "bf16" else D + 4
-    page_bytes = batch * ctx * row_bytes
+    page_bytes = batch * ctx * _row_bytes(kind)
     out = {"kind": kind, "batch": batch, "ctx": ctx, "splits": splits, "config": config,
            "page_mb": round(page_bytes / 1e6, 1), "one_call_graph_us": round(one, 2),
            "four_call_graph_us_per_call": round(four, 2), "trace": trace(lambda: call(*sets[0]))}
@@ -170,13 +168,14 @@ def _pct(xs, qs=(0, 50, 90, 100)) -> dict:
     return {f"p{q}": round(xs[min(len(xs) - 1, q * len(xs) // 100)], 2) for q in qs}
 
 
-def timeline(kind: str, batch: int, ctx: int, calls: int = 10, num_splits: int | None = None) -> dict:
-    """Per-program timelines of the Triton decode kernel (bf16 pages: TMA_CONFIG) over ``calls`` eager calls."""
+def timeline(batch: int, ctx: int, calls: int = 10) -> dict:
+    """Per-program timelines of the Triton decode kernel over BF16 pages (TMA_CONFIG; the only kernel with the
+    ``PROBE`` stamps) over ``calls`` eager calls."""
     import mla_quant.kernels.mla_decode as md
 
     dev = "cuda"
     (q, table), = _sets(batch, ctx, 1, dev)
-    kv, sc = _pool(kind, batch * ctx // PAGE, dev)
+    kv, _ = _pool("bf16", batch * ctx // PAGE, dev)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     buf = torch.zeros(16 * 4 * batch * 256, dtype=torch.int64, device=dev)
     flush = torch.empty(FLUSH, dtype=torch.int8, device=dev)
@@ -186,8 +185,7 @@ def timeline(kind: str, batch: int, ctx: int, calls: int = 10, num_splits: int |
         for i in range(calls + 2):
             buf.zero_()
             flush.zero_()
-            md.mla_decode(q, kv, sc, table, lens, SCALE, kind, D_LATENT, validate=False, max_seq_len=ctx,
-                          num_splits=num_splits)
+            md.mla_decode(q, kv, None, table, lens, SCALE, "bf16", D_LATENT, validate=False, max_seq_len=ctx)
             torch.cuda.synchronize()
             if i < 2:  # compile, warm-up
                 continue
@@ -206,7 +204,7 @@ def timeline(kind: str, batch: int, ctx: int, calls: int = 10, num_splits: int |
     finally:
         md.PROBE_BUFFER = None
     per_sm = torch.bincount(sms).max().item()
-    return {"kind": kind, "batch": batch, "ctx": ctx, "programs": programs, "splits": md.last_launch()[0],
+    return {"kind": "bf16", "batch": batch, "ctx": ctx, "programs": programs, "splits": md.last_launch()[0],
             "sms_used": int(sms.unique().numel()), "max_programs_per_sm": per_sm,
             "clock_ghz": round(statistics.median(acc.pop("clock_ghz")), 3),
             "span_us": _pct(acc.pop("span_us"), (0, 50, 100)),
@@ -231,8 +229,7 @@ def pdl_rounds(kind: str, batch: int, ctx: int, rounds: int) -> dict:
     settings = {"as_is": with_skip(pdl.SKIP),
                 "merge_early": with_skip(pdl.SKIP - {"mla_decode_merge"}),
                 "both_early": with_skip(pdl.SKIP - {"mla_decode_merge", "mla_decode"})}
-    res = interleaved_graph_us(settings, rounds=rounds)
-    return {k: (round(statistics.median(v), 2) if isinstance(v, list) else v) for k, v in res.items()}
+    return _medians(interleaved_graph_us(settings, rounds=rounds))
 
 
 def config_rounds(batch: int, ctx: int, configs: dict, rounds: int, heads: int = HEADS) -> dict:
@@ -240,15 +237,9 @@ def config_rounds(batch: int, ctx: int, configs: dict, rounds: int, heads: int =
     graphs as in ``sweep_mla_decode``; each variant's output compared with the launcher's."""
     import mla_quant.kernels.mla_decode as md
 
-    from .bench_mla_decode import _row_bytes
-    from .common import L2_BYTES
-
-    n_sets = max(1, min(16, -(-3 * L2_BYTES // (batch * ctx * _row_bytes("bf16")))))
-    pages = ctx // PAGE
-    kv, _ = _pool("bf16", n_sets * batch * pages, "cuda")
-    perm = torch.randperm(n_sets * batch * pages, device="cuda").to(torch.int32)
-    sets = [(torch.randn(batch, 1, heads, D, device="cuda", dtype=torch.bfloat16),
-             perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous()) for i in range(n_sets)]
+    n_sets = rotation_sets(batch, ctx, "bf16")
+    kv, _ = _pool("bf16", n_sets * batch * ctx // PAGE, "cuda")
+    sets = _sets(batch, ctx, n_sets, "cuda", heads)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
 
     def setting(over):
@@ -261,13 +252,10 @@ def config_rounds(batch: int, ctx: int, configs: dict, rounds: int, heads: int =
     fns = {"launcher": setting({}), **{name: setting(over) for name, over in configs.items()}}
     ref = fns["launcher"]()[0][0].float()
     err = {k: float((f()[0][0].float() - ref).abs().max() / ref.abs().max()) for k, f in fns.items()}
-    res = interleaved_graph_us(fns, reps=len(sets), rounds=rounds)
+    times = _medians(interleaved_graph_us(fns, reps=len(sets), rounds=rounds))
     moved = batch * ctx * _row_bytes("bf16") + batch * heads * 2 * (D + D_LATENT)
-    out = {"batch": batch, "ctx": ctx, "heads": heads, "sets": len(sets), "rel_err_vs_launcher": err}
-    for k, v in res.items():
-        out[k] = round(statistics.median(v), 2) if isinstance(v, list) else v
-        if isinstance(v, list):
-            out[k + "_TBps"] = round(moved / statistics.median(v) / 1e6, 3)
+    out = {"batch": batch, "ctx": ctx, "heads": heads, "sets": len(sets), "rel_err_vs_launcher": err, **times}
+    out.update({f"{k}_TBps": round(moved / t / 1e6, 3) for k, t in times.items() if not isinstance(t, str)})
     return out
 
 
@@ -300,7 +288,7 @@ def main() -> None:
     if "timeline" in parts:
         res["timeline"] = []
         for b, c in ((32, 4096), (64, 4096), (1, 4096), (32, 1024)):
-            res["timeline"].append(timeline("bf16", b, c))
+            res["timeline"].append(timeline(b, c))
             print(json.dumps(res["timeline"][-1]), flush=True)
     if "tiles" in parts:
         res["tiles"] = [tiles_fit("bf16"), tiles_fit("fp8_e4m3")]

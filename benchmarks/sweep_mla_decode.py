@@ -22,12 +22,11 @@ timed in the same rounds (results/sweep_mla_frag_h200.json timed a removed fp8_d
 from __future__ import annotations
 
 import json
-import math
 import statistics
 
 import torch
 
-from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
+from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
 
 HEADS = 16
 SPLITS = (2, 3, 4, 5, 8)
@@ -93,14 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     from mla_quant.kernels import _pdl
     from mla_quant.kernels.mla_decode import last_launch, mla_decode
 
-    from .bench_mla_decode import D_LATENT, D_ROPE, PAGE, SCALE, _fill_pool, _input_sets, _row_bytes
+    from .bench_mla_decode import D_LATENT, D_ROPE, PAGE, SCALE, _fill_pool, _input_sets, _row_bytes, rotation_sets
 
     ctx = Context()
     measure_ceilings(ctx)
     batch, n, kind, heads = args.batch, args.ctx, args.kind, args.heads
     dequant = args.fp8_dequant if kind != "bf16" else "auto"
-    # enough distinct input sets that one pass exceeds 3x L2 (at most 16: bench_mla_decode._input_sets)
-    num_pages = max(1, min(16, math.ceil(3 * L2_BYTES / (batch * n * _row_bytes(kind))))) * batch * n // PAGE
+    num_pages = rotation_sets(batch, n, kind) * batch * n // PAGE  # pages for the bench's input sets
     pool, scales = _fill_pool(kind, num_pages, "cuda")
     sets = _input_sets(batch, n, heads, kind, num_pages, "cuda")
     seq_lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
