@@ -345,7 +345,9 @@ def _mla_decode_triton(q, kv_data, kv_scales, block_table, seq_lens, softmax_sca
                 INTERPRET=interpreted, FP8_BITCAST=fp8_bitcast, F16_DOTS=f16_dots, FP8_MMA=fp8_mma,
                 **pdl_launch(q.device, "mla_decode"))
     if PROBE_BUFFER is not None and not interpreted:  # diagnostics: each program's timeline (kernel.py, PROBE)
-        grid_size = cdiv(m_rows, (config or {}).get("BLOCK_M", 16)) * num_splits * bsz
+        if config is None:
+            raise ValueError("PROBE_BUFFER: the timeline needs a launch of known tiles (TMA_CONFIG or a config)")
+        grid_size = cdiv(m_rows, config["BLOCK_M"]) * num_splits * bsz
         if PROBE_BUFFER.numel() < 16 * grid_size or PROBE_BUFFER.dtype != torch.int64:
             raise ValueError(f"PROBE_BUFFER: needs ≥ {16 * grid_size} int64 values for this launch")
         meta.update(PROBE=True, probe_ptr=PROBE_BUFFER)
