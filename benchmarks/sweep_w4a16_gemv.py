@@ -3,25 +3,33 @@ split-K plane GEMV (``gemv="planes1"``) and ``w4a16_gemm``'s default (``default`
 ``prefetch_weights=True``), in interleaved CUDA-graph rounds.
 
     python -m benchmarks.sweep_w4a16_gemv [--rounds 3] [--out benchmarks/results/sweep_w4a16_gemv_h200.json]
+        [--shapes 4096x7168,7168x18432] [--forms rows,half2] [--pdl-only] [--label NAME]
 
 For each N×K (group 32, bf16 x and scales) one graph per setting holds one call per weight set, over enough sets
 to miss L2 (as ``bench_gemm``), all with the same x. Settings: ``tinygemm`` (the peer), ``planes1`` (the bare
 call: its split-K counters zeroed by a fill launch) and ``planes1_ws`` (kept counters), then the rows kernel at
 each tile (BN rows per program, BKW words per K chunk, warps, PIPE: the chunks pipelined) launched plainly and
 with PDL (``pdl``: each call's weights loaded before it waits for the call before — consecutive GEMVs overlap). Each rows setting is first
-checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). Writes every round's µs.
+checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). ``half2`` settings time the
+fp16x2 rows GEMV (``gemv="rows_half2"``, ``gemv_half2.py``) at each of ``HALF2_TILES`` together with its pair-order
+launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv only``: the GEMV on pairs made once,
+what a producer that wrote pair order would leave). Writes every round's µs; with ``--label`` the shapes' runs go
+under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 
 import torch
 
+from mla_quant.kernels._half2_gemv import pair_order
 from mla_quant.kernels.int4_quant import int4_quantize
 from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
 from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
+from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch
 
 from .bench_gemm import _tinygemm_pack
 from .common import L2_BYTES, interleaved_graph_us, meta, Context, sweep_args
@@ -34,12 +42,36 @@ TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,)))
          + ((8, 128, 4, True), (8, 256, 4, True), (16, 128, 4, True), (16, 256, 4, True), (16, 256, 8, True),
             (8, 128, 2, True), (4, 256, 4, True), (32, 128, 8, True), (8, 512, 4, True), (16, 64, 4, True),
             (32, 64, 4, True)))
+# rows of more than 1024 words (K = 12288, 18432): pipelined chunks only (one chunk would spill)
+LONG_TILES = ((4, 512, 4, True), (8, 256, 4, True), (8, 256, 8, True), (8, 512, 4, True), (8, 512, 8, True),
+              (16, 256, 8, True), (16, 512, 8, True), (8, 1024, 8, True), (4, 1024, 4, True), (32, 128, 8, True))
+# (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
+HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
+               (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
+               (4, 64, 2, True), (8, 128, 8, True), (16, 128, 8, True), (32, 32, 8, True), (8, 64, 2, True),
+               (4, 128, 4, True))
 
 
 def _tiles(k: int) -> list[tuple]:
-    """TILES for rows of K: the one-chunk tiles at the row's width, the pipelined ones whose chunks split the row."""
+    """TILES for rows of K: the one-chunk tiles at the row's width, the pipelined ones whose chunks split the row;
+    LONG_TILES for rows of more than 1024 words."""
     words = 1 << (k // 8 - 1).bit_length()
+    if words > 1024:
+        return list(LONG_TILES)
     return [(bn, bkw or words, warps, pipe) for bn, bkw, warps, pipe in TILES if not pipe or bkw <= words // 2]
+
+
+def _half2_tiles(k: int) -> list[tuple]:
+    """HALF2_TILES for rows of K runs: at most 16 elements (64 words) per thread in one chunk, 8 per pipelined
+    chunk (two in flight), the pipelined chunks splitting the row."""
+    runs = 1 << (k // 32 - 1).bit_length()
+    out = []
+    for bn, br, warps, pipe in HALF2_TILES:
+        br = br or runs
+        per_thread = bn * br // (32 * warps)
+        if (pipe and br <= runs // 2 and per_thread <= 8) or (not pipe and br == runs and per_thread <= 16):
+            out.append((bn, br, warps, pipe))
+    return out
 
 
 def _sets(n: int, k: int, dev: str) -> list[dict]:
@@ -52,14 +84,30 @@ def _sets(n: int, k: int, dev: str) -> list[dict]:
     return out
 
 
+def _shape_list(text: str | None) -> tuple:
+    return NKS if not text else tuple(tuple(int(v) for v in nk.split("x")) for nk in text.split(","))
+
+
+def _extra(ap) -> None:
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
+    ap.add_argument("--forms", default="rows", help="rows, half2 or both (comma-separated)")
+    ap.add_argument("--pdl-only", action="store_true", help="time each tile with PDL only")
+    ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
+
+
+def _rel_err(y, ref) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
 def main(argv=None) -> None:
-    args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv,
-                      lambda ap: ap.add_argument("--rounds", type=int, default=3))
+    args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv, _extra)
     if args is None:
         sys.exit(1)
     dev = "cuda"
+    forms = set(args.forms.split(","))
     runs = []
-    for n, k in NKS:
+    for n, k in _shape_list(args.shapes):
         sets = _sets(n, k, dev)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
@@ -68,28 +116,58 @@ def main(argv=None) -> None:
         fns = {
             "tinygemm": lambda: [torch.ops.aten._weight_int4pack_mm(x, s["tiny"][0], GROUP, s["tiny"][1])
                                  for s in sets],
-            "planes1": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="planes1") for s in sets],
-            "default": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y) for s in sets],
             "default_prefetch": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, prefetch_weights=True)
                                          for s in sets],
-            "planes1_ws": lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, counters=counters, gemv="planes1")
-                                   for s in sets],
         }
+        if not args.pdl_only:
+            fns["planes1"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="planes1") for s in sets]
+            fns["default"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y) for s in sets]
+            fns["planes1_ws"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, counters=counters,
+                                                    gemv="planes1") for s in sets]
         errors = {}
-        for tile in _tiles(k):
-            bn, bkw, warps, pipe = tile
-            for pdl in (None, PDL):
-                name = f"rows BN={bn} BKW={bkw} w={warps}" + (" pipe" if pipe else "") + (" pdl" if pdl else "")
+        pdls = (PDL,) if args.pdl_only else (None, PDL)
+        if "rows" in forms:
+            for tile in _tiles(k):
+                bn, bkw, warps, pipe = tile
+                for pdl in pdls:
+                    name = f"rows BN={bn} BKW={bkw} w={warps}" + (" pipe" if pipe else "") + (" pdl" if pdl else "")
+                    try:
+                        y.fill_(float("nan"))
+                        gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, pdl)
+                        torch.cuda.synchronize()
+                        errors[name] = _rel_err(y, ref)
+                    except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
+                        errors[name] = f"{type(e).__name__}: {e}"[:300]
+                        continue
+                    fns[name] = (lambda t, p: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, p)
+                                                       for s in sets])(tile, pdl)
+        if "half2" in forms:
+            fns["rows_half2_prefetch"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="rows_half2",
+                                                             prefetch_weights=True) for s in sets]
+            pairs, pair_scales = pair_order(x)
+            for i, tile in enumerate(_half2_tiles(k)):
+                bn, br, warps, pipe = tile
+                name = f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl"
                 try:
                     y.fill_(float("nan"))
-                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, pdl)
+                    half2_launch(pairs[0], pair_scales[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL)
                     torch.cuda.synchronize()
-                    errors[name] = float((y.float() - ref).abs().max() / ref.abs().max())
-                except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
+                    errors[name] = _rel_err(y, ref)
+                except Exception as e:  # noqa: BLE001
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
                     continue
-                fns[name] = (lambda t, p: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, p)
-                                                   for s in sets])(tile, pdl)
+
+                def call(t=tile):  # pair_order with PDL, then the GEMV: what prefetch_weights launches
+                    out = []
+                    for s in sets:
+                        p, ps = pair_order(x)
+                        out.append(half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, t, PDL))
+                    return out
+                fns[name] = call
+                if i == 0 or tile == half2_tile_rule(n, k):
+                    fns[name + " gemv only"] = (lambda t: lambda: [half2_launch(pairs[0], pair_scales[0], s["p4"],
+                                                                                s["s4"], y[0], GROUP, t, PDL)
+                                                                   for s in sets])(tile)
         rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
         rows = []
         tiny = rounds["tinygemm"]
@@ -106,15 +184,32 @@ def main(argv=None) -> None:
             rows.append(row)
         rows.sort(key=lambda rw: rw.get("median_us", 1e9))
         print(f"\n{n} x {k}: {len(sets)} weight sets")
-        for rw in rows[:12] + [rw for rw in rows[12:] if not rw["setting"].startswith("rows")]:
-            print(f"  {rw['setting']:<32} {rw.get('median_us')} µs  {rw.get('tbps')} TB/s  "
+        for rw in rows[:16] + [rw for rw in rows[16:] if not rw["setting"].startswith(("rows ", "half2 "))]:
+            print(f"  {rw['setting']:<36} {rw.get('median_us')} µs  {rw.get('tbps')} TB/s  "
                   f"x{rw.get('vs_tinygemm')} tinygemm  err {rw.get('rel_err')}")
         runs.append({"N": n, "K": k, "sets": len(sets), "rows": rows})
         del sets
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"about": __doc__.splitlines()[0], "meta": meta(Context()), "runs": runs}, f, indent=1)
+        _write(args, runs)
     print("wrote", args.out)
+
+
+def half2_tile_rule(n: int, k: int) -> tuple:
+    from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_tile
+
+    return half2_tile(n, k)
+
+
+def _write(args, runs: list) -> None:
+    """The results so far: the whole file, or (``--label``) one key of the existing file."""
+    if args.label and os.path.exists(args.out):
+        with open(args.out) as f:
+            doc = json.load(f)
+        doc[args.label] = {"meta": meta(Context()), "runs": runs}
+    else:
+        doc = {"about": __doc__.splitlines()[0], "meta": meta(Context()), "runs": runs}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

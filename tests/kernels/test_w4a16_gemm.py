@@ -595,6 +595,61 @@ def test_rows_gemv_tile_rule():
     assert gemv_tile(64, 2048, interpreted=True)[3]
 
 
+# --- the whole-row GEMV in fp16x2 arithmetic (gemv="rows_half2": pair_order, then gemv_half2.py) ---
+
+@pytest.mark.parametrize("n,k,group,tile", [
+    (37, 448, 32, (8, 4, 4, True)),       # 14 runs: four pipelined chunks, the last half past K; N ragged
+    (37, 448, 32, (8, 16, 4, False)),     # one chunk of 16 runs, two past K
+    (20, 384, 128, (4, 8, 2, False)),     # group 128 (four runs share a scale), chunks loaded after the sums
+    (64, 1024, 64, (16, 8, 4, True)),     # whole chunks, group 64
+    (9, 256, 32, (32, 4, 4, True)),       # one program wider than N
+    (24, 96, 32, (8, 2, 2, True)),        # 3 runs: K below one 256-wide pair-order block
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows_half2_gemv_matches_reference_and_the_rows_gemv(triton_backend, n, k, group, tile, dtype):
+    from mla_quant.kernels._half2_gemv import pair_order
+    from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch
+
+    dev = triton_backend
+    g = torch.Generator().manual_seed(n + k)
+    packed, scale = I.int4_quantize_reference(torch.randn(n, k, generator=g), group, dtype)
+    packed, scale = packed.to(dev), scale.to(dev)
+    x = (torch.randn(k, generator=g) * 3).to(dtype).to(dev)
+    pairs, pair_scales = pair_order(x[None])
+    y = poisoned_empty((n,), dtype, dev)
+    half2_launch(pairs[0], pair_scales[0], packed, scale, y, group, tile, interpreted=triton_interpreted())
+    what = f"rows_half2 {n}x{k} g{group} {tile}"
+    assert_rel_close(y.float(), w4a16_gemm_reference(x[None], packed, scale, group)[0].float(), 1e-2, what)
+    assert_rel_close(y.float(), w4a16_gemm(x[None], packed, scale, group)[0].float(), 1e-2, f"{what} vs rows")
+
+
+def test_rows_half2_gemv_is_exact_for_every_nibble_and_names_what_it_cannot_take(triton_backend):
+    """Every code at every nibble position, power-of-two scales and activations: each fp16 chain's partial sums are
+    multiples of 8 below 2^14 (exact in fp16), so the half2 call's fp32 sums are exact and its output equals the
+    rows GEMV's bit for bit (the CPU's fp32 lanes too), plain and with prefetch_weights (the reference rounds alike
+    on the GPU: test_gpu_rows_half2_gemv_real_shapes; the interpreter rounds fp32 -> bf16 ties its own way); fp32
+    activations are refused by name."""
+    dev = triton_backend
+    x, packed, scale = _every_nibble_case(3, dev)
+    xb = x.to(torch.bfloat16)
+    rows = w4a16_gemm(xb, packed, scale, 32).cpu()
+    assert torch.equal(w4a16_gemm(xb, packed, scale, 32, gemv="rows_half2").cpu(), rows)
+    assert torch.equal(w4a16_gemm(xb, packed, scale, 32, gemv="rows_half2", prefetch_weights=True).cpu(), rows)
+    with pytest.raises(ValueError, match="rows_half2.*bf16 / fp16.*float32"):
+        w4a16_gemm(x, packed, scale, 32, gemv="rows_half2")
+
+
+def test_rows_half2_tile_rule():
+    """One chunk holds at most 256 runs; rows of more chunks pipeline them; the interpreter's tile pipelines."""
+    from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_tile
+
+    for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (6144, 12288), (64, 256)):
+        bn, br, warps, pipe = half2_tile(n, k)
+        assert br <= min(triton.next_power_of_2(k // 32), 256) and bn >= 1 and warps in (2, 4, 8)
+        assert pipe or br >= k // 32
+    assert half2_tile(64, 2048, interpreted=True)[3]
+
+
 def test_quant_linear_prefetches_only_settled_weights(triton_backend, monkeypatch):
     """QuantLinear lets the one-token GEMV read its weights early only from the second call on the same, unwritten
     weight tensors: a new weight (set_weight) or an in-place write (copy_) makes the next call a plain launch."""
@@ -896,7 +951,29 @@ def test_gpu_rows_gemv_real_shapes(n, k, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_rows_gemv_prefetch_reads_x_after_the_kernel_before():
+@pytest.mark.parametrize("n,k", [(2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (6144, 12288),
+                                 (1000, 1536)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rows_half2_gemv_real_shapes(n, k, dtype):
+    """The compiled half2 rows GEMV (with its pair-order launch) at real widths: against the reference and the fp32
+    rows GEMV at bf16 level; with prefetch_weights (both launches with PDL) bitwise equal to the plain call, also in a
+    chain of calls that each follow the previous one's GEMV; the every-nibble case bit for bit on the GPU."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    y = w4a16_gemm(x, packed, scale, 32, out=poisoned_empty((1, n), dtype, "cuda"), gemv="rows_half2")
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32).float(), 1e-2, f"{n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32).float(), 1e-2, "rows_half2 vs rows")
+    chain = [w4a16_gemm(x, packed, scale, 32, gemv="rows_half2", prefetch_weights=True) for _ in range(8)]
+    for i, c in enumerate(chain):
+        assert_bitwise_equal(c, y, f"prefetch call {i}")
+    xe, pe, se = _every_nibble_case(4, "cuda")
+    xe = xe.to(dtype)
+    assert torch.equal(w4a16_gemm(xe, pe, se, 32, gemv="rows_half2"), w4a16_gemm_reference(xe, pe, se, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemv", ["rows", "rows_half2"])
+def test_gpu_rows_gemv_prefetch_reads_x_after_the_kernel_before(gemv):
     """With prefetch_weights the GEMV reads its weights early but x only after the kernel before has finished: each
     call's x is written in place by the kernel just before it, so a read of x before the wait would see the
     previous values."""
@@ -905,7 +982,7 @@ def test_gpu_rows_gemv_prefetch_reads_x_after_the_kernel_before():
     outs, xs = [], []
     for i in range(6):
         x.mul_(1.5 if i % 2 else -0.5)   # the kernel right before the GEMV writes its x
-        outs.append(w4a16_gemm(x, packed, scale, 32, prefetch_weights=True))
+        outs.append(w4a16_gemm(x, packed, scale, 32, gemv=gemv, prefetch_weights=True))
         xs.append(x.clone())
     for i, (o, xi) in enumerate(zip(outs, xs)):
-        assert_bitwise_equal(o, w4a16_gemm(xi, packed, scale, 32), f"call {i}")
+        assert_bitwise_equal(o, w4a16_gemm(xi, packed, scale, 32, gemv=gemv), f"call {i}")

@@ -18,7 +18,7 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the one-token GEMV: whole rows per program (default, gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs at
 # 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
 # counters), the split-K plane GEMV in one launch, nibble planes after a plane_order launch, or the first form
-GEMV_FORMS = ("rows", "planes1", "planes", "tile")
+GEMV_FORMS = ("rows", "rows_half2", "planes1", "planes", "tile")
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
@@ -227,14 +227,24 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
-    if m == 1 and gemv == "rows" and config is None and not fast_dequant and not (frag or swap) and n:
-        from .gemv import gemv_launch, gemv_tile
-
+    if gemv == "rows_half2" and x.dtype == torch.float32:
+        raise ValueError("gemv='rows_half2' takes bf16 / fp16 activations (fp16 pairs), x is float32")
+    if m == 1 and gemv.startswith("rows") and config is None and not fast_dequant and not (frag or swap) and n:
         y = torch.empty((*lead, n), dtype=x.dtype, device=x.device) if out is None else out
         interpreted = triton_interpreted()
         pdl = pdl_launch(x.device, "w4a16_gemv") if prefetch_weights else {"PDL": False}
-        gemv_launch(x2[0], weight_packed, weight_scale, y.view(n), group_size, gemv_tile(n, k, interpreted),
-                    pdl, interpreted)
+        if gemv == "rows_half2":
+            from .._half2_gemv import pair_order
+            from .gemv_half2 import half2_launch, half2_tile
+
+            pairs, pair_scales = pair_order(x2)
+            half2_launch(pairs[0], pair_scales[0], weight_packed, weight_scale, y.view(n), group_size,
+                         half2_tile(n, k, interpreted), pdl, interpreted)
+        else:
+            from .gemv import gemv_launch, gemv_tile
+
+            gemv_launch(x2[0], weight_packed, weight_scale, y.view(n), group_size, gemv_tile(n, k, interpreted),
+                        pdl, interpreted)
         return y
     from .._gemm_utils import plane_order
     from .kernel import (FAST_AUTOTUNED, _w4a16_gemm_kernel, dot_k, dot_k_ok, planes1_split, planes1_tile_ok,

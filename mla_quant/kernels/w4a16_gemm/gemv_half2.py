@@ -1,0 +1,115 @@
+"""The one-token W4A16 GEMV with whole rows per program in fp16x2 arithmetic (``w4a16_gemm(..., gemv="rows_half2")``).
+
+y[n] = Σ_k x[k] · s[n, k / GROUP] · (q[n, k] - 8) for one activation row x [K] (bf16 / fp16) and W [N, K/8] int32.
+
+The rows GEMV of ``gemv.py`` (``BN`` output rows per program, no split-K, the weights of the first chunks loaded
+before the PDL wait) with the half2 GEMV's arithmetic (``_half2_gemv.run_dot``: per run of 32 K, 4 words against
+16 fp16 activation pairs, one LOP3 + one conversion + one HFMA2 per pair of weights; about 0.6x the plane GEMV's
+instructions per weight). x arrives in *pair order* (``_half2_gemv.pair_order``: one small launch before the GEMV,
+with PDL), each run's pairs scaled by a power of two into fp16's range; the GEMV multiplies each run's sum by that
+power of two and the run's group scale in fp32. Numerics are the half2 GEMV's (docs/moe.md "The half2 GEMV"):
+bf16-level, not the fp32 sums of ``gemv="rows"``.
+
+A program's tile is [BR runs, BN rows] (4 words per element, one 128-bit load); a row of R = K/32 runs is walked in
+chunks of BR runs. Runs past R (the last chunk of a row whose run count is not a multiple of BR) re-read the last
+run and have their scale zeroed (products of finite fp16 sums times 0). Each element reads its own 16 pairs (4
+128-bit loads that hit L1: the BN rows of a run share them); without the PDL wait they would be read before the
+pair-order launch has written them, so they are read after it.
+"""
+import triton
+import triton.language as tl
+
+from .._gemm_utils import _load_in_place, four_words
+from .._half2_gemv import load_pairs, pair_offsets, run_dot
+from .._triton_utils import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _runs(c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """Run indices [BR, BN] of chunk ``c`` (clamped to the last run) and where they are real runs."""
+    run = c * BR + tl.arange(0, BR)[:, None] + tl.zeros((1, BN), dtype=tl.int32)
+    return tl.minimum(run, RUNS - 1), run < RUNS
+
+
+@triton.jit
+def _chunk(w_rows, s_rows, c: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr, BR: tl.constexpr,
+           BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Words (4 int32 [BR, BN]) and fp32 scales [BR, BN] of chunk ``c`` (scales 0 past the row's runs)."""
+    run, ok = _runs(c, RUNS, BR, BN)
+    words = four_words(w_rows + 4 * run, INTERPRET)
+    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET)
+    if (c + 1) * BR > RUNS:
+        scales = tl.where(ok, scales, 0.0)
+    return words, scales
+
+
+@triton.jit
+def _chunk_dot(words, scales, p_ptr, ps_ptr, c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr,
+               BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Run sums × group scale × the run's activation scale, fp32 [BR, BN] (summed over runs at the row's end)."""
+    run, ok = _runs(c, RUNS, BR, BN)
+    x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
+    xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET)
+    return run_dot(words, x, INTERPRET) * (scales * xs)
+
+
+@triton.jit
+def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
+                             K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                             PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    # p: x's pairs (int32, pair order), ps: its run scales (fp32 [K/32]), w [N, K/8] int32, s [N, K/GROUP], y [N].
+    # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
+    RUNS: tl.constexpr = K // 32
+    CHUNKS: tl.constexpr = (RUNS + BR - 1) // BR
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = (rn % N)[None, :].to(tl.int64)  # rows past N re-read valid ones; never stored
+    w_rows = w_ptr + rows * (K // 8)
+    s_rows = s_ptr + rows * (K // GROUP)
+    if PDL:
+        gdc_launch_dependents()
+    words, scales = _chunk(w_rows, s_rows, 0, RUNS, GROUP, BR, BN, INTERPRET)
+    if PIPE and CHUNKS > 1:
+        ahead, ahead_scales = _chunk(w_rows, s_rows, 1, RUNS, GROUP, BR, BN, INTERPRET)
+    if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
+        gdc_wait()
+    acc = _chunk_dot(words, scales, p_ptr, ps_ptr, 0, RUNS, BR, BN, INTERPRET)
+    for c in tl.static_range(1, CHUNKS):
+        if PIPE:
+            words, scales = ahead, ahead_scales
+            if c + 1 < CHUNKS:
+                ahead, ahead_scales = _chunk(w_rows, s_rows, c + 1, RUNS, GROUP, BR, BN, INTERPRET)
+        else:
+            words, scales = _chunk(w_rows, s_rows, c, RUNS, GROUP, BR, BN, INTERPRET)
+        acc += _chunk_dot(words, scales, p_ptr, ps_ptr, c, RUNS, BR, BN, INTERPRET)
+    tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+# The tiles (BN, BR, num_warps, PIPE) by the row's runs: to be measured (sweep_w4a16_gemv); until then the rows
+# GEMV's shapes in runs (a 1024-word chunk is 256 runs).
+INTERPRETER_TILE = (8, 4, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
+
+
+def half2_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, bool]:
+    """(BN, BR, num_warps, PIPE) for an N x K weight, by the row's runs rounded up to a power of two."""
+    runs = triton.next_power_of_2(k // 32)
+    if interpreted:
+        bn, br, warps, pipe = INTERPRETER_TILE
+        return bn, min(br, runs), warps, pipe
+    if runs <= 64:
+        return 32, max(runs // 2, 4), 8, True
+    if runs <= 256:
+        return 8, runs, 4, False
+    return 8, 128, 8, True
+
+
+def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size: int, tile: tuple,
+                 pdl: dict | None = None, interpreted: bool = False) -> None:
+    """Launch :func:`_w4a16_gemv_half2_kernel` for x in pair order (``pairs`` int32 / ``pair_scales`` fp32: one row
+    of ``_half2_gemv.pair_order``) -> y1 [N] (contiguous) with ``tile`` = (BN, BR, num_warps, PIPE); ``pdl``:
+    ``_pdl.pdl_launch``'s keywords (the weights then read before the wait)."""
+    n, kw = weight_packed.shape
+    bn, br, warps, pipe = tile
+    _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](pairs, pair_scales, weight_packed, weight_scale, y1, n,
+                                                    K=8 * kw, GROUP=group_size, BN=bn, BR=br, PIPE=bool(pipe),
+                                                    INTERPRET=interpreted, num_warps=warps,
+                                                    **(pdl or {"PDL": False}))
