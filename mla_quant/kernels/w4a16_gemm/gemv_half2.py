@@ -10,7 +10,8 @@ with PDL), each run's pairs scaled by a power of two into fp16's range; the GEMV
 power of two and the run's group scale in fp32. Numerics are the half2 GEMV's (docs/moe.md "The half2 GEMV"):
 bf16-level, not the fp32 sums of ``gemv="rows"``.
 
-A program's tile is [BR runs, BN rows] (4 words per element, one 128-bit load); a row of R = K/32 runs is walked in
+A program's tile is [BN rows, BR runs] (4 words per element, one 128-bit load; a warp's lanes take consecutive
+runs of one row, 512 contiguous bytes); a row of R = K/32 runs is walked in
 chunks of BR runs. Runs past R (the last chunk of a row whose run count is not a multiple of BR) re-read the last
 run and have their scale zeroed (products of finite fp16 sums times 0). Each element reads its own 16 pairs (4
 128-bit loads that hit L1: the BN rows of a run share them); without the PDL wait they would be read before the
@@ -26,15 +27,15 @@ from .._triton_utils import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _runs(c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """Run indices [BR, BN] of chunk ``c`` (clamped to the last run) and where they are real runs."""
-    run = c * BR + tl.arange(0, BR)[:, None] + tl.zeros((1, BN), dtype=tl.int32)
+    """Run indices [BN, BR] of chunk ``c`` (clamped to the last run) and where they are real runs."""
+    run = c * BR + tl.arange(0, BR)[None, :] + tl.zeros((BN, 1), dtype=tl.int32)
     return tl.minimum(run, RUNS - 1), run < RUNS
 
 
 @triton.jit
 def _chunk(w_rows, s_rows, c: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr, BR: tl.constexpr,
            BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Words (4 int32 [BR, BN]) and fp32 scales [BR, BN] of chunk ``c`` (scales 0 past the row's runs)."""
+    """Words (4 int32 [BN, BR]) and fp32 scales [BN, BR] of chunk ``c`` (scales 0 past the row's runs)."""
     run, ok = _runs(c, RUNS, BR, BN)
     words = four_words(w_rows + 4 * run, INTERPRET)
     scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET)
@@ -46,7 +47,7 @@ def _chunk(w_rows, s_rows, c: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.conste
 @triton.jit
 def _chunk_dot(words, scales, p_ptr, ps_ptr, c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr,
                BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Run sums × group scale × the run's activation scale, fp32 [BR, BN] (summed over runs at the row's end)."""
+    """Run sums × group scale × the run's activation scale, fp32 [BN, BR] (summed over runs at the row's end)."""
     run, ok = _runs(c, RUNS, BR, BN)
     x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
     xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET)
@@ -62,7 +63,7 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     RUNS: tl.constexpr = K // 32
     CHUNKS: tl.constexpr = (RUNS + BR - 1) // BR
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rows = (rn % N)[None, :].to(tl.int64)  # rows past N re-read valid ones; never stored
+    rows = (rn % N)[:, None].to(tl.int64)  # rows past N re-read valid ones; never stored
     w_rows = w_ptr + rows * (K // 8)
     s_rows = s_ptr + rows * (K // GROUP)
     if PDL:
@@ -81,7 +82,7 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
         else:
             words, scales = _chunk(w_rows, s_rows, c, RUNS, GROUP, BR, BN, INTERPRET)
         acc += _chunk_dot(words, scales, p_ptr, ps_ptr, c, RUNS, BR, BN, INTERPRET)
-    tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
+    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 # The tiles (BN, BR, num_warps, PIPE) by the row's runs: to be measured (sweep_w4a16_gemv); until then the rows
