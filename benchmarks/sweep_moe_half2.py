@@ -2,6 +2,7 @@
 Kimi decode, in one GPU call.
 
     python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16] [--pin FORMS]
+        [--rows] [--label NAME]
 
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
 per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the plane GEMV with
@@ -9,14 +10,19 @@ prefetch (``prefetch``, the default until session 23), the plain planes, ``half2
 defaults for bf16 x since) autotuned and with each candidate tile of the forms in ``--pin`` pinned (gate-up and down
 alike), ``half2_prefetch`` with ``pair_order`` launched without PDL, and at one token ``fused_moe`` on BF16 and
 FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16 and ≥ 1.6× FP8). Per form also the largest |difference| to the
-reference over max |reference| on the first routing, and whether two calls give the same bits.
+reference over max |reference| on the first routing, and whether two calls give the same bits. ``--rows`` adds
+``half2_prefetch`` pinned at each of its tiles in the row orientation (``HALF2_ROWS``: a warp's lanes on consecutive
+runs of one weight row) and at ``ROWS_TILES`` (each with its error against the reference); ``--label`` writes the
+rows under that key of an existing ``--out`` file.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import torch
+import triton
 
 from mla_quant.kernels.fused_moe import fused_moe, fused_moe_reference
 from mla_quant.kernels import _half2_gemv as H
@@ -27,8 +33,21 @@ from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
 from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, Context
 
 
+# extra (BLOCK_N, BLOCK_K, warps) tiles of half2_prefetch in the row orientation: wider rows of runs per warp
+ROWS_TILES = ((16, 1024, 4), (32, 512, 4), (16, 512, 2), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (64, 512, 8))
+
+
 def _tile_name(cfg, form="half2") -> str:
-    return f"{form}_{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}w{cfg.num_warps}"
+    rows = "_rows" if cfg.kwargs.get("HALF2_ROWS") else ""
+    return f"{form}_{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}w{cfg.num_warps}{rows}"
+
+
+def _rows_configs(cfgs) -> list:
+    """``cfgs`` and ROWS_TILES with HALF2_ROWS (half2_prefetch)."""
+    out = [triton.Config({**c.kwargs, "HALF2_ROWS": True}, num_warps=c.num_warps, num_stages=c.num_stages)
+           for c in cfgs]
+    return out + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "HALF2": True, "PREFETCH": True, "HALF2_ROWS": True},
+                                num_warps=w, num_stages=1) for bn, bk, w in ROWS_TILES]
 
 
 def _tuner(form):
@@ -47,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sweep_args(__doc__, "sweep_moe_half2_h200.json", None, argv,
                       lambda ap: (ap.add_argument("--tokens", default="1,4,16"),
                                   ap.add_argument("--pin", default="half2,half2_prefetch",
-                                                  help="forms whose tiles are also timed pinned, comma-separated")))
+                                                  help="forms whose tiles are also timed pinned, comma-separated"),
+                                  ap.add_argument("--rows", action="store_true"),
+                                  ap.add_argument("--label")))
     if args is None:
         return 1
     ctx = Context(device="cuda", quick=False)
@@ -85,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             for form, cfgs in all_configs.items():
                 for cfg in (cfgs if form in args.pin.split(",") else ()):
                     fns[_tile_name(cfg, form)] = setting("int4_g32", cfg, block_m=1, gemv=form)
+            rows_cfgs = _rows_configs(all_configs["half2_prefetch"]) if args.rows else []
+            for cfg in rows_cfgs:
+                fns[_tile_name(cfg, "half2_prefetch")] = setting("int4_g32", cfg, block_m=1, gemv="half2_prefetch")
             if t == 1:
                 fns["bf16"] = setting("bf16")
                 fns["fp8_block"] = setting("fp8_block")
@@ -97,6 +121,17 @@ def main(argv: list[str] | None = None) -> int:
             p = experts["int4_g32"]
             ref = fused_moe_reference(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group")
             errs, same = {}, {}
+            for cfg in rows_cfgs:  # each row-orientation tile against the reference
+                _pinned(cfg, "half2_prefetch")
+                try:
+                    a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
+                                  block_m=1, gemv="half2_prefetch")
+                    errs[_tile_name(cfg, "half2_prefetch")] = float((a.float() - ref.float()).abs().max()
+                                                                    / ref.float().abs().max())
+                except Exception as e:  # noqa: BLE001 - a tile that fails is a finding
+                    errs[_tile_name(cfg, "half2_prefetch")] = f"{type(e).__name__}: {e}"[:200]
+            _tuner("half2_prefetch").configs = all_configs["half2_prefetch"]
+            _tuner("half2_prefetch").cache.clear()
             for form in ("prefetch", "planes", "half2", "half2_prefetch"):
                 kw = {"gemv": form}
                 a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
@@ -118,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                                              if isinstance(v, float) and k not in ("bf16", "fp8_block")}
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in row if k != "rounds"}), flush=True)
+    if args.label and os.path.exists(args.out):
+        with open(args.out) as f:
+            doc = json.load(f)
+        doc[args.label] = result
+        result = doc
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -163,7 +163,8 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 @triton.jit
 def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N, K, stride_at, stride_ast,
                      stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+                     ROWS: tl.constexpr = False):
     """The half2 GEMV of one assignment (``HALF2``; ``a_row``: its row of ``a``, pairs from
     ``_half2_gemv.pair_order``, run scales at ``as_ptr``) against columns n0..n0+BLOCK_N of one expert: fp32
     [1, BLOCK_N] sums (gate, and up when GATED). Tiles are [BLOCK_K/32, BLOCK_N/2] runs (4 words each), the even
@@ -171,19 +172,24 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     fp16x2 arithmetic (``_half2_gemv.run_dot``) scaled by group scale × activation run scale in fp32. Columns past
     N re-read column N - 1 and runs past K (unless EVEN_K) the first run, zeroed (never stored). PREFETCH: the next
     K block's words are loaded before this block's arithmetic (a register double buffer; past K the last run is
-    read again)."""
-    rr = tl.arange(0, BLOCK_K // 32)[:, None] + tl.zeros((1, BLOCK_N // 2), dtype=tl.int32)  # full tile shape
-    c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[None, :]
+    read again). ROWS: the tiles are [BLOCK_N/2, BLOCK_K/32] instead, so a warp's lanes take consecutive runs of
+    one weight row (coalesced 16-byte word loads) rather than the columns of one run."""
+    if ROWS:
+        rr = tl.arange(0, BLOCK_K // 32)[None, :] + tl.zeros((BLOCK_N // 2, 1), dtype=tl.int32)  # full tile shape
+        c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[:, None]
+    else:
+        rr = tl.arange(0, BLOCK_K // 32)[:, None] + tl.zeros((1, BLOCK_N // 2), dtype=tl.int32)
+        c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[None, :]
     even = tl.minimum(c, N - 1).to(tl.int64) * stride_wn
     odd = tl.minimum(c + 1, N - 1).to(tl.int64) * stride_wn
     even_s = tl.minimum(c, N - 1).to(tl.int64) * stride_sn
     odd_s = tl.minimum(c + 1, N - 1).to(tl.int64) * stride_sn
     a_ptr += a_row * stride_at
     as_ptr += a_row * stride_ast
-    acc1e = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
-    acc1o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
-    acc3e = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
-    acc3o = tl.zeros((BLOCK_K // 32, BLOCK_N // 2), dtype=tl.float32)
+    acc1e = tl.zeros(rr.shape, dtype=tl.float32)
+    acc1o = tl.zeros(rr.shape, dtype=tl.float32)
+    acc3e = tl.zeros(rr.shape, dtype=tl.float32)
+    acc3o = tl.zeros(rr.shape, dtype=tl.float32)
     if PREFETCH:  # the first K block's words (runs past K: the first run)
         n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd, 4 * tl.where(rr < K // 32, rr, 0), GATED,
                                            INTERPRET)
@@ -206,7 +212,8 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
         if GATED:
             acc3e += _half2_term(w3e, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
             acc3o += _half2_term(w3o, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET)
-    return _interleave(acc1e, acc1o, BLOCK_N), _interleave(acc3e, acc3o, BLOCK_N)
+    RUN_AXIS: tl.constexpr = 1 if ROWS else 0
+    return _interleave(acc1e, acc1o, BLOCK_N, RUN_AXIS), _interleave(acc3e, acc3o, BLOCK_N, RUN_AXIS)
 
 
 @triton.jit
@@ -234,9 +241,9 @@ def _half2_term(words, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.co
 
 
 @triton.jit
-def _interleave(even, odd, BLOCK_N: tl.constexpr):
-    """Column sums of the even and odd column tiles [R, BLOCK_N/2] -> [1, BLOCK_N] in column order."""
-    return tl.reshape(tl.join(tl.sum(even, axis=0), tl.sum(odd, axis=0)), (1, BLOCK_N))
+def _interleave(even, odd, BLOCK_N: tl.constexpr, RUN_AXIS: tl.constexpr = 0):
+    """Column sums of the even and odd column tiles (runs along ``RUN_AXIS``) -> [1, BLOCK_N] in column order."""
+    return tl.reshape(tl.join(tl.sum(even, axis=RUN_AXIS), tl.sum(odd, axis=RUN_AXIS)), (1, BLOCK_N))
 
 
 @triton.jit
@@ -318,7 +325,7 @@ def _moe_gemm_kernel(
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
-        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
+        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, HALF2_ROWS: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
     # scales.
@@ -356,7 +363,7 @@ def _moe_gemm_kernel(
     if HALF2:  # INT4 half2 GEMV (BLOCK_M == 1): a separate loop, see _int4_half2_gemv
         acc1, acc3 = _int4_half2_gemv(a_ptr, as_ptr, tl.sum(tl.where(row_ok, a_rows, 0)), w1_ptr, s1_ptr, w3_ptr,
                                       s3_ptr, pid_n * BLOCK_N, N, K, stride_at, stride_ast, stride_wn, stride_sn,
-                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH)
+                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH, HALF2_ROWS)
     elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
