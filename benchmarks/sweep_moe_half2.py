@@ -34,7 +34,8 @@ from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, 
 
 
 # extra (BLOCK_N, BLOCK_K, warps) tiles of half2_prefetch in the row orientation: wider rows of runs per warp
-ROWS_TILES = ((16, 1024, 4), (32, 512, 4), (16, 512, 2), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (64, 512, 8))
+ROWS_TILES = ((16, 1024, 4), (32, 512, 4), (16, 512, 2), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (64, 512, 8),
+              (32, 256, 2), (64, 256, 4), (128, 256, 8), (32, 256, 4), (16, 256, 1))
 
 
 def _tile_name(cfg, form="half2") -> str:

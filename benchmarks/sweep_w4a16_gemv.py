@@ -49,7 +49,8 @@ LONG_TILES = ((4, 512, 4, True), (8, 256, 4, True), (8, 256, 8, True), (8, 512, 
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
                (4, 64, 2, True), (8, 128, 8, True), (16, 128, 8, True), (32, 32, 8, True), (8, 64, 2, True),
-               (4, 128, 4, True))
+               (4, 128, 4, True), (4, 32, 2, True), (8, 32, 2, True), (32, 64, 8, True), (16, 16, 2, True),
+               (64, 32, 8, True), (16, 32, 8, True))
 
 
 def _tiles(k: int) -> list[tuple]:

@@ -289,7 +289,7 @@ def fused_moe(
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
                                    BLOCK_K=interp_bk, EVEN_K=k % interp_bk == 0,
                                    PREFETCH=(planes or half2) and gemv.endswith("prefetch"),
-                                   PLANE_TILE=plane_tile, HALF2=half2)
+                                   PLANE_TILE=plane_tile, HALF2=half2, HALF2_ROWS=half2 and gemv == "half2_prefetch")
         else:
             grid = lambda meta: (programs, cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             tuned[grid](*launch_args, GATED=gated, **consts, **extra, **pdl)

@@ -577,11 +577,16 @@ moe_gemv_autotuned = _autotuned(GEMV_CONFIGS)
 moe_gemm_plane_tile_autotuned = _autotuned(PLANE_TILE_CONFIGS)
 moe_gemv_planes_autotuned = _autotuned(GEMV_PLANES_CONFIGS)
 moe_gemv_half2_autotuned = _autotuned(GEMV_HALF2_CONFIGS)
-# gemv="half2_prefetch": the half2 GEMV with a register double buffer of the next K block's words (PREFETCH); not
-# 8 x 1024 on one warp, whose gate-up spills with it (168 registers, 108 B; sm_90, Triton 3.6, benchmarks.gemv_sass)
+# gemv="half2_prefetch": the half2 GEMV with a register double buffer of the next K block's words (PREFETCH), its
+# tiles as [columns, runs] (HALF2_ROWS: a warp's lanes on consecutive runs of one weight row, 512 contiguous bytes
+# per load). H200, one Kimi token, interleaved rounds (results/sweep_moe_half2_h200.json, session27_call3): pinned
+# 32 x 512 on 4 warps 61.8 µs, 16 x 512 / 2 warps 62.6, 64 x 512 / 8 warps 63.8, against 68.7 for the column
+# orientation's autotuned tiles (its best pinned 68.8); BF16 175.6. Wider tiles (32 x 512 on 2 warps, 64 x 512 on
+# 4) take 254 registers at the gate-up (sm_90, Triton 3.9).
+GEMV_HALF2_ROWS_TILES = [(32, 512, 4), (16, 512, 2), (64, 512, 8), (32, 256, 2), (64, 256, 4), (16, 1024, 4)]
 moe_gemv_half2_prefetch_autotuned = _autotuned([
-    triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps, num_stages=c.num_stages)
-    for c in GEMV_HALF2_CONFIGS if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) != (8, 1024, 1)])
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "HALF2": True, "PREFETCH": True, "HALF2_ROWS": True},
+                  num_warps=w, num_stages=1) for bn, bk, w in GEMV_HALF2_ROWS_TILES])
 # gemv="prefetch": the plane GEMV with a register double buffer of the next K block's words (PREFETCH)
 moe_gemv_prefetch_autotuned = _autotuned([triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps,
                                                         num_stages=c.num_stages) for c in GEMV_PLANES_CONFIGS])
