@@ -840,7 +840,7 @@ def test_half2_run_dot_reference_is_within_its_fp16_bound():
 
 def test_auto_gemv_takes_the_half2_forms_for_16_bit_activations(triton_backend, monkeypatch):
     """gemv="auto" (the default) runs a half2 form (seen by its pair_order launches: x, then h) for bf16 / fp16 x —
-    half2_prefetch up to HALF2_PREFETCH_MAX_TOKENS (1), half2 above — and the plane GEMV with prefetch for fp32 x; the
+    half2_prefetch up to HALF2_PREFETCH_MAX_TOKENS (16), half2 above — and the plane GEMV with prefetch for fp32 x; the
     result equals the explicitly named form's."""
     import mla_quant.kernels._half2_gemv as H
     import mla_quant.kernels.fused_moe as F
@@ -850,9 +850,10 @@ def test_auto_gemv_takes_the_half2_forms_for_16_bit_activations(triton_backend, 
     calls = []
     pair_order = H.pair_order
     monkeypatch.setattr(H, "pair_order", lambda a: calls.append(a.shape) or pair_order(a))
-    assert F.HALF2_PREFETCH_MAX_TOKENS == 1
-    for tokens, dtype, form in ((1, torch.bfloat16, "half2_prefetch"), (1, torch.float16, "half2_prefetch"),
-                                (2, torch.bfloat16, "half2"), (3, torch.float16, "half2"),
+    assert F.HALF2_PREFETCH_MAX_TOKENS == 16
+    monkeypatch.setattr(F, "HALF2_PREFETCH_MAX_TOKENS", 2)  # the rule at small token counts
+    for tokens, dtype, form in ((1, torch.bfloat16, "half2_prefetch"), (2, torch.float16, "half2_prefetch"),
+                                (3, torch.bfloat16, "half2"), (4, torch.float16, "half2"),
                                 (1, torch.float32, "prefetch"),
                                 (2, torch.float32, "prefetch")):
         w, ids = routing(tokens, 3, 2, seed=tokens, device=dev)

@@ -530,7 +530,7 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
     assert_rel_close(w4a16_gemm(x_odd, packed, scale, 32, gemv="planes1").float(), y.float(), tol, "strided")
 
 
-# --- the whole-row one-token GEMV (gemv="rows", the default at M = 1: gemv.py) ---
+# --- the whole-row one-token GEMV (gemv="rows", what "auto" runs at M = 1 but for long 16-bit rows: gemv.py) ---
 
 @pytest.mark.parametrize("n,k,group,tile", [
     (37, 448, 32, (8, 64, 4, False)),     # 56 words: a masked last chunk of 64; N ragged
@@ -637,6 +637,29 @@ def test_rows_half2_gemv_is_exact_for_every_nibble_and_names_what_it_cannot_take
     assert torch.equal(w4a16_gemm(xb, packed, scale, 32, gemv="rows_half2", prefetch_weights=True).cpu(), rows)
     with pytest.raises(ValueError, match="rows_half2.*bf16 / fp16.*float32"):
         w4a16_gemm(x, packed, scale, 32, gemv="rows_half2")
+
+
+def test_auto_gemv_takes_the_half2_rows_for_long_16_bit_rows(triton_backend, monkeypatch):
+    """gemv="auto" (the default) runs the half2 rows GEMV (seen by its pair_order launch) for bf16 / fp16 x whose
+    rows hold more than HALF2_MIN_ROW_WORDS words, the fp32 rows GEMV otherwise and for fp32 x; each result equals
+    the named form's."""
+    import mla_quant.kernels._half2_gemv as H
+    import mla_quant.kernels.w4a16_gemm as W
+
+    dev = triton_backend
+    calls = []
+    pair_order = H.pair_order
+    monkeypatch.setattr(H, "pair_order", lambda a: calls.append(a.shape) or pair_order(a))
+    assert W.HALF2_MIN_ROW_WORDS == 1024
+    monkeypatch.setattr(W, "HALF2_MIN_ROW_WORDS", 32)
+    for k, dtype, form in ((512, torch.bfloat16, "rows_half2"), (512, torch.float16, "rows_half2"),
+                           (256, torch.bfloat16, "rows"), (512, torch.float32, "rows")):
+        packed, scale = _weights(24, k, 32, dev)
+        x = torch.randn(1, k, device=dev).to(dtype)
+        calls.clear()
+        got = w4a16_gemm(x, packed, scale, 32)
+        assert len(calls) == (1 if form == "rows_half2" else 0), (k, dtype)
+        assert torch.equal(got, w4a16_gemm(x, packed, scale, 32, gemv=form)), (k, dtype, form)
 
 
 def test_rows_half2_tile_rule():

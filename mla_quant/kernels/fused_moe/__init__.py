@@ -34,8 +34,10 @@ GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2", "half2_prefetc
 # gemv="auto" (the default) for bf16 / fp16 x: half2_prefetch up to this many tokens, half2 above; prefetch for fp32
 # x. H200, Kimi experts, interleaved rounds (results/sweep_moe_half2_h200.json), µs half2_prefetch / half2 / the
 # prefetch planes: one token 69.0 / 76.8 / 73.6 (1eb45a1) and 66.7 / 75.1 / 73.4 (6cf5cd6, pair_order with PDL);
-# 4 tokens 225.9 / 222.1 / 271.1 (6cf5cd6); 16 tokens 855.1 / 869.4 / 1083.4 and 891.2 / 838.1 / 1004.0
-HALF2_PREFETCH_MAX_TOKENS = 1
+# 4 tokens 225.9 / 222.1 / 271.1 (6cf5cd6); 16 tokens 855.1 / 869.4 / 1083.4 and 891.2 / 838.1 / 1004.0. Since
+# half2_prefetch runs its tiles as [columns, runs] (HALF2_ROWS, session 27, d6104a5): 1 token 61.9 / 75.0 / 73.4,
+# 4 tokens 214.6 / 224.6 / 307.3, 16 tokens 788.5 / 870.5 / 1041.9
+HALF2_PREFETCH_MAX_TOKENS = 16
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")

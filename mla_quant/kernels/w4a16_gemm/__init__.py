@@ -18,7 +18,12 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the one-token GEMV: whole rows per program (default, gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs at
 # 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
 # counters), the split-K plane GEMV in one launch, nibble planes after a plane_order launch, or the first form
-GEMV_FORMS = ("rows", "rows_half2", "planes1", "planes", "tile")
+GEMV_FORMS = ("auto", "rows", "rows_half2", "planes1", "planes", "tile")
+# gemv="auto" (the default): the half2 rows GEMV (gemv_half2.py) for bf16 / fp16 x with rows of more than this many
+# words, the fp32 rows GEMV otherwise. H200, sweep_w4a16_gemv (session 27, interleaved rounds with the PDL launches
+# QuantLinear makes): 7168 x 18432 25.0 µs against 33.0 (1.92x tinygemm's 48.1), 6144 x 12288 16.0 against 18.7
+# (1.92x, 30.8); at 7168 and 2048 K the fp32 rows GEMV is faster (7.0 against 8.7 µs at 4096 x 7168)
+HALF2_MIN_ROW_WORDS = 1024
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
@@ -149,7 +154,7 @@ def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
 
 def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
-               fast_dequant: int | str = "auto", gemv: str = "rows",
+               fast_dequant: int | str = "auto", gemv: str = "auto",
                counters: torch.Tensor | None = None, swap_ab: bool | str = "auto",
                fragments: bool | str = "auto", prefetch_weights: bool = False) -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
@@ -227,6 +232,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
+    if gemv == "auto":
+        gemv = "rows_half2" if x.dtype != torch.float32 and k // 8 > HALF2_MIN_ROW_WORDS else "rows"
     if gemv == "rows_half2" and x.dtype == torch.float32:
         raise ValueError("gemv='rows_half2' takes bf16 / fp16 activations (fp16 pairs), x is float32")
     if m == 1 and gemv.startswith("rows") and config is None and not fast_dequant and not (frag or swap) and n:

@@ -85,22 +85,35 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-# The tiles (BN, BR, num_warps, PIPE) by the row's runs: to be measured (sweep_w4a16_gemv); until then the rows
-# GEMV's shapes in runs (a 1024-word chunk is 256 runs).
+# The tiles (BN, BR, num_warps, PIPE) by the row's runs. H200, sweep_w4a16_gemv (session 27, interleaved CUDA-graph
+# rounds, the pair-order launch and the GEMV both with PDL; results/sweep_w4a16_gemv_h200.json, session27_call2a/b
+# and session27_call4):
+# - 576 runs (K = 18432, Kimi's dense down projection): 32 rows, 32-run chunks, 8 warps 25.0-25.1 µs in two calls
+#   (8 x 32 on 2 or 4 warps 26.8-27.2; the fp32 rows GEMV's default 33.0, its best tile 30.5; tinygemm 48.1);
+# - 384 runs (K = 12288, GLM's dense down): 4 rows, 64-run chunks, 2 warps 16.0-16.1 µs in two calls (32 x 32 on
+#   8 warps 21.2; the rows GEMV's default 18.7, its best tile 16.8; tinygemm 30.8);
+# - 224 runs (K = 7168): 4 rows, 128-run chunks, 4 warps 8.7 µs at 4096 rows, 6.4 at 2048 (the rows GEMV 7.0 / 3.6);
+# - 64 runs (K = 2048): 32 rows, 32-run chunks, 8 warps 5.1 µs at 7168 rows (the rows GEMV 3.6).
+# Only the two long rows are faster than the fp32 rows GEMV: w4a16_gemm's gemv="auto" takes this GEMV above
+# HALF2_MIN_ROW_WORDS.
 INTERPRETER_TILE = (8, 4, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
 
 def half2_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, bool]:
-    """(BN, BR, num_warps, PIPE) for an N x K weight, by the row's runs rounded up to a power of two."""
+    """(BN, BR, num_warps, PIPE) for an N x K weight, by the row's runs (K / 32) rounded up to a power of two."""
     runs = triton.next_power_of_2(k // 32)
     if interpreted:
         bn, br, warps, pipe = INTERPRETER_TILE
         return bn, min(br, runs), warps, pipe
     if runs <= 64:
-        return 32, max(runs // 2, 4), 8, True
-    if runs <= 256:
-        return 8, runs, 4, False
-    return 8, 128, 8, True
+        bn, br, warps = 32, 32, 8
+    elif runs <= 256:
+        bn, br, warps = 4, 128, 4
+    elif runs <= 512:
+        bn, br, warps = 4, 64, 2
+    else:
+        bn, br, warps = 32, 32, 8
+    return bn, min(br, runs), warps, True
 
 
 def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size: int, tile: tuple,
