@@ -202,10 +202,12 @@ def half2_tile_rule(n: int, k: int) -> tuple:
 
 
 def _write(args, runs: list) -> None:
-    """The results so far: the whole file, or (``--label``) one key of the existing file."""
-    if args.label and os.path.exists(args.out):
-        with open(args.out) as f:
-            doc = json.load(f)
+    """The results so far: the whole file, or (``--label``) one key of the file (the other keys kept)."""
+    if args.label:
+        doc = {}
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                doc = json.load(f)
         doc[args.label] = {"meta": meta(Context()), "runs": runs}
     else:
         doc = {"about": __doc__.splitlines()[0], "meta": meta(Context()), "runs": runs}
