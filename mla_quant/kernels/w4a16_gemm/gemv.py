@@ -93,8 +93,11 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
 #   arithmetic, a PRE setting removed since, 3.73 / 7.19);
 # - up to 256 words (K = 2048): 32 rows, pipelined 128-word chunks, 8 warps: 3.60 µs at 7168 rows (16 rows, two
 #   prefetched chunks: 3.82 with a reduction per chunk, 4.38 with one per row);
-# - longer rows (K = 18432: 2304 words; one chunk, or 4 warps, would spill): pipelined 512-word chunks, 8 warps
-#   (101 registers at sm_90; not timed).
+# - longer rows (K = 18432: 2304 words; one chunk, or 4 warps, would spill): pipelined 512-word chunks, 8 warps.
+#   Session 27 timed it with bf16 x (with PDL): 33.0 µs at 7168 x 18432, 18.7 at 6144 x 12288; 4 rows on 4 warps
+#   30.6-30.9 / 17.3-17.5, 8 x 256 on 8 warps 30.5 / 18.7, 8 x 512 on 4 warps 43.4 / 16.8. 16-bit x runs gemv_half2.py
+#   there since (faster still), so this tile serves fp32 x, which was not timed (4 x 512 on 4 warps takes 168
+#   registers with fp32 x at K = 18432 against 128 with bf16): the rule is left as it was.
 SHORT_ROW_WORDS, LONG_ROW_WORDS = 256, 1024
 INTERPRETER_TILE = (8, 64, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
