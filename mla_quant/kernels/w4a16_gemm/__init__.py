@@ -172,9 +172,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     ``kernel.py`` (codes from 16-bit lanes, one scale multiply per group partial; 2: biased codes, no float op
     per weight) and its own autotuned configs, which also try the 16-row tile at one token (docs/recipes.md).
 
-    ``gemv`` picks the one-token GEMV (M = 1, ``fast_dequant`` off): ``"rows"`` (default without a pinned ``config``:
-    ``gemv.py``, whole rows per program, all of a row's words in flight, no split-K; its tile by
-    ``gemv.gemv_tile``; docs/moe.md "W4A16 at M = 1: whole rows"), ``"planes1"`` (the plane
+    ``gemv`` picks the one-token GEMV (M = 1, ``fast_dequant`` off, no pinned ``config``): ``"auto"`` (default:
+    ``"rows_half2"`` for bf16 / fp16 x with rows of more than ``HALF2_MIN_ROW_WORDS`` words, else ``"rows"``),
+    ``"rows"`` (``gemv.py``, whole rows per program, all of a row's words in flight, no split-K, fp32 sums; its tile
+    by ``gemv.gemv_tile``; docs/moe.md "W4A16 at M = 1: whole rows"), ``"rows_half2"`` (bf16 / fp16 x only:
+    ``gemv_half2.py``, the same grid in fp16x2 arithmetic on x in pair order, one ``pair_order`` launch before it;
+    bf16-level sums; docs/moe.md "W4A16 at M = 1 in fp16x2"), ``"planes1"`` (the plane
     GEMV in one launch: each program reads its activations from x itself, with its own configs and split-K,
     ``kernel.planes1_split``; docs/moe.md "W4A16 at M = 1 in one launch"), ``"planes"`` (x re-ordered into fp32
     nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md "The INT4 plane GEMV")
@@ -196,8 +199,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     ``fast_dequant`` level nor ``swap_ab`` True / False is given (``swap_ab`` then decides between the swapped kernel
     and the tile). True forces it (a call it cannot take raises, naming why), False keeps it off.
 
-    ``prefetch_weights`` (the ``"rows"`` GEMV on sm_90+, unless ``MLA_QUANT_PDL=0``): launch it with programmatic
-    dependent launch and load the weights and scales *before* waiting for the kernel launched just before, so they
+    ``prefetch_weights`` (the ``"rows"`` / ``"rows_half2"`` GEMVs on sm_90+, unless ``MLA_QUANT_PDL=0``): launch it
+    with programmatic dependent launch and load the weights and scales *before* waiting for the kernel launched just
+    before (for ``"rows_half2"``: its ``pair_order`` launch, itself launched with PDL), so they
     stream during that kernel's tail and the launch gap. It is the caller's promise that ``weight_packed`` and
     ``weight_scale`` are not written by that kernel (true of a model's weights at decode: ``QuantLinear`` sets it);
     x is read only after the wait. Off by default.
