@@ -15,9 +15,10 @@ from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .reference import w4a16_gemm_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# the one-token GEMV: whole rows per program (default, gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs at
-# 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
-# counters), the split-K plane GEMV in one launch, nibble planes after a plane_order launch, or the first form
+# the one-token GEMV: "auto" (below), whole rows per program (gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs
+# at 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
+# counters), the same grid in fp16x2 arithmetic (gemv_half2.py), the split-K plane GEMV in one launch, nibble planes
+# after a plane_order launch, or the first form
 GEMV_FORMS = ("auto", "rows", "rows_half2", "planes1", "planes", "tile")
 # gemv="auto" (the default): the half2 rows GEMV (gemv_half2.py) for bf16 / fp16 x with rows of more than this many
 # words, the fp32 rows GEMV otherwise. H200, sweep_w4a16_gemv (session 27, interleaved rounds with the PDL launches

@@ -10,12 +10,12 @@ with PDL), each run's pairs scaled by a power of two into fp16's range; the GEMV
 power of two and the run's group scale in fp32. Numerics are the half2 GEMV's (docs/moe.md "The half2 GEMV"):
 bf16-level, not the fp32 sums of ``gemv="rows"``.
 
-A program's tile is [BN rows, BR runs] (4 words per element, one 128-bit load; a warp's lanes take consecutive
-runs of one row, 512 contiguous bytes); a row of R = K/32 runs is walked in
-chunks of BR runs. Runs past R (the last chunk of a row whose run count is not a multiple of BR) re-read the last
-run and have their scale zeroed (products of finite fp16 sums times 0). Each element reads its own 16 pairs (4
-128-bit loads that hit L1: the BN rows of a run share them); without the PDL wait they would be read before the
-pair-order launch has written them, so they are read after it.
+A program's tile is [BN rows, BR runs]: 4 words per element in one 128-bit load, a warp's lanes on consecutive runs
+of one row (512 contiguous bytes; lanes on the rows of one run, the first form, were slower at every width). A row of
+R = K/32 runs is walked in chunks of BR runs; runs past R (the last chunk of a row whose run count is not a multiple
+of BR) re-read the last run and have their scale zeroed (finite fp16 sums times 0). A run's 16 pairs are 4 128-bit
+loads per thread, shared by the rows the thread holds of that run; they are read after the PDL wait (the pair-order
+launch writes them), the weights before it.
 """
 import triton
 import triton.language as tl
