@@ -2,6 +2,7 @@
 
     PYTHONPATH=. /path/to/venv-triton-3.6/bin/python -m benchmarks.gemv_sass [--dump DIR]
     PYTHONPATH=. python -m benchmarks.gemv_sass --fragments    # the fragment kernel's MMA operand layouts (JSON)
+    PYTHONPATH=. python -m benchmarks.gemv_sass --rows         # the whole-row GEMVs (gemv.py, gemv_half2.py)
 
 Compiles, through ``compile_check``'s fake Hopper, every autotune candidate the launchers keep for one token
 at Kimi K2.6 shapes — ``fused_moe`` INT4 at ``block_m=1`` (gate-up: N = 2048, K = 7168, gated; down:
@@ -20,7 +21,7 @@ import re
 import torch
 
 from benchmarks import compile_check as cc
-from benchmarks.sass_tools import collect_compiled, loop_profile, opcode
+from benchmarks.sass_tools import collect_compiled, disassemble, loop_profile, opcode
 
 COLUMNS = ("LDG", "LDG128", "STS", "LDS", "BAR", "SHFL", "LOP3", "SHF", "FADD", "FMUL", "FFMA", "IMAD", "PRMT",
            "HFMA2", "HADD2")
@@ -64,11 +65,49 @@ def fragment_layouts() -> dict:
         "shared": kernel.metadata.shared} for _, kw, kernel in compiled}
 
 
+ROWS_SHAPES = ((2048, 7168), (4096, 7168), (7168, 2048), (6144, 12288), (7168, 18432))
+
+
+def rows_profile() -> list[str]:
+    """The one-token whole-row GEMVs (``gemv.py``'s fp32 rows kernel and ``gemv_half2.py``'s fp16x2 one) compiled for
+    sm_90 at each of ``ROWS_SHAPES`` with the tiles their rules pick (bf16 x, PDL): registers, spills and, over the
+    whole kernel (its chunks are unrolled, so there is no loop to profile), SASS instructions, global loads and
+    warp-instructions per weight of a program."""
+    lines = []
+    with collect_compiled(("_w4a16_gemv_kernel", "_w4a16_gemv_half2_kernel")) as (log, compiled):
+        from mla_quant.kernels._half2_gemv import pair_order_reference
+        from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
+        from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_tile
+
+        pdl = {"PDL": 2, "launch_pdl": True}
+        for n, k in ROWS_SHAPES:
+            packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=torch.bfloat16)
+            x, y = torch.randn(k, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+            pairs, pair_scales = pair_order_reference(x[None])
+            for form, tile, launch in (
+                    ("rows", gemv_tile(n, k), lambda t: gemv_launch(x, packed, scale, y, 32, t, pdl)),
+                    ("rows_half2", half2_tile(n, k),
+                     lambda t: half2_launch(pairs[0], pair_scales[0], packed, scale, y, 32, t, pdl))):
+                start = len(compiled)
+                launch(tile)
+                for _, _, kernel in compiled[start:]:
+                    ins = [opcode(t) for t in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", disassemble(kernel))]
+                    regs, spills = log.ptxas[kernel.metadata.hash]
+                    per_weight = len(ins) * tile[2] / (tile[0] * k)
+                    lines.append(f"{n}x{k} {form:10s} tile {str(tile):22s} regs {regs:3} spill {spills} "
+                                 f"instr {len(ins):5} LDG {ins.count('LDG'):3} warp-instr/weight {per_weight:.3f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", help="folder for each kernel's .ttgir / .ptx / .sass")
     parser.add_argument("--fragments", action="store_true", help="print the fragment kernel's MMA operand layouts")
+    parser.add_argument("--rows", action="store_true", help="profile the whole-row one-token GEMVs")
     args = parser.parse_args(argv)
+    if args.rows:
+        print("\n".join(rows_profile()))
+        return 0
     if args.fragments:
         print(json.dumps(fragment_layouts()))
         return 0
