@@ -623,6 +623,31 @@ def test_rows_half2_gemv_matches_reference_and_the_rows_gemv(triton_backend, n, 
     assert_rel_close(y.float(), w4a16_gemm(x[None], packed, scale, group)[0].float(), 1e-2, f"{what} vs rows")
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=10, deadline=None)
+@given(n=odd_sizes(1, 40), runs=st.integers(1, 20), group=st.sampled_from([32, 64, 128]),
+       tile=st.sampled_from([(8, 4, 4, True), (4, 8, 2, False), (16, 2, 4, True), (2, 16, 1, False)]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), scale_x=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_rows_half2_gemv_over_shapes_and_activation_ranges(triton_backend, n, runs, group, tile, dtype, scale_x,
+                                                           seed):
+    """Any N, any number of runs (K = 32 · runs, rounded up to the group), any tile, activations from 1e-3 to 300:
+    the per-run power-of-two scales keep fp16 in range, so the result matches the reference at bf16 level."""
+    from mla_quant.kernels._half2_gemv import pair_order
+    from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch
+
+    dev = triton_backend
+    k = -(-32 * runs // group) * group
+    g = torch.Generator().manual_seed(seed)
+    packed, scale = I.int4_quantize_reference(torch.randn(n, k, generator=g), group, dtype)
+    packed, scale = packed.to(dev), scale.to(dev)
+    x = (torch.randn(k, generator=g) * scale_x).to(dtype).to(dev)
+    pairs, pair_scales = pair_order(x[None])
+    y = poisoned_empty((n,), dtype, dev)
+    half2_launch(pairs[0], pair_scales[0], packed, scale, y, group, tile, interpreted=triton_interpreted())
+    ref = w4a16_gemm_reference(x[None], packed, scale, group)[0].float()
+    assert_rel_close(y.float(), ref, 1e-2, f"rows_half2 {n}x{k} g{group} {tile} x*{scale_x}")
+
+
 def test_rows_half2_gemv_is_exact_for_every_nibble_and_names_what_it_cannot_take(triton_backend):
     """Every code at every nibble position, power-of-two scales and activations: each fp16 chain's partial sums are
     multiples of 8 below 2^14 (exact in fp16), so the half2 call's fp32 sums are exact and its output equals the
