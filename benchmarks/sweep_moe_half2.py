@@ -13,7 +13,10 @@ FP8-block experts (the goal's peers: INT4 ≥ 3.0× BF16 and ≥ 1.6× FP8). Per
 reference over max |reference| on the first routing, and whether two calls give the same bits. ``--rows`` adds
 ``half2_prefetch`` pinned at each of its tiles in the row orientation (``HALF2_ROWS``: a warp's lanes on consecutive
 runs of one weight row) and at ``ROWS_TILES`` (each with its error against the reference); ``--label`` writes the
-rows under that key of an existing ``--out`` file.
+rows under that key of an existing ``--out`` file. ``--early`` adds ``half2_prefetch`` (autotuned) with each
+setting of ``fused_moe.WEIGHTS_BEFORE_WAIT`` (which launches read their routing and first weights before the PDL
+wait: none, the down only, both). ``--pairs`` adds, at one token, ``half2_prefetch`` with the gate-up and the down
+launch pinned to different tiles (each pair of ``PAIR_GATE_UP`` × ``PAIR_DOWN``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import triton
 
 from mla_quant.kernels.fused_moe import fused_moe, fused_moe_reference
 from mla_quant.kernels import _half2_gemv as H
+from mla_quant.kernels import fused_moe as F
 from mla_quant.kernels.fused_moe import kernel as moe_kernel
 from mla_quant.modules.experts import kernel_args
 
@@ -36,6 +40,10 @@ from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, 
 # extra (BLOCK_N, BLOCK_K, warps) tiles of half2_prefetch in the row orientation: wider rows of runs per warp
 ROWS_TILES = ((16, 1024, 4), (32, 512, 4), (16, 512, 2), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (64, 512, 8),
               (32, 256, 2), (64, 256, 4), (128, 256, 8), (32, 256, 4), (16, 256, 1))
+
+# --pairs: (BLOCK_N, BLOCK_K, warps) of the gate-up and of the down launch (row orientation), timed in every pairing
+PAIR_GATE_UP = ((64, 512, 8), (32, 512, 4))
+PAIR_DOWN = ((64, 256, 4), (32, 512, 4), (16, 1024, 4), (64, 512, 8))
 
 
 def _tile_name(cfg, form="half2") -> str:
@@ -63,12 +71,32 @@ def _pinned(cfg, form="half2"):
     tuner.cache.clear()
 
 
+def _rows_config(bn, bk, w):
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "HALF2": True, "PREFETCH": True, "HALF2_ROWS": True},
+                         num_warps=w, num_stages=1)
+
+
+def _pinned_pair(gate_up, down, call):
+    """Pin half2_prefetch's gate-up launch to ``gate_up`` and its down launch to ``down`` (configs), by writing its
+    autotuner's cache per key (GATED is in the key); ``call()`` first if the cache holds no key yet (an eager call:
+    never inside a graph capture, which follows an eager call of the same setting)."""
+    tuner = _tuner("half2_prefetch")
+    tuner.configs = [gate_up, down]  # more than one: the autotuner consults its cache
+    if not tuner.cache:
+        call()
+    gated = tuner.keys.index("GATED")
+    for key in list(tuner.cache):
+        tuner.cache[key] = gate_up if key[gated] else down
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sweep_args(__doc__, "sweep_moe_half2_h200.json", None, argv,
                       lambda ap: (ap.add_argument("--tokens", default="1,4,16"),
                                   ap.add_argument("--pin", default="half2,half2_prefetch",
                                                   help="forms whose tiles are also timed pinned, comma-separated"),
                                   ap.add_argument("--rows", action="store_true"),
+                                  ap.add_argument("--early", action="store_true"),
+                                  ap.add_argument("--pairs", action="store_true"),
                                   ap.add_argument("--label")))
     if args is None:
         return 1
@@ -99,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
                 with module_attrs(H, {"PAIR_ORDER_PDL": False}):
                     return routed("int4_g32", block_m=1, gemv="half2_prefetch")
 
+            def early(launches):  # fused_moe.WEIGHTS_BEFORE_WAIT at capture
+                def fn():
+                    with module_attrs(F, {"WEIGHTS_BEFORE_WAIT": launches}):
+                        return routed("int4_g32", block_m=1, gemv="half2_prefetch")
+                return fn
+
             fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"),
                    "half2_prefetch_plain_pair_order": no_pair_pdl,
                    "planes": setting("int4_g32", block_m=1, gemv="planes"),
@@ -110,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
             rows_cfgs = _rows_configs(all_configs["half2_prefetch"]) if args.rows else []
             for cfg in rows_cfgs:
                 fns[_tile_name(cfg, "half2_prefetch")] = setting("int4_g32", cfg, block_m=1, gemv="half2_prefetch")
+            if args.early:
+                for launches in ((), ("down",), ("gate_up", "down")):
+                    fns["half2_prefetch_early_" + ("_".join(launches) or "none")] = early(launches)
+            if args.pairs and t == 1:
+                for g in PAIR_GATE_UP:
+                    for d in PAIR_DOWN:
+                        def pair(cg=_rows_config(*g), cd=_rows_config(*d)):
+                            call = lambda: routed("int4_g32", block_m=1, gemv="half2_prefetch")  # noqa: E731
+                            _pinned_pair(cg, cd, call)
+                            return call()
+                        fns["half2_prefetch_{}x{}w{}_down_{}x{}w{}".format(*g, *d)] = pair
             if t == 1:
                 fns["bf16"] = setting("bf16")
                 fns["fp8_block"] = setting("fp8_block")

@@ -83,19 +83,23 @@ def _pair_order_kernel(src_ptr, dst_ptr, scale_ptr, K, stride_src, stride_dst, s
     tl.store(scale_ptr + row * stride_scale + b * 8 + tl.arange(0, 8), up)
 
 
-def pair_order(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_order(a: torch.Tensor, hold_next: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, K] activations (last dim contiguous) -> ``(pairs, scales)`` in pair order (module docstring):
     int32 [R, plane_width(K) / 2] and fp32 [R, plane_width(K) / 32]. One small Triton launch, with PDL on Hopper
-    (``_pdl``: scheduled while the kernel before it runs, e.g. the gate-up GEMV whose h it orders)."""
+    (``_pdl``: scheduled while the kernel before it runs, e.g. the gate-up GEMV whose h it orders).
+    ``hold_next``: its programs let the next kernel be scheduled only after their wait has returned, so that
+    kernel starts after every kernel before this launch has finished (it may then read their outputs, e.g. the
+    routing, before its own wait)."""
     rows, k = a.shape
     width = plane_width(k)
     pairs = torch.empty((rows, width // 2), dtype=torch.int32, device=a.device)
     scales = torch.empty((rows, width // RUN_K), dtype=torch.float32, device=a.device)
     if rows and k:
+        pdl = pdl_launch(a.device, "pair_order") if PAIR_ORDER_PDL else {"PDL": False}
+        if hold_next and pdl["PDL"]:
+            pdl = {**pdl, "PDL": 1}  # wait, then signal (_triton_utils.grid_dependency_sync)
         _pair_order_kernel[(rows, width // PLANE_BLOCK_K)](a, pairs, scales, k, a.stride(0), pairs.stride(0),
-                                                           scales.stride(0), num_warps=2,
-                                                           **(pdl_launch(a.device, "pair_order") if PAIR_ORDER_PDL
-                                                              else {"PDL": False}))
+                                                           scales.stride(0), num_warps=2, **pdl)
     return pairs, scales
 
 

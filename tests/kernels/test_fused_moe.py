@@ -813,6 +813,49 @@ def test_gpu_half2_gemv_real_widths(t, dtype, form):
     _assert_gpu_gemv_form(form, experts("int4_group", 24, 7168, 2048, seed=5, device="cuda"), t, dtype)
 
 
+@pytest.mark.parametrize("tokens,fusion", [(1, "auto"), (1, False), (3, "auto")])
+def test_weights_before_wait_is_the_same_computation(triton_backend, monkeypatch, tokens, fusion):
+    """half2_prefetch with WEIGHTS_BEFORE_WAIT (the default: routing and first weights read before the PDL wait, the
+    counters zeroed after the gate-up's GEMV, a dropped slot waiting on its own path) gives the bits of the launches
+    without it, under poisoned allocations, on the decode path (dropped slots) and the aligned one. Interpreted the
+    waits return at once; this checks the code order, test_pdl.py the ordering on the GPU."""
+    import mla_quant.kernels.fused_moe as F
+    from mla_quant.kernels.fused_moe import kernel as K
+
+    dev = triton_backend
+    gate, up, down = experts("int4_group", 4, 352, 96, seed=17, device=dev)
+    x = torch.randn(tokens, 352, device=dev).to(torch.bfloat16)
+    w, ids = routing(tokens, 4, 3, seed=17, device=dev)
+    ids[0, 1] = -1
+    shared_out = torch.randn(tokens, 352, device=dev).to(torch.bfloat16)
+    seen = []
+    if dev == "cpu":  # the interpreted launch: record what each GEMV launch was told
+        launch = K._moe_gemm_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    seen.append(kw["WEIGHTS_FIRST"])
+                    return launch[grid](*args, **kw)
+                return run
+        monkeypatch.setattr(K, "_moe_gemm_kernel", Spy())
+    _poison_allocations(monkeypatch)
+    outs = {}
+    for early in (("gate_up", "down"), ("down",), ()):
+        monkeypatch.setattr(F, "WEIGHTS_BEFORE_WAIT", early)
+        seen.clear()
+        outs[early] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="half2_prefetch",
+                                decode_fusion=fusion, shared_out=shared_out, out=poisoned_empty(x.shape, x.dtype, dev))
+        if dev == "cpu":
+            assert seen == ["gate_up" in early, "down" in early], early
+    assert_bitwise_equal(outs[("gate_up", "down")], outs[()], "weights before the wait")
+    assert_bitwise_equal(outs[("down",)], outs[()], "the down's weights before the wait")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              shared_out=shared_out.cpu())
+    assert_rel_close(outs[()].float().cpu(), ref.float(), 2e-2, "vs reference")
+
+
 def test_half2_run_dot_reference_is_within_its_fp16_bound():
     """The emulated fp16 chains (run_dot_reference) stay within the bound docs/moe.md states: each of a lane's
     16 fp16 roundings errs by at most half an fp16 ulp of that partial sum (below 2^15), so a run's error is at
@@ -849,7 +892,7 @@ def test_auto_gemv_takes_the_half2_forms_for_16_bit_activations(triton_backend, 
     gate, up, down = experts("int4_group", 3, 256, 64, seed=2, device=dev)
     calls = []
     pair_order = H.pair_order
-    monkeypatch.setattr(H, "pair_order", lambda a: calls.append(a.shape) or pair_order(a))
+    monkeypatch.setattr(H, "pair_order", lambda a, **kw: calls.append(a.shape) or pair_order(a, **kw))
     assert F.HALF2_PREFETCH_MAX_TOKENS == 16
     monkeypatch.setattr(F, "HALF2_PREFETCH_MAX_TOKENS", 2)  # the rule at small token counts
     for tokens, dtype, form in ((1, torch.bfloat16, "half2_prefetch"), (2, torch.float16, "half2_prefetch"),

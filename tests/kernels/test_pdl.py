@@ -3,8 +3,11 @@ each decode-step chain, captured in a CUDA graph with PDL and replayed on new in
 give (bit for bit where the kernels are deterministic). GPU only; the CPU side is in test_backend.py."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mla_quant.kernels import _pdl
+from mla_quant.kernels._triton_utils import gdc_launch_dependents, gdc_wait
 from mla_quant.kernels.fused_moe import fused_moe
 from mla_quant.kernels.indexer_scores import indexer_topk, topk_work_buffer
 from mla_quant.kernels.mla_decode import mla_decode
@@ -115,3 +118,73 @@ def test_fused_moe_int4_one_token(monkeypatch):
         want = plain(step, monkeypatch)
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
         x.copy_(torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+
+
+@triton.jit
+def _late_copy(src_ptr, dst_ptr, n, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
+    """Let the next kernel be scheduled, spin SPIN_NS, wait for the kernel before, then copy src to dst (int32):
+    a PDL kernel that writes its output long after its dependents may have started."""
+    gdc_launch_dependents()
+    pid = tl.program_id(0)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1)
+    t = t0
+    while t - t0 < SPIN_NS:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    gdc_wait()
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def _write_late(src: torch.Tensor, dst: torch.Tensor, spin_us: int = 50):
+    """dst.copy_(src) (same shape, 4-byte elements) by a PDL launch of _late_copy."""
+    n = dst.numel()
+    _late_copy[(triton.cdiv(n, 1024),)](src.view(torch.int32), dst.view(torch.int32), n, SPIN_NS=spin_us * 1000,
+                                        BLOCK=1024, launch_pdl=True)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fused_moe_reads_weights_before_its_wait_only_when_safe(monkeypatch, tokens):
+    """fused_moe's half2_prefetch launches read the routing and their first weights before their PDL wait
+    (WEIGHTS_BEFORE_WAIT). The three kernels just before the call are PDL kernels that let fused_moe be scheduled at
+    once and write the routing ids, the routing weights and the down and gate weights only ~50 µs later: the result
+    must be that of the new routing and weights (plain launches), eagerly and replayed from a graph."""
+    if not _pdl.pdl_launch(torch.device("cuda"), "fused_moe").get("launch_pdl"):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
+    import mla_quant.kernels.fused_moe as F
+
+    assert F.WEIGHTS_BEFORE_WAIT == ("gate_up", "down")
+    gate, up, down = experts("int4_group", 16, 1024, 512, seed=3, device="cuda")
+    new_gate, _, new_down = experts("int4_group", 16, 1024, 512, seed=9, device="cuda")
+    weights, ids = routing(tokens, 16, 4, seed=4, device="cuda")
+    new_weights, new_ids = routing(tokens, 16, 4, seed=8, device="cuda")
+    x = torch.randn(tokens, 1024, device="cuda").to(torch.bfloat16)
+    old = {"ids": ids.clone(), "w": weights.clone(), "gate": gate["weight_packed"].clone(),
+           "down": down["weight_packed"].clone()}
+
+    def reset():
+        ids.copy_(old["ids"]), weights.copy_(old["w"])
+        gate["weight_packed"].copy_(old["gate"]), down["weight_packed"].copy_(old["down"])
+        torch.cuda.synchronize()
+
+    def step():
+        _write_late(new_down["weight_packed"], down["weight_packed"])
+        _write_late(new_gate["weight_packed"], gate["weight_packed"])
+        _write_late(new_weights, weights)
+        _write_late(new_ids, ids)
+        return fused_moe(x, weights, ids, gate, up, down, kind="int4_group", block_m=1, gemv="half2_prefetch")
+
+    want = plain(lambda: fused_moe(x, new_weights, new_ids, {**gate, "weight_packed": new_gate["weight_packed"]}, up,
+                                   {**down, "weight_packed": new_down["weight_packed"]}, kind="int4_group", block_m=1,
+                                   gemv="half2_prefetch"), monkeypatch)
+    stale = plain(lambda: fused_moe(x, weights, ids, gate, up, down, kind="int4_group", block_m=1,
+                                    gemv="half2_prefetch"), monkeypatch)
+    assert not torch.equal(stale, want)
+    got = step()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), "eager"
+    reset()
+    graph, out = captured(step)
+    for _ in range(2):
+        reset()
+        assert torch.equal(replayed(graph, out), want), "graph replay"

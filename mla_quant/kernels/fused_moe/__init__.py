@@ -38,6 +38,10 @@ GEMV_FORMS = ("prefetch", "planes", "tile", "fragments", "half2", "half2_prefetc
 # half2_prefetch runs its tiles as [columns, runs] (HALF2_ROWS, session 27, d6104a5): 1 token 61.9 / 75.0 / 73.4,
 # 4 tokens 214.6 / 224.6 / 307.3, 16 tokens 788.5 / 870.5 / 1041.9
 HALF2_PREFETCH_MAX_TOKENS = 16
+# The half2_prefetch launches ("gate_up", "down") that read the routing and their first K block's weights before
+# their PDL wait, i.e. while the kernel before them still runs (docs/moe.md "Weights before the wait"); a sweep
+# setting.
+WEIGHTS_BEFORE_WAIT = ("gate_up", "down")
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -252,6 +256,18 @@ def fused_moe(
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
     half2 = kind == "int4_group" and bm == 1 and gemv.startswith("half2")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
+    gate_up_pdl = down_pdl = pdl
+    # interpreted (no PDL): the same code order, with waits that return at once
+    early = WEIGHTS_BEFORE_WAIT if (pdl["PDL"] or triton_interpreted()) and half2 and gemv == "half2_prefetch" \
+        else ()
+    if early:
+        # The order that makes the early reads safe. The gate-up signals the down's pair_order launch only after
+        # its own wait (PDL mode 1), so once the down launch runs, x's pair_order and every kernel before this
+        # call have finished; only the gate-up and h's pair_order may still run, and they write h, its pairs and
+        # the counters, never the routing or the weights. For the gate-up's own early reads, x's pair_order
+        # likewise signals only after its wait (hold_next), so the gate-up starts after every earlier kernel.
+        gate_up_pdl = {**pdl, "PDL": 1 if pdl["PDL"] else False, "WEIGHTS_FIRST": "gate_up" in early}
+        down_pdl = {**pdl, "WEIGHTS_FIRST": "down" in early}
     kind_id = {"bf16": KIND_DENSE, "fp8_block": KIND_FP8, "int4_group": KIND_INT4}[kind]
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
@@ -275,7 +291,7 @@ def fused_moe(
     interp_bn = 64  # ragged N tiles at the tests' widths (multiples of the group)
     programs = num_assignments if direct else expert_ids.numel()
 
-    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), **extra):
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), pdl=pdl, **extra):
         keys = WEIGHT_KEYS[kind]
         w1_main, w3_main = w1[keys[0]], w3[keys[0]]
         w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
@@ -291,7 +307,8 @@ def fused_moe(
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
                                    BLOCK_K=interp_bk, EVEN_K=k % interp_bk == 0,
                                    PREFETCH=(planes or half2) and gemv.endswith("prefetch"),
-                                   PLANE_TILE=plane_tile, HALF2=half2, HALF2_ROWS=half2 and gemv == "half2_prefetch")
+                                   PLANE_TILE=plane_tile, HALF2=half2, HALF2_ROWS=half2 and gemv == "half2_prefetch",
+                                   WEIGHTS_FIRST=pdl.get("WEIGHTS_FIRST", False))
         else:
             grid = lambda meta: (programs, cdiv(n, meta["BLOCK_N"]))  # noqa: E731
             tuned[grid](*launch_args, GATED=gated, **consts, **extra, **pdl)
@@ -303,7 +320,7 @@ def fused_moe(
     elif planes:
         xa = xa_scale = plane_order(x)  # once per call, shared by every expert
     elif half2:
-        xa, xa_scale = pair_order(x)
+        xa, xa_scale = pair_order(x, hold_next="gate_up" in early)
     elif plane_tile:
         xa = xa_scale = plane_order(x, scaled=False)
     else:
@@ -325,9 +342,9 @@ def fused_moe(
         counters = torch.empty(tokens * cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
         combine = (counters, result, shared)
         zero_block = next_power_of_2(cdiv(counters.numel(), num_assignments))
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, COUNTERS=zero_block)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, gate_up_pdl, COUNTERS=zero_block)
     else:
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, (), gate_up_pdl)
     if act_quant:
         ha, ha_scale = quant(h, act_group, ue8m0)
     elif half2:  # h (rounded to x's dtype as in every form) as pairs for the down projection's half2 GEMV
@@ -335,10 +352,10 @@ def fused_moe(
     else:
         ha = ha_scale = h
     if direct:  # the combine happens in the down launch, as each token's rows arrive
-        gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, combine, TOP_K=top_k,
+        gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, combine, down_pdl, TOP_K=top_k,
              HAS_SHARED=shared_out is not None)
         return result
-    gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter)
+    gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, (), down_pdl)
     block_h = min(1024, next_power_of_2(hidden))
     _moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
         y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),

@@ -164,7 +164,7 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N, K, stride_at, stride_ast,
                      stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
-                     ROWS: tl.constexpr = False):
+                     ROWS: tl.constexpr = False, WAIT: tl.constexpr = 0):
     """The half2 GEMV of one assignment (``HALF2``; ``a_row``: its row of ``a``, pairs from
     ``_half2_gemv.pair_order``, run scales at ``as_ptr``) against columns n0..n0+BLOCK_N of one expert: fp32
     [1, BLOCK_N] sums (gate, and up when GATED). Tiles are [BLOCK_K/32, BLOCK_N/2] runs (4 words each), the even
@@ -173,7 +173,8 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     N re-read column N - 1 and runs past K (unless EVEN_K) the first run, zeroed (never stored). PREFETCH: the next
     K block's words are loaded before this block's arithmetic (a register double buffer; past K the last run is
     read again). ROWS: the tiles are [BLOCK_N/2, BLOCK_K/32] instead, so a warp's lanes take consecutive runs of
-    one weight row (coalesced 16-byte word loads) rather than the columns of one run."""
+    one weight row (coalesced 16-byte word loads) rather than the columns of one run. WAIT (a PDL mode, with
+    PREFETCH): the PDL wait comes after the first K block's words are loaded, before any activation is read."""
     if ROWS:
         rr = tl.arange(0, BLOCK_K // 32)[None, :] + tl.zeros((BLOCK_N // 2, 1), dtype=tl.int32)  # full tile shape
         c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[:, None]
@@ -193,6 +194,7 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     if PREFETCH:  # the first K block's words (runs past K: the first run)
         n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd, 4 * tl.where(rr < K // 32, rr, 0), GATED,
                                            INTERPRET)
+    grid_dependency_sync(WAIT)
     for k0 in range(0, K, BLOCK_K):
         run = k0 // 32 + rr
         ok = run < K // 32
@@ -294,6 +296,16 @@ def _int4_plane_tile_step(a_ptrs, a_ok, w_ptrs, s_ptrs, w_ok, acc, DT: tl.conste
 
 
 @triton.jit
+def _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS: tl.constexpr):
+    """The gate-up launch's program (m, 0) zeroes counters m·COUNTERS.. of the down launch (DIRECT; COUNTERS 0:
+    none)."""
+    if COUNTERS > 0:
+        if pid_n == 0:
+            c = pid_m * COUNTERS + tl.arange(0, COUNTERS)
+            tl.store(count_ptr + c, tl.zeros((COUNTERS,), dtype=tl.int32), mask=c < num_counters)
+
+
+@triton.jit
 def _combine_on_arrival(res, pid_m, pid_n, rn, N, y_ptr, stride_yt, count_ptr, res_ptr, stride_rt, shared_ptr,
                         stride_st, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The combine of the direct down GEMV (``DIRECT``, not GATED). ``res`` [1, BLOCK_N]: assignment ``pid_m``'s
@@ -325,24 +337,30 @@ def _moe_gemm_kernel(
         PLANES: tl.constexpr = False, H_DT: tl.constexpr = tl.float32,
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
-        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, HALF2_ROWS: tl.constexpr = False):
+        HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, HALF2_ROWS: tl.constexpr = False,
+        WEIGHTS_FIRST: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
     # scales.
     # DIRECT (BLOCK_M == 1, no moe_align): program m takes assignment m, its expert expert_ids[m] (topk_ids flat;
     # ids outside [0, E) skipped); the gate-up launch zeroes the down launch's counters (COUNTERS per program m),
     # the down launch combines each token's rows into res (+ shared) as they arrive (_combine_on_arrival).
-    grid_dependency_sync(PDL)
+    # WEIGHTS_FIRST (HALF2 with PREFETCH, launched with PDL): the routing (expert and row ids) and the first K
+    # block's weights are read before the PDL wait, everything else after it. The host guarantees that every
+    # kernel which may still run at that point writes neither (fused_moe: "Weights before the wait").
+    tl.static_assert(not WEIGHTS_FIRST or (HALF2 and PREFETCH), "WEIGHTS_FIRST is a half2_prefetch GEMV mode")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if COUNTERS > 0:
-        if pid_n == 0:
-            c = pid_m * COUNTERS + tl.arange(0, COUNTERS)
-            tl.store(count_ptr + c, tl.zeros((COUNTERS,), dtype=tl.int32), mask=c < num_counters)
+    if not WEIGHTS_FIRST:
+        grid_dependency_sync(PDL)
+        _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS)
     if DIRECT:
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         rows = pid_m + tl.arange(0, BLOCK_M)
         if (e < 0) | (e >= E):  # dropped, as moe_align drops it: no products; the combine adds a zero row
+            if WEIGHTS_FIRST:
+                grid_dependency_sync(PDL)
+                _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS)
             if not GATED:
                 _combine_on_arrival(tl.zeros((1, BLOCK_N), dtype=tl.float32), pid_m, pid_n,
                                     pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, out_ptr, stride_ot, count_ptr,
@@ -363,7 +381,10 @@ def _moe_gemm_kernel(
     if HALF2:  # INT4 half2 GEMV (BLOCK_M == 1): a separate loop, see _int4_half2_gemv
         acc1, acc3 = _int4_half2_gemv(a_ptr, as_ptr, tl.sum(tl.where(row_ok, a_rows, 0)), w1_ptr, s1_ptr, w3_ptr,
                                       s3_ptr, pid_n * BLOCK_N, N, K, stride_at, stride_ast, stride_wn, stride_sn,
-                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH, HALF2_ROWS)
+                                      GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH, HALF2_ROWS,
+                                      PDL if WEIGHTS_FIRST else 0)
+        if WEIGHTS_FIRST:
+            _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS)
     elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
         acc1, acc3 = _int4_plane_gemv(a_ptr, tl.where(row_ok, a_rows, 0), w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K,
                                       stride_at, stride_wn, stride_sn, GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K,
