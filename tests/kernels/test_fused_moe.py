@@ -814,11 +814,14 @@ def test_gpu_half2_gemv_real_widths(t, dtype, form):
 
 
 @pytest.mark.parametrize("tokens,fusion", [(1, "auto"), (1, False), (3, "auto")])
-def test_weights_before_wait_is_the_same_computation(triton_backend, monkeypatch, tokens, fusion):
-    """half2_prefetch with WEIGHTS_BEFORE_WAIT (the default: routing and first weights read before the PDL wait, the
-    counters zeroed after the gate-up's GEMV, a dropped slot waiting on its own path) gives the bits of the launches
-    without it, under poisoned allocations, on the decode path (dropped slots) and the aligned one. Interpreted the
-    waits return at once; this checks the code order, test_pdl.py the ordering on the GPU."""
+def test_half2_prefetch_launch_settings_change_no_bit(triton_backend, monkeypatch, tokens, fusion):
+    """half2_prefetch's defaults — WEIGHTS_BEFORE_WAIT (routing and first weights read before the PDL wait, the
+    counters zeroed after the gate-up's GEMV, a dropped slot waiting on its own path) and PAIRS_IN_GATE_UP (the
+    gate-up's epilogue writes h in pair order: no pair_order launch between the GEMVs) — give the bits of the
+    launches without them, under poisoned allocations (h's pair padding is never read), on the decode path (dropped
+    slots) and the aligned one. Interpreted the waits return at once: this checks the code order, test_pdl.py the
+    ordering on the GPU."""
+    import mla_quant.kernels._half2_gemv as H
     import mla_quant.kernels.fused_moe as F
     from mla_quant.kernels.fused_moe import kernel as K
 
@@ -828,32 +831,38 @@ def test_weights_before_wait_is_the_same_computation(triton_backend, monkeypatch
     w, ids = routing(tokens, 4, 3, seed=17, device=dev)
     ids[0, 1] = -1
     shared_out = torch.randn(tokens, 352, device=dev).to(torch.bfloat16)
-    seen = []
+    seen, pair_orders = [], []
+    pair_order = H.pair_order
+    monkeypatch.setattr(H, "pair_order", lambda a, **kw: pair_orders.append(a.shape) or pair_order(a, **kw))
     if dev == "cpu":  # the interpreted launch: record what each GEMV launch was told
         launch = K._moe_gemm_kernel
 
         class Spy:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    seen.append(kw["WEIGHTS_FIRST"])
+                    seen.append((kw["WEIGHTS_FIRST"], kw.get("PAIRS_OUT", False)))
                     return launch[grid](*args, **kw)
                 return run
         monkeypatch.setattr(K, "_moe_gemm_kernel", Spy())
     _poison_allocations(monkeypatch)
     outs = {}
-    for early in (("gate_up", "down"), ("down",), ()):
+    for early, pairs in ((("gate_up", "down"), True), (("down",), True), ((), True), (("gate_up", "down"), False),
+                         ((), False)):
         monkeypatch.setattr(F, "WEIGHTS_BEFORE_WAIT", early)
-        seen.clear()
-        outs[early] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv="half2_prefetch",
-                                decode_fusion=fusion, shared_out=shared_out, out=poisoned_empty(x.shape, x.dtype, dev))
+        monkeypatch.setattr(F, "PAIRS_IN_GATE_UP", pairs)
+        seen.clear(), pair_orders.clear()
+        outs[early, pairs] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
+                                       gemv="half2_prefetch", decode_fusion=fusion, shared_out=shared_out,
+                                       out=poisoned_empty(x.shape, x.dtype, dev))
+        assert len(pair_orders) == (1 if pairs else 2), (early, pairs)
         if dev == "cpu":
-            assert seen == ["gate_up" in early, "down" in early], early
-    assert_bitwise_equal(outs[("gate_up", "down")], outs[()], "weights before the wait")
-    assert_bitwise_equal(outs[("down",)], outs[()], "the down's weights before the wait")
+            assert seen == [("gate_up" in early, pairs), ("down" in early, False)], (early, pairs)
+    for setting, got in outs.items():
+        assert_bitwise_equal(got, outs[(), False], f"WEIGHTS_BEFORE_WAIT, PAIRS_IN_GATE_UP = {setting}")
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
                               shared_out=shared_out.cpu())
-    assert_rel_close(outs[()].float().cpu(), ref.float(), 2e-2, "vs reference")
+    assert_rel_close(outs[(), False].float().cpu(), ref.float(), 2e-2, "vs reference")
 
 
 def test_half2_run_dot_reference_is_within_its_fp16_bound():

@@ -42,6 +42,9 @@ HALF2_PREFETCH_MAX_TOKENS = 16
 # their PDL wait, i.e. while the kernel before them still runs (docs/moe.md "Weights before the wait"); a sweep
 # setting.
 WEIGHTS_BEFORE_WAIT = ("gate_up", "down")
+# half2_prefetch: the gate-up's epilogue writes h in pair order (its tiles whole runs of 32 columns), so no pair_order
+# launch runs between the GEMVs; a sweep setting.
+PAIRS_IN_GATE_UP = True
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -256,6 +259,7 @@ def fused_moe(
     planes = kind == "int4_group" and bm == 1 and gemv in ("planes", "prefetch")
     half2 = kind == "int4_group" and bm == 1 and gemv.startswith("half2")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
+    pairs_out = half2 and gemv == "half2_prefetch" and PAIRS_IN_GATE_UP
     gate_up_pdl = down_pdl = pdl
     # interpreted (no PDL): the same code order, with waits that return at once
     early = WEIGHTS_BEFORE_WAIT if (pdl["PDL"] or triton_interpreted()) and half2 and gemv == "half2_prefetch" \
@@ -263,8 +267,8 @@ def fused_moe(
     if early:
         # The order that makes the early reads safe. The gate-up signals the down's pair_order launch only after
         # its own wait (PDL mode 1), so once the down launch runs, x's pair_order and every kernel before this
-        # call have finished; only the gate-up and h's pair_order may still run, and they write h, its pairs and
-        # the counters, never the routing or the weights. For the gate-up's own early reads, x's pair_order
+        # call have finished; only the gate-up and h's pair_order (unless PAIRS_IN_GATE_UP) may still run, and they
+        # write h, its pairs and the counters, never the routing or the weights. For the gate-up's own early reads, x's pair_order
         # likewise signals only after its wait (hold_next), so the gate-up starts after every earlier kernel.
         gate_up_pdl = {**pdl, "PDL": 1 if pdl["PDL"] else False, "WEIGHTS_FIRST": "gate_up" in early}
         down_pdl = {**pdl, "WEIGHTS_FIRST": "down" in early}
@@ -291,17 +295,19 @@ def fused_moe(
     interp_bn = 64  # ragged N tiles at the tests' widths (multiples of the group)
     programs = num_assignments if direct else expert_ids.numel()
 
-    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), pdl=pdl, **extra):
+    def gemm(a, a_scale, w1, w3, dst, gated, routing_weights, n, k, combine=(), pdl=pdl, dst_scale=None, **extra):
         keys = WEIGHT_KEYS[kind]
         w1_main, w3_main = w1[keys[0]], w3[keys[0]]
         w1_s = w1[keys[1]] if len(keys) > 1 else w1_main  # dense weights have no scale tensor
         w3_s = w3[keys[1]] if len(keys) > 1 else w3_main
         counters, res, shared = combine or (dst, dst, dst)  # (unread unless direct)
+        dst_scale = dst if dst_scale is None else dst_scale  # (unread unless PAIRS_OUT)
         launch_args = (a, a_scale, w1_main, w1_s, w3_main, w3_s, dst, routing_weights,
-                       sorted_ids, expert_ids, num_padded, counters, res, shared,
+                       sorted_ids, expert_ids, num_padded, counters, res, shared, dst_scale,
                        num_assignments, n, k, top_k if gated else 1, num_experts, counters.numel(),
                        a.stride(0), a_scale.stride(0), w1_main.stride(0), w1_main.stride(1),
-                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0))
+                       w1_s.stride(0), w1_s.stride(1), dst.stride(0), res.stride(0), shared.stride(0),
+                       dst_scale.stride(0))
         if interpret:
             grid = (programs, cdiv(n, interp_bn))
             _moe_gemm_kernel[grid](*launch_args, GATED=gated, **consts, **extra, BLOCK_N=interp_bn,
@@ -329,8 +335,12 @@ def fused_moe(
         h = torch.empty((num_assignments, plane_width(inter)), dtype=torch.float32, device=x.device)
     elif plane_tile:  # h as unscaled planes in x's dtype for the down projection's plane tile
         h = torch.empty((num_assignments, plane_width(inter)), dtype=x.dtype, device=x.device)
+    elif pairs_out:  # h in pair order straight from the gate-up's epilogue (as pair_order(h) would make it)
+        h = torch.empty((num_assignments, plane_width(inter) // 2), dtype=torch.int32, device=x.device)
+        h_scale = torch.empty((num_assignments, plane_width(inter) // 32), dtype=torch.float32, device=x.device)
     else:
         h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
+    h_out = dict(dst_scale=h_scale, PAIRS_OUT=True, H_DT=_TL_DTYPES[x.dtype]) if pairs_out else {}
     weights_flat = topk_weights.contiguous()
     y = torch.empty((num_assignments, hidden), dtype=torch.float32, device=x.device)
     shared = shared_out if shared_out is not None else result
@@ -342,11 +352,14 @@ def fused_moe(
         counters = torch.empty(tokens * cdiv(hidden, min_bn), dtype=torch.int32, device=x.device)
         combine = (counters, result, shared)
         zero_block = next_power_of_2(cdiv(counters.numel(), num_assignments))
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, gate_up_pdl, COUNTERS=zero_block)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, combine, gate_up_pdl, COUNTERS=zero_block,
+             **h_out)
     else:
-        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, (), gate_up_pdl)
+        gemm(xa, xa_scale, gate, up, h, True, weights_flat, inter, hidden, (), gate_up_pdl, **h_out)
     if act_quant:
         ha, ha_scale = quant(h, act_group, ue8m0)
+    elif pairs_out:
+        ha, ha_scale = h, h_scale
     elif half2:  # h (rounded to x's dtype as in every form) as pairs for the down projection's half2 GEMV
         ha, ha_scale = pair_order(h)
     else:

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, four_words, int4_codes, int4_plane_gemv_step,
                            load_k, plane_offsets, plane_scale, reduce_arrivals)
-from .._half2_gemv import load_pairs, pair_offsets, run_dot
+from .._half2_gemv import PAIR_BLOCK, f16_pairs, load_pairs, pair_offsets, run_dot, run_exponent
 from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
@@ -296,6 +296,24 @@ def _int4_plane_tile_step(a_ptrs, a_ok, w_ptrs, s_ptrs, w_ok, acc, DT: tl.conste
 
 
 @triton.jit
+def _store_pairs(h, row, row_ok, n0, N, pairs_ptr, stride_p, scales_ptr, stride_s, BLOCK_N: tl.constexpr):
+    """Columns n0..n0+BLOCK_N of one h row (fp32 [1, BLOCK_N], already rounded to h's dtype; BLOCK_N whole runs of
+    32) stored in pair order (``_half2_gemv`` layout, as its ``_pair_order_kernel`` computes it): each run's power
+    of two from its largest magnitude, the 16 scaled fp16 pairs of each pair plane. Runs past N are not stored."""
+    R: tl.constexpr = BLOCK_N // 32
+    x = tl.reshape(h, (R, 4, 2, 4))  # column 32r + 8u + 4·lane + i as [r, u, lane, i]
+    m = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)
+    down, up = run_exponent(m)
+    pairs = f16_pairs(tl.permute(x * down[:, None, None, None], (0, 3, 1, 2)))  # [r, i, u]
+    run = n0 // 32 + tl.arange(0, R)
+    pos = (run // 8 * PAIR_BLOCK + run % 8 * 4)[:, None, None] + 32 * tl.arange(0, 4)[None, :, None] \
+        + tl.arange(0, 4)[None, None, :]
+    ok = run < (N // 32) * row_ok  # row_ok: 1, or 0 for a padding slot of an aligned block (nothing stored)
+    tl.store(pairs_ptr + row * stride_p + pos, pairs, mask=ok[:, None, None])
+    tl.store(scales_ptr + row * stride_s + run, up, mask=ok)
+
+
+@triton.jit
 def _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS: tl.constexpr):
     """The gate-up launch's program (m, 0) zeroes counters m·COUNTERS.. of the down launch (DIRECT; COUNTERS 0:
     none)."""
@@ -327,9 +345,9 @@ def _combine_on_arrival(res, pid_m, pid_n, rn, N, y_ptr, stride_yt, count_ptr, r
 @triton.jit
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
-        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr,
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, count_ptr, res_ptr, shared_ptr, hs_ptr,
         A, N, K, a_div, E, num_counters,
-        stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot, stride_rt, stride_st,
+        stride_at, stride_ast, stride_we, stride_wn, stride_se, stride_sn, stride_ot, stride_rt, stride_st, stride_hs,
         KIND: tl.constexpr, W8A8: tl.constexpr, GATED: tl.constexpr,
         GROUP: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ACT_G: tl.constexpr,
         IEEE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -338,7 +356,7 @@ def _moe_gemm_kernel(
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
         HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, HALF2_ROWS: tl.constexpr = False,
-        WEIGHTS_FIRST: tl.constexpr = False):
+        WEIGHTS_FIRST: tl.constexpr = False, PAIRS_OUT: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
     # scales.
@@ -348,6 +366,9 @@ def _moe_gemm_kernel(
     # WEIGHTS_FIRST (HALF2 with PREFETCH, launched with PDL): the routing (expert and row ids) and the first K
     # block's weights are read before the PDL wait, everything else after it. The host guarantees that every
     # kernel which may still run at that point writes neither (fused_moe: "Weights before the wait").
+    # PAIRS_OUT (the half2 gate-up): h leaves in pair order, out_ptr its pairs and hs_ptr its run scales, exactly
+    # what _half2_gemv.pair_order makes of h rounded to H_DT (_store_pairs), so no pair_order launch follows.
+    tl.static_assert(not PAIRS_OUT or (HALF2 and GATED and BLOCK_N % 32 == 0), "PAIRS_OUT: half2 gate-up, whole runs")
     tl.static_assert(not WEIGHTS_FIRST or (HALF2 and PREFETCH), "WEIGHTS_FIRST is a half2_prefetch GEMV mode")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -458,6 +479,10 @@ def _moe_gemm_kernel(
         pos = plane_offsets(rn // 8) + PLANE_WORDS * i  # column n = 8w + i of h
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + pos[None, :],
                  res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+    elif PAIRS_OUT:
+        _store_pairs((acc1 * tl.sigmoid(acc1) * acc3).to(H_DT).to(tl.float32), tl.sum(rows).to(tl.int64),
+                     tl.sum(row_ok.to(tl.int32)), pid_n * BLOCK_N, N, out_ptr, stride_ot, hs_ptr, stride_hs,
+                     BLOCK_N)
     else:
         if GATED:
             res = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
@@ -526,6 +551,8 @@ def _legal(bn: int, bk: int, meta: dict) -> bool:
     activation group and one weight scale block (one scale pair per partial product)."""
     if meta["KIND"] == KIND_INT4 and bk % meta["GROUP"]:
         return False
+    if meta.get("PAIRS_OUT") and bn % 32:  # h's pairs from whole runs of 32 columns
+        return False
     return not (meta["W8A8"] and meta["BLOCK_M"] > 1 and (meta["ACT_G"] % bk or meta["SBK"] % bk))
 
 
@@ -568,7 +595,8 @@ def _smallest_fitting(configs, meta: dict) -> triton.Config:
 
 
 def _autotuned(configs):
-    return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M", "DIRECT"],
+    return triton.autotune(configs=configs, key=["N", "K", "KIND", "W8A8", "GATED", "GROUP", "BLOCK_M", "DIRECT",
+                                                    "PAIRS_OUT"],
                            prune_configs_by={"early_config_prune": _prune},
                            do_bench=partial(autotune_bench, warmup=25, rep=100))(
         triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(_moe_gemm_kernel))
