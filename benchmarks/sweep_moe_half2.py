@@ -15,7 +15,8 @@ reference over max |reference| on the first routing, and whether two calls give 
 runs of one weight row) and at ``ROWS_TILES`` (each with its error against the reference); ``--label`` writes the
 rows under that key of an existing ``--out`` file. ``--early`` adds ``half2_prefetch`` (autotuned) with each
 setting of ``fused_moe.WEIGHTS_BEFORE_WAIT`` (which launches read their routing and first weights before the PDL
-wait: none, the down only, both). ``--pairs`` adds, at one token, ``half2_prefetch`` with the gate-up and the down
+wait: none, the down only, both), with and without ``PAIRS_IN_GATE_UP`` (h in pair order from the gate-up's
+epilogue, no pair_order launch between the GEMVs). ``--pairs`` adds, at one token, ``half2_prefetch`` with the gate-up and the down
 launch pinned to different tiles (each pair of ``PAIR_GATE_UP`` × ``PAIR_DOWN``).
 """
 from __future__ import annotations
@@ -127,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                 with module_attrs(H, {"PAIR_ORDER_PDL": False}):
                     return routed("int4_g32", block_m=1, gemv="half2_prefetch")
 
-            def early(launches):  # fused_moe.WEIGHTS_BEFORE_WAIT at capture
+            def early(launches, pairs):  # fused_moe.WEIGHTS_BEFORE_WAIT and PAIRS_IN_GATE_UP at capture
                 def fn():
-                    with module_attrs(F, {"WEIGHTS_BEFORE_WAIT": launches}):
+                    with module_attrs(F, {"WEIGHTS_BEFORE_WAIT": launches, "PAIRS_IN_GATE_UP": pairs}):
                         return routed("int4_g32", block_m=1, gemv="half2_prefetch")
                 return fn
 
@@ -145,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in rows_cfgs:
                 fns[_tile_name(cfg, "half2_prefetch")] = setting("int4_g32", cfg, block_m=1, gemv="half2_prefetch")
             if args.early:
-                for launches in ((), ("down",), ("gate_up", "down")):
-                    fns["half2_prefetch_early_" + ("_".join(launches) or "none")] = early(launches)
+                for launches, pairs in (((), False), (("down",), False), (("gate_up", "down"), False), ((), True),
+                                        (("gate_up", "down"), True)):
+                    name = "half2_prefetch_early_{}_pairs_{}".format("_".join(launches) or "none", "on" if pairs else "off")
+                    fns[name] = early(launches, pairs)
             if args.pairs and t == 1:
                 for g in PAIR_GATE_UP:
                     for d in PAIR_DOWN:
