@@ -146,7 +146,7 @@ def _write_late(src: torch.Tensor, dst: torch.Tensor, spin_us: int = 50):
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_fused_moe_reads_weights_before_its_wait_only_when_safe(monkeypatch, tokens):
     """fused_moe's half2_prefetch launches read the routing and their first weights before their PDL wait
-    (WEIGHTS_BEFORE_WAIT). The three kernels just before the call are PDL kernels that let fused_moe be scheduled at
+    (WEIGHTS_BEFORE_WAIT). The four kernels just before the call are PDL kernels that let fused_moe be scheduled at
     once and write the routing ids, the routing weights and the down and gate weights only ~50 µs later: the result
     must be that of the new routing and weights (plain launches), eagerly and replayed from a graph."""
     if not _pdl.pdl_launch(torch.device("cuda"), "fused_moe").get("launch_pdl"):
