@@ -913,7 +913,7 @@ def test_auto_gemv_takes_the_half2_forms_for_16_bit_activations(triton_backend, 
         calls.clear()
         got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1)
         # x's pair order always; h's by a launch of its own unless the gate-up writes it (PAIRS_IN_GATE_UP)
-        h_launch = form == "half2" or (form == "half2_prefetch" and not F.PAIRS_IN_GATE_UP)
-        assert len(calls) == ((1 + h_launch) if form.startswith("half2") else 0), (tokens, dtype)
+        launches = (1 + (form == "half2" or not F.PAIRS_IN_GATE_UP)) if form.startswith("half2") else 0
+        assert len(calls) == launches, (tokens, dtype)
         named = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1, gemv=form)
         assert torch.equal(got, named), (tokens, dtype, form)
