@@ -331,6 +331,11 @@ def cases_fp8_gemm() -> Iterator[Case]:
                        partial(fp8_gemm, a, a_scale, b, b_scale, (128, 128), out_dtype, config=config, variant="ws"))
 
 
+def _zero_int4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed INT4 words [n, k/8] and group-32 scales [n, k/32] (values do not matter: nothing runs)."""
+    return torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
+
+
 def cases_w4a16_gemm() -> Iterator[Case]:
     from mla_quant.kernels.w4a16_gemm import w4a16_gemm
     n, k = 512, 1024
@@ -357,6 +362,10 @@ def cases_w4a16_gemm() -> Iterator[Case]:
         for early in (False, True):
             yield f"M=1 gemv=rows {n}x{k} prefetch={early}", partial(w4a16_gemm, torch.randn(1, k, dtype=BF16),
                                                                       packed, scale, 32, prefetch_weights=early)
+    # x not 16-byte aligned: the rows GEMV's scalar activation loads (VEC off), which only this case compiles
+    for x_dtype in (BF16, torch.float32):
+        yield f"M=1 gemv=rows unaligned x={_dt(x_dtype)}", partial(
+            w4a16_gemm, torch.randn(1, 2049, dtype=x_dtype)[:, 1:], *_zero_int4(40, 2048), 32, gemv="rows")
 
 
 def cases_moe_align() -> Iterator[Case]:

@@ -207,10 +207,13 @@ def int4_plane_gemv_step(words, s_ptrs, a_ptrs, k_mask, s_mask, EVEN: tl.constex
 @triton.jit
 def load_k(ptrs, mask, EVEN: tl.constexpr):
     """A load masked only when the K loop has a ragged last block (``EVEN``: no mask, masked elements read 0);
-    unmasked loads vectorise fully (LDG.E.128)."""
+    unmasked loads vectorise fully (LDG.E.128). ``mask`` may be None when ``EVEN``. One return after the branch:
+    Triton 3.6 compiles the statements after a constexpr ``if`` that returns, and a masked load with no mask fails."""
     if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask, other=0)
+        values = tl.load(ptrs)
+    else:
+        values = tl.load(ptrs, mask=mask, other=0)
+    return values
 
 
 def m_bucket(m: int) -> int:
