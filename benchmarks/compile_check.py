@@ -1,6 +1,6 @@
 """Compile every Triton kernel of the library for Hopper (sm_90) on a machine without a GPU.
 
-    python -m benchmarks.compile_check [op ...]              # the installed Triton; no op = every op
+    python -m benchmarks.compile_check [op ...] [-k TEXT]    # the installed Triton; no op = every op; -k: cases
     PYTHONPATH=. /path/to/venv-triton-3.6/bin/python -m benchmarks.compile_check   # the H200's Triton
 
 How: a fake Triton driver reports an sm_90 CUDA target; ``JITFunction.run`` compiles without launching;
@@ -425,11 +425,12 @@ OPS: dict[str, Callable[[], Iterator[Case]]] = {
 
 
 # ---------------------------------------------------------------------------------------------- run
-def check_op(op: str, log: CompileLog, verbose: bool = False) -> list[str]:
-    """Compile every case of one op; print its summary line; return its failures."""
+def check_op(op: str, log: CompileLog, verbose: bool = False, only: str | None = None) -> list[str]:
+    """Compile every case of one op (``only``: those whose label contains it); print its summary line; return its
+    failures."""
     failures, seen = [], {}  # seen: kernel hash -> (case label, Compiled)
     try:
-        cases = list(OPS[op]())
+        cases = [(label, call) for label, call in OPS[op]() if only is None or only in label]
     except Exception as e:  # noqa: BLE001 - building the inputs went wrong: report it, check the other ops
         cases = []
         failures.append(f"{op} [building the inputs]: {type(e).__name__}: {_tail(str(e))}")
@@ -463,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ops", nargs="*", help=f"ops to compile (default: all of {', '.join(OPS)})")
     parser.add_argument("--no-ptxas", action="store_true", help="skip the ptxas -v register/spill report")
     parser.add_argument("-v", "--verbose", action="store_true", help="list every kernel with its config")
+    parser.add_argument("-k", "--cases", help="only the cases whose label contains this text")
     args = parser.parse_args(argv)
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
@@ -474,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: op folders without compile cases: {missing}")
     import triton
     print(f"Compiling for sm_90 with Triton {triton.__version__}, torch {torch.__version__}", flush=True)
-    failures = [f for op in (args.ops or OPS) for f in check_op(op, log, args.verbose)]
+    failures = [f for op in (args.ops or OPS) for f in check_op(op, log, args.verbose, args.cases)]
     print(f"{len(failures)} failure(s)" if failures else "all ops compiled", flush=True)
     return 1 if failures else 0
 

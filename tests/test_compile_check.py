@@ -54,6 +54,17 @@ def test_compiles_topk_and_kv_append_for_sm90():
         assert " 0 kernels" not in line, line  # the launchers really took the Triton path
 
 
+def test_rows_gemv_with_unaligned_activations_compiles_for_sm90():
+    """The one-token rows GEMV with x not 16-byte aligned (its scalar activation loads, ``load_k`` with no mask)
+    compiles for sm_90 (fake Hopper, a subprocess): the CPU interpreter runs it either way, and before session 30
+    this path failed only on the GPU ("`other` cannot be provided without `mask`")."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "w4a16_gemm", "-k", "unaligned",
+                           "--no-ptxas"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK   w4a16_gemm: 2 cases, 2 kernels" in done.stdout, done.stdout
+
+
 def test_mla_decode_tiles_get_num_stages_minus_one_buffers_on_sm90():
     """Compiled for sm_90 (fake Hopper, a subprocess): the bf16 decode's latent tile gets num_stages - 1 shared-memory
     buffers — the guard on the block table read per chunk of tiles (a page lookup back in the tile loop makes the

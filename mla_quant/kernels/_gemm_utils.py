@@ -208,7 +208,8 @@ def int4_plane_gemv_step(words, s_ptrs, a_ptrs, k_mask, s_mask, EVEN: tl.constex
 def load_k(ptrs, mask, EVEN: tl.constexpr):
     """A load masked only when the K loop has a ragged last block (``EVEN``: no mask, masked elements read 0);
     unmasked loads vectorise fully (LDG.E.128). ``mask`` may be None when ``EVEN``. One return after the branch:
-    Triton 3.6 compiles the statements after a constexpr ``if`` that returns, and a masked load with no mask fails."""
+    Triton (3.6, 3.9) compiles the statements after a constexpr ``if`` that returns, where a masked load with no
+    mask is an error."""
     if EVEN:
         values = tl.load(ptrs)
     else:
