@@ -148,14 +148,6 @@ def _dequant_tile(words, scales, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.c
     return tl.reshape(w, (BN, BK))
 
 
-@triton.jit
-def _load(ptrs, mask, EVEN: tl.constexpr):
-    """A load masked only when the K loop has a ragged last block (masked elements read as 0)."""
-    if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask, other=0)
-
-
 # The shortest K extent a tensor-core tl.dot accepts on the GPU (16-bit and, in Triton 3.6, fp32 operands);
 # the interpreter does not check it, so _dot asserts it at compile time on both.
 MIN_DOT_K = tl.constexpr(16)
@@ -182,12 +174,12 @@ def _group_scaled_dots(x_rows, w_rows, s_vec, acc, k0, K, GROUP: tl.constexpr, B
     for g in tl.static_range(GROUPS):
         kg = k0 + g * GROUP
         gw = kg // 8 + tl.arange(0, GROUP // 8)
-        words = _load(w_rows + gw[None, :], (gw < K // 8)[None, :], EVEN_K)         # int32 [BN, GROUP/8]
+        words = load_k(w_rows + gw[None, :], (gw < K // 8)[None, :], EVEN_K)         # int32 [BN, GROUP/8]
         nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
         q = tl.reshape(int4_codes(nib, x_rows.dtype.element_ty, INTERPRET, BIASED), (BN, GROUP))
         rk = kg + tl.arange(0, GROUP)
-        x = _load(x_rows + rk[None, :], (rk < K)[None, :], EVEN_K)                   # [BM, GROUP]
-        s = _load(s_vec + kg // GROUP, kg + tl.zeros((BN,), dtype=tl.int32) < K, EVEN_K).to(tl.float32)  # [BN]
+        x = load_k(x_rows + rk[None, :], (rk < K)[None, :], EVEN_K)                   # [BM, GROUP]
+        s = load_k(s_vec + kg // GROUP, kg + tl.zeros((BN,), dtype=tl.int32) < K, EVEN_K).to(tl.float32)  # [BN]
         part = _dot(x, tl.trans(q), tl.zeros(acc.shape, dtype=tl.float32), INTERPRET, DOT_PRECISION)
         if BIASED:
             part -= tl.sum(x.to(tl.float32), axis=1)[:, None] * bias[None, :]
@@ -241,7 +233,7 @@ def _w4a16_gemm_kernel(
         if PLANES or PLANES1:  # one token: the plane GEMV core shared with fused_moe, on a [BK/8, BN] word tile
             kmask_t = (k0 // 8 + rw < K // 8)[:, None]
             runs = tl.arange(0, BK // 32)[:, None]  # runs of 4 words (32 K), one scale each
-            words_t = _load(w_cols + (k0 // 8 + rw)[:, None], kmask_t, EVEN_K)
+            words_t = load_k(w_cols + (k0 // 8 + rw)[:, None], kmask_t, EVEN_K)
             if PLANES1:  # x read in place: element 8w of word w (one launch, no plane_order)
                 acc_e += int4_x_gemv_step(words_t, s_cols + (k0 + 32 * runs) // GROUP,
                                           x_ptr + k0 + 8 * rw[:, None], kmask_t, k0 // 32 + runs < K // 32,
@@ -255,17 +247,17 @@ def _w4a16_gemm_kernel(
                                      INTERPRET, DOT_PRECISION, FAST_DEQUANT == 2)
         else:
             kmask = (k0 // 8 + rw < K // 8)[None, :]  # per word; K % 8 == 0, so also per element of a word
-            words = _load(w_rows + (k0 // 8 + rw)[None, :], kmask, EVEN_K)             # int32 [BN, BK/8]
+            words = load_k(w_rows + (k0 // 8 + rw)[None, :], kmask, EVEN_K)             # int32 [BN, BK/8]
             if BM <= 16:
                 # Nibble planes: plane i holds the elements k0 + 8·w + i. A dot product does not care about the
                 # order of K, so x is read in the same permuted order instead of interleaving the nibbles back
                 # into K order (no reshape, no layout shuffle); the group scale is the same for a whole word.
-                sw = _load(s_rows + ((k0 + 8 * rw) // GROUP)[None, :], kmask, EVEN_K).to(tl.float32)
+                sw = load_k(s_rows + ((k0 + 8 * rw) // GROUP)[None, :], kmask, EVEN_K).to(tl.float32)
                 if BM == 1:
                     inner = tl.zeros((BN, BK // 8), dtype=tl.float32)
                 for i in tl.static_range(8):
                     codes = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                    xi = _load(x_rows + (k0 + 8 * rw + i)[None, :], kmask, EVEN_K)     # [BM, BK/8]
+                    xi = load_k(x_rows + (k0 + 8 * rw + i)[None, :], kmask, EVEN_K)     # [BM, BK/8]
                     if BM == 1:
                         inner += codes * xi.to(tl.float32)
                     else:  # scaled and rounded like int4_dequantize's output, then mma
@@ -274,9 +266,9 @@ def _w4a16_gemm_kernel(
                 if BM == 1:
                     acc_e += inner * sw
             else:
-                scales = _load(s_rows + (k0 // GROUP + rg)[None, :], (k0 // GROUP + rg < K // GROUP)[None, :],
+                scales = load_k(s_rows + (k0 // GROUP + rg)[None, :], (k0 // GROUP + rg < K // GROUP)[None, :],
                                EVEN_K).to(tl.float32)
-                x = _load(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
+                x = load_k(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
                 w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
                 acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
     if PLANES or PLANES1:
@@ -465,7 +457,7 @@ def _x_parity_pair(x_cols, kg, K, c, EVEN: tl.constexpr):
     (high nibbles); zeros past K (a whole group is in or out, K being a multiple of 32). ``EVEN`` (BK divides K):
     no mask."""
     ok = (kg + 2 * c < K)[:, None]
-    return _load(x_cols + (kg + 2 * c)[:, None], ok, EVEN), _load(x_cols + (kg + 2 * c + 1)[:, None], ok, EVEN)
+    return load_k(x_cols + (kg + 2 * c)[:, None], ok, EVEN), load_k(x_cols + (kg + 2 * c + 1)[:, None], ok, EVEN)
 
 
 @triton.jit
@@ -486,7 +478,7 @@ def _byte_codes(b, HIGH: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr
 @triton.jit
 def _group_partial(w_rows, kg, K, c, xl, xh, DT: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
     """One group's unscaled fp32 partial [BN, BM]: lo(B_g) @ xl + hi(B_g) @ xh, B_g the group's int8 bytes [BN, 16]."""
-    b = _load(w_rows + (kg // 2 + c)[None, :], (kg // 2 + c < K // 2)[None, :], EVEN_K)
+    b = load_k(w_rows + (kg // 2 + c)[None, :], (kg // 2 + c < K // 2)[None, :], EVEN_K)
     lo, hi = _byte_codes(b, False, DT, INTERPRET), _byte_codes(b, True, DT, INTERPRET)
     if INTERPRET:  # the interpreter's 16-bit dots are wrong; fp32 operands hold the same values
         return tl.dot(hi, xh.to(tl.float32), tl.dot(lo, xl.to(tl.float32)))
@@ -536,8 +528,8 @@ def _w4a16_swap_kernel(
             x_lo1, x_hi1 = _x_parity_pair(x_cols, kg + 96, K, c, EVEN_K and g + 2 < BK // 32)
             p0 = _group_partial(w_rows, kg, K, c, xl0, xh0, DT, EVEN_K, INTERPRET)
             p1 = _group_partial(w_rows, kg + 32, K, c, xl1, xh1, DT, EVEN_K, INTERPRET)
-            s0 = _load(s_rows + kg // GROUP, kg + 0 * rn < K, EVEN_K).to(tl.float32)            # [BN]
-            s1 = _load(s_rows + (kg + 32) // GROUP, kg + 32 + 0 * rn < K, EVEN_K).to(tl.float32)
+            s0 = load_k(s_rows + kg // GROUP, kg + 0 * rn < K, EVEN_K).to(tl.float32)            # [BN]
+            s1 = load_k(s_rows + (kg + 32) // GROUP, kg + 32 + 0 * rn < K, EVEN_K).to(tl.float32)
             acc += p0 * s0[:, None] + p1 * s1[:, None]
     out_mask = (rm < M)[:, None] & (rn < N)[None, :]
     store_split_k(tl.trans(acc), y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out_mask,
