@@ -678,6 +678,32 @@ def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ GPU
+# ------------------------------------------------------------------------ head groups
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=8)
+@given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16]),
+       shape=st.sampled_from([(4, 2, 1), (6, 3, 2), (4, 4, 1), (6, 2, 3)]), num_splits=st.sampled_from([None, 1, 3]))
+def test_head_groups_match_contiguous_attention(triton_backend, data, kind, page_size, shape, num_splits):
+    """``head_groups``: the heads decoded as groups, each a request of its own over the same pages, into the caller's
+    NaN-poisoned out / lse (views at one query token, copies above): paged == contiguous within the fp32 tolerance,
+    and equal to the ungrouped call up to the fp32 rounding of another split plan."""
+    heads, groups, s_q = shape
+    args, q, stored, out, lse = _drawn_case(data, triton_backend, kind, page_size, s_q, heads, torch.float32,
+                                            max_requests=3, max_len=100, d_latent=128)
+    got = mla_decode(*args, num_splits=num_splits, out=out, lse=lse, head_groups=groups)
+    assert got[0] is out and got[1] is lse
+    _check_outputs(out, lse, args, q, stored)
+    o1, lse1 = mla_decode(*args, num_splits=num_splits)
+    assert rel_err(out.cpu().float(), o1.cpu().float()) < 1e-5
+    assert torch.allclose(lse.cpu(), lse1.cpu(), atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [0, 3, -2, 2.0, True])
+def test_head_groups_must_divide_the_heads(groups):
+    args = _small_case()  # 2 heads
+    with pytest.raises(ValueError, match="head_groups"):
+        mla_decode(*args, 0.1, "bf16", 128, head_groups=groups)
+
+
 def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed, page_size=64):
     """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64 unless given, scale 0.1): bf16
     queries [B, s_q, heads, 576], each request's pages a run of one shuffled order of all the pages (3 spare)."""
@@ -738,6 +764,27 @@ def test_kernel_matches_reference_gpu(kind, tensor_scale, heads, s_q, lengths):
             o_t, lse_t = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert", combine="tiles")
             o_r, lse_r = mla_decode(*args, num_splits=splits, config=cfg, fp8_dequant="convert", combine="rows")
             assert rel_err(o_t.float(), o_r.float()) < 1e-3 and torch.allclose(lse_t, lse_r, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, tensor_scale", KINDS)
+@pytest.mark.parametrize("heads, groups, s_q, lengths", [(128, 8, 1, [4097]), (128, 8, 1, [777, 64, 9000]),
+                                                         (64, 4, 1, [3000, 1]), (32, 2, 2, [100, 3000])])
+def test_head_groups_match_reference_gpu(kind, tensor_scale, heads, groups, s_q, lengths):
+    """Real dims, NaN in every unused slot: ``head_groups`` (16-row groups: the Gluon kernel for fp8 pages at one
+    query token) against the reference and the ungrouped call, with the launcher's splits and forced ones."""
+    args = _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed=3)
+    o_ref, lse_ref = mla_decode_reference(*args)
+    for splits in (None, 1, 5):
+        out = poisoned_empty((len(lengths), s_q, heads, 512), dtype=torch.bfloat16, device="cuda")
+        lse = poisoned_empty((len(lengths), s_q, heads), device="cuda")
+        mla_decode(*args, num_splits=splits, out=out, lse=lse, head_groups=groups)
+        assert_all_written(out, "out")
+        assert_all_written(lse, "lse")
+        assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
+        assert torch.allclose(lse, lse_ref, atol=2e-2)
+        o1 = mla_decode(*args, num_splits=splits)[0]
+        assert rel_err(out.float(), o1.float()) < 1e-2, f"splits={splits}"
 
 
 @pytest.mark.gpu

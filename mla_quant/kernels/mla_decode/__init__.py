@@ -159,7 +159,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                config: dict | None = None, fp8_dequant: str = "auto",
-               combine: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               combine: str = "auto", head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -194,6 +194,11 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``"rows"`` or ``"tiles"`` (:func:`combine_splits`), or ``"auto"`` (default: rows up to ``ROWS_MAX_SPLITS``
     splits, tiles above). A merge in the decode kernel's epilogue (the last split program of each row block merges,
     arrival counters) was measured no faster and removed: docs/mla.md.
+    ``head_groups`` (G, dividing H): run the heads as G groups of H / G, each group a request of its own over the
+    same pages and length (:func:`_decode_head_groups`): G times the programs, and the pages read G times (mostly
+    from L2 when the groups run together). For many heads at small batch, where one request's programs leave SMs idle,
+    and for fp8 pages the Gluon kernel (≤ 16 query rows) at 64 / 128 heads. Same results up to fp32 rounding (another
+    split plan); opt-in, not yet timed (docs/mla.md "Head groups").
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -220,8 +225,15 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     num_pages, page_size = kv_data.shape[:2]
     if validate and bsz:
         _validate_tables(block_table, seq_lens, num_pages, page_size, s_q)
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1 \
+            or heads % head_groups:
+        raise ValueError(f"head_groups: {head_groups!r} must be a positive integer dividing the {heads} heads")
     out = output_buffer("out", out, (bsz, s_q, heads, d_latent), q.dtype, q.device)
     lse = output_buffer("lse", lse, (bsz, s_q, heads), torch.float32, q.device)
+    if head_groups > 1:
+        return _decode_head_groups(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent,
+                                   head_groups, out, lse, num_splits=num_splits, max_seq_len=max_seq_len,
+                                   config=config, fp8_dequant=fp8_dequant, combine=combine)
     if not use_triton(q, kv_data, block_table, seq_lens):
         o_ref, lse_ref = mla_decode_reference(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind,
                                               d_latent)
@@ -239,6 +251,27 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                               num_splits, max_seq_len, out, lse, config, fp8 and fp8_dequant == "bitcast",
                               fp8 and fp8_dequant == "fp16",
                               FP8_MMA_LEVELS.get(fp8_dequant, 0) if kind == "fp8_e4m3" else 0, combine)
+
+
+def _decode_head_groups(q, kv_data, kv_scales, block_table, seq_lens, softmax_scale, kind, d_latent, groups, out, lse,
+                        **options):
+    """:func:`mla_decode` with ``head_groups=groups`` (checked inputs, allocated outputs): q [B, S, H, D] as
+    [B·G, S, H/G, D], group g of request b the row b·G + g with b's block table row and length. With one query token
+    the grouped q, out and lse are views of the caller's; with more, q is copied and the outputs copied back."""
+    bsz, s_q, heads, d = q.shape
+    per = heads // groups
+    grouped_q = q.reshape(bsz, s_q, groups, per, d).transpose(1, 2).reshape(bsz * groups, s_q, per, d)
+    tables = block_table.repeat_interleave(groups, dim=0)
+    lens = seq_lens.repeat_interleave(groups)
+    if s_q == 1:  # [B, 1, G·per, ...] and [B·G, 1, per, ...] are the same memory
+        mla_decode(grouped_q, kv_data, kv_scales, tables, lens, softmax_scale, kind, d_latent, validate=False,
+                   out=out.view(bsz * groups, 1, per, -1), lse=lse.view(bsz * groups, 1, per), **options)
+        return out, lse
+    o, l = mla_decode(grouped_q, kv_data, kv_scales, tables, lens, softmax_scale, kind, d_latent, validate=False,
+                      **options)
+    out.view(bsz, s_q, groups, per, -1).copy_(o.view(bsz, groups, s_q, per, -1).transpose(1, 2))
+    lse.view(bsz, s_q, groups, per).copy_(l.view(bsz, groups, s_q, per).transpose(1, 2))
+    return out, lse
 
 
 def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: int, max_len: int,
