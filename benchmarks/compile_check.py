@@ -339,14 +339,14 @@ def _zero_int4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def cases_w4a16_gemm() -> Iterator[Case]:
     from mla_quant.kernels.w4a16_gemm import w4a16_gemm
     n, k = 512, 1024
-    packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
+    packed, scale = _zero_int4(n, k)
     for m in (1, 16, 100):
         for fast in (0, 1, 2):
             yield f"M={m} fast_dequant={fast}", partial(w4a16_gemm, torch.randn(m, k, dtype=BF16), packed, scale,
                                                         32, fast_dequant=fast)
     # M = 1 in one launch (opt-in), at a Kimi width where split-K runs
     n, k = 2048, 7168
-    packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
+    packed, scale = _zero_int4(n, k)
     for x_dtype in (BF16, torch.float16):  # 2..16 tokens: the fragment kernel ("auto"), the swapped-operand kernel
         for m in (2, 8, 16):   # every launch tile of fragments.frag_tile
             yield f"M={m} fragments {n}x{k} x={_dt(x_dtype)}", partial(
@@ -358,7 +358,7 @@ def cases_w4a16_gemm() -> Iterator[Case]:
                                                                    packed, scale, 32, gemv="planes1")
     # M = 1, the whole-row GEMV (the default): each tile of gemv.gemv_tile, plain and with prefetch_weights (PDL)
     for n, k in ((2048, 7168), (7168, 2048), (7168, 18432)):
-        packed, scale = torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 32, dtype=BF16)
+        packed, scale = _zero_int4(n, k)
         for early in (False, True):
             yield f"M=1 gemv=rows {n}x{k} prefetch={early}", partial(w4a16_gemm, torch.randn(1, k, dtype=BF16),
                                                                       packed, scale, 32, prefetch_weights=early)

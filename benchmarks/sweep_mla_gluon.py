@@ -3,21 +3,21 @@
     python -m benchmarks.sweep_mla_gluon [--out sweep_mla_gluon.json] [--shapes 64x4096,64x65536,1x4096]
         [--settings gluon_w4s2p2ws,gluon_w4s2p2,bitcast,bf16] [--heads 16]
 
-16 heads (``--heads``), one query token, fp8_e4m3 pages with per-token scales (``random_kv_pool``), page size 64,
-each request's pages a shuffled run. A setting ``gluon_w{W}s{S}p{P}[ws][sw]`` runs the Gluon kernel (kernel_gluon.py) with ``W``
-attention warps (``GLUON_WARPS``), ``S`` tile slots (``GLUON_STAGES``), the KV split planned for ``P`` programs per
-SM (``GLUON_PER_SM`` and ``GLUON_PER_SM_SHORT``, whatever the split length), ``ws``: the warp-specialized form
+16 heads (``--heads``), one query token, fp8_e4m3 pages with per-token scales (``random_kv_pool``), page size 64, each
+request's pages a shuffled run. A setting ``gluon_w{W}s{S}p{P}[ws][sw]`` runs the Gluon kernel (kernel_gluon.py) with
+``W`` attention warps (``GLUON_WARPS``), ``S`` tile slots (``GLUON_STAGES``), the KV split planned for ``P`` programs
+per SM (``GLUON_PER_SM`` and ``GLUON_PER_SM_SHORT``, whatever the split length), ``ws``: the warp-specialized form
 (``GLUON_WS``), ``sw``: the transposed score dot (``GLUON_SWAP_QK``); ``gluon`` runs the launcher's own settings and
-split plan; ``bitcast`` runs ``fp8_dequant="bitcast"`` (the default before the Gluon kernel), ``bf16`` the launcher
-on BF16 pages of the same shape (the goals' peer); ``ds_mla`` the launcher on fp8_ds_mla pages (FlashMLA's 656-byte
-rows; the Gluon kernel since session 21) and ``ds_mla_convert`` those pages through the Triton kernel's conversion
-(their default before); ``groups{G}`` runs the launcher on the fp8_e4m3 pages with ``head_groups=G`` (the heads as G
-requests of H/G heads over the same pages: the Gluon kernel at 16-row groups) and ``bf16_groups{G}`` the same on
-BF16 pages; ``--heads`` sets H (16 unless given). Every setting is captured once in a CUDA graph and timed
-in interleaved rounds (``common.interleaved_graph_us``). Reports per shape the median µs of the rounds, TB/s of the
-pages read, each FP8 setting's time over BF16's (goal of issue #3: ≤ 0.65 at batch ≥ 8) and each Gluon setting's
-relative error against the bitcast's output (both read the same e4m3 bytes: ~2.5e-3 is the bf16 output rounding);
-``ds_mla``'s against ``ds_mla_convert``'s.
+split plan; ``bitcast`` runs ``fp8_dequant="bitcast"`` (the default before the Gluon kernel), ``bf16`` the launcher on
+BF16 pages of the same shape (the goals' peer); ``ds_mla`` the launcher on fp8_ds_mla pages (FlashMLA's 656-byte rows;
+the Gluon kernel since session 21) and ``ds_mla_convert`` those pages through the Triton kernel's conversion (their
+default before); ``groups{G}`` runs the launcher on the fp8_e4m3 pages with ``head_groups=G`` (the heads as G requests
+of H/G heads over the same pages: the Gluon kernel at 16-row groups) and ``bf16_groups{G}`` the same on BF16 pages;
+``--heads`` sets H (16 unless given). Every setting is captured once in a CUDA graph and timed in interleaved rounds
+(``common.interleaved_graph_us``). Reports per shape the median µs of the rounds, TB/s of the pages read, each FP8
+setting's time over BF16's (goal of issue #3: ≤ 0.65 at batch ≥ 8) and each Gluon setting's relative error against the
+bitcast's output (both read the same e4m3 bytes: ~2.5e-3 is the bf16 output rounding); ``ds_mla``'s against
+``ds_mla_convert``'s.
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda", he
     for name in settings:
         if name == "bf16":
             fns[name] = bf16()
-        elif GROUPS.match(name):
-            on_bf16, groups = GROUPS.match(name).groups()
+        elif m := GROUPS.match(name):
+            on_bf16, groups = m.groups()
             fns[name] = bf16(int(groups)) if on_bf16 else fp8("auto", groups=int(groups))
         elif name == "bitcast":
             fns[name] = fp8("bitcast")

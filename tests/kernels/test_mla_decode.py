@@ -677,7 +677,6 @@ def test_takes_tma_launch_only_where_it_was_measured(monkeypatch):
     assert not md.takes_tma_launch(q, fp8, "fp8_e4m3", fp8_bitcast=True)
 
 
-# ------------------------------------------------------------------------------------------ GPU
 # ------------------------------------------------------------------------ head groups
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=8)
 @given(data=st.data(), kind=st.sampled_from(KINDS), page_size=st.sampled_from([1, 16]),
@@ -704,6 +703,7 @@ def test_head_groups_must_divide_the_heads(groups):
         mla_decode(*args, 0.1, "bf16", 128, head_groups=groups)
 
 
+# ------------------------------------------------------------------------------------------ GPU
 def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed, page_size=64):
     """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64 unless given, scale 0.1): bf16
     queries [B, s_q, heads, 576], each request's pages a run of one shuffled order of all the pages (3 spare)."""

@@ -267,7 +267,7 @@ def _w4a16_gemm_kernel(
                     acc_e += inner * sw
             else:
                 scales = load_k(s_rows + (k0 // GROUP + rg)[None, :], (k0 // GROUP + rg < K // GROUP)[None, :],
-                               EVEN_K).to(tl.float32)
+                                EVEN_K).to(tl.float32)
                 x = load_k(x_rows + (k0 + rk)[None, :], (k0 + rk < K)[None, :], EVEN_K)  # [BM, BK]
                 w = _dequant_tile(words, scales, BN, BK, GROUP)                          # fp32 [BN, BK]
                 acc = _dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc, INTERPRET, DOT_PRECISION)
