@@ -12,7 +12,8 @@ split plan; ``bitcast`` runs ``fp8_dequant="bitcast"`` (the default before the G
 BF16 pages of the same shape (the goals' peer); ``ds_mla`` the launcher on fp8_ds_mla pages (FlashMLA's 656-byte rows;
 the Gluon kernel since session 21) and ``ds_mla_convert`` those pages through the Triton kernel's conversion (their
 default before); ``groups{G}`` runs the launcher on the fp8_e4m3 pages with ``head_groups=G`` (the heads as G requests
-of H/G heads over the same pages: the Gluon kernel at 16-row groups) and ``bf16_groups{G}`` the same on BF16 pages;
+of H/G heads over the same pages: the Gluon kernel at 16-row groups), ``bf16_groups{G}`` the same on BF16 pages and
+``ds_groups{G}`` on fp8_ds_mla pages (error against ``ds_mla_convert``'s);
 ``--heads`` sets H (16 unless given). Every setting is captured once in a CUDA graph and timed in interleaved rounds
 (``common.interleaved_graph_us``). Reports per shape the median µs of the rounds, TB/s of the pages read, each FP8
 setting's time over BF16's (goal of issue #3: ≤ 0.65 at batch ≥ 8) and each Gluon setting's relative error against the
@@ -30,7 +31,7 @@ import torch
 from .common import interleaved_graph_us, module_attrs, random_kv_pool, sweep_args
 
 HEADS, D, D_LATENT, PAGE, SCALE = 16, 576, 512, 64, 0.1
-GROUPS = re.compile(r"(bf16_)?groups(\d+)$")
+GROUPS = re.compile(r"(bf16_|ds_)?groups(\d+)$")
 SETTING = re.compile(r"gluon_w(\d)s(\d)p(\d)(ws)?(sw)?$")
 
 
@@ -56,12 +57,12 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda", he
     kv8, sc8 = random_kv_pool("fp8_e4m3", batch * pages, PAGE, D_LATENT, D - D_LATENT, dev)
     use_bf16 = any(name.startswith("bf16") for name in settings)
     kv16 = random_kv_pool("bf16", batch * pages, PAGE, D_LATENT, D - D_LATENT, dev)[0] if use_bf16 else None
-    use_ds = any(name.startswith("ds_mla") for name in settings)
+    use_ds = any(name.startswith("ds_") for name in settings)
     kvds = random_kv_pool("fp8_ds_mla", batch * pages, PAGE, D_LATENT, D - D_LATENT, dev)[0] if use_ds else None
 
-    def ds(dequant):
+    def ds(dequant, groups=1):
         return lambda: mla_decode(q, kvds, None, table, lens, SCALE, "fp8_ds_mla", D_LATENT, validate=False,
-                                  max_seq_len=ctx, fp8_dequant=dequant)
+                                  max_seq_len=ctx, fp8_dequant=dequant, head_groups=groups)
 
     def fp8(dequant, attrs=None, groups=1):
         def call():
@@ -79,8 +80,9 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda", he
         if name == "bf16":
             fns[name] = bf16()
         elif m := GROUPS.match(name):
-            on_bf16, groups = m.groups()
-            fns[name] = bf16(int(groups)) if on_bf16 else fp8("auto", groups=int(groups))
+            pages, groups = m.groups()
+            fns[name] = {"bf16_": bf16, "ds_": lambda g: ds("auto", g), None: lambda g: fp8("auto", groups=g)}[pages](
+                int(groups))
         elif name == "bitcast":
             fns[name] = fp8("bitcast")
         elif name == "ds_mla":
@@ -100,7 +102,8 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda", he
                      for name in settings if name.startswith("bf16_groups")})
     if "ds_mla" in settings and "ds_mla_convert" in settings:
         o_conv = fns["ds_mla_convert"]()[0].float()
-        errs["ds_mla"] = float((fns["ds_mla"]()[0].float() - o_conv).norm() / o_conv.norm())
+        errs.update({name: float((fns[name]()[0].float() - o_conv).norm() / o_conv.norm())
+                     for name in settings if name == "ds_mla" or name.startswith("ds_groups")})
     times = interleaved_graph_us(fns, rounds=5)
     row = {"batch": batch, "ctx": ctx, "heads": heads, "rel_err_vs_bitcast": errs}
     for name, t in times.items():
@@ -108,7 +111,7 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda", he
             row[name] = t
             continue
         row[name] = round(statistics.median(t), 2)
-        page_bytes = batch * ctx * (2 * D if name.startswith("bf16") else 656 if name.startswith("ds_mla") else D + 4)
+        page_bytes = batch * ctx * (2 * D if name.startswith("bf16") else 656 if name.startswith("ds_") else D + 4)
         row[name + "_TBps"] = round(page_bytes / row[name] / 1e6, 3)
     if isinstance(row.get("bf16"), float):
         for name in settings:

@@ -90,8 +90,9 @@ def test_mla_gluon_sweep_setting_names_map_to_launcher_constants():
     assert all(hasattr(mla_decode, k) for k in s)
     with pytest.raises(ValueError, match="setting"):
         _settings_for("gluon_4warps")
-    from benchmarks.sweep_mla_gluon import GROUPS  # head_groups settings: fp8 (the launcher's choice) or bf16 pages
+    from benchmarks.sweep_mla_gluon import GROUPS  # head_groups settings: fp8_e4m3 (the launcher's choice), bf16 or fp8_ds_mla pages
     assert GROUPS.match("groups8").groups() == (None, "8") and GROUPS.match("bf16_groups4").groups() == ("bf16_", "4")
+    assert GROUPS.match("ds_groups8").groups() == ("ds_", "8") and GROUPS.match("ds_mla") is None
     assert GROUPS.match("groups") is None and GROUPS.match("gluon_w4s2p2") is None
 
 
