@@ -7,17 +7,19 @@ block tables (distinct pages) until a pass reads more than 3× the L2 cache. Eac
 CUDA graph holding one ``mla_decode`` per input set (the decode kernel and, when the context is split, the
 combine kernel), so the Python launcher's overhead is not timed — as an engine runs decode.
 
-FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: "gluon"`` (both formats, ≤ 16 query
-rows on Hopper: the Gluon kernel "auto" takes there), ``variant: "fp16"`` (fp8_dequant="fp16":
-fp16 dot operands, its candidates with and without the register prefetch) for both FP8 formats, and ``variant:
-"bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer timed), and
-``"fp8mma"`` / ``"fp8mma_pv"`` / ``"fp8mma_pv_q1"`` for fp8_e4m3 (e4m3 tensor-core score dots, q rounded to e4m3
-in two terms or one; PV in fp16 or e4m3 — lossier, docs/mla.md "fp8 tensor-core dots"; the two e4m3-PV ones not
-under ``--quick``); peer =
-the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs). Rows without a ``variant`` key
-time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows (``mla_decode.BITCAST_MIN_ROWS``).
-Every row logs the launch's ``config`` and ``num_splits`` (``mla_decode.last_launch()``, e.g. ``m16n32w8s2p``, or
-``m16n64w8s3-tma`` for the bf16 TMA launch).
+FP8 cases also run with the other FP8 dequantizations (docs/mla.md): ``variant: "gluon"`` (both formats on Hopper: the
+Gluon kernel "auto" takes there; above 16 heads in head groups of 16, ``head_groups="auto"``), ``variant: "fp16"``
+(fp8_dequant="fp16": fp16 dot operands, its candidates with and without the register prefetch) for both FP8 formats,
+and ``variant: "bitcast"`` for fp8_e4m3 (fp8_ds_mla's bitcast measured 0.55-1.0x the conversion and is no longer
+timed), and ``"fp8mma"`` / ``"fp8mma_pv"`` / ``"fp8mma_pv_q1"`` for fp8_e4m3 (e4m3 tensor-core score dots, q rounded
+to e4m3 in two terms or one; PV in fp16 or e4m3 — lossier, docs/mla.md "fp8 tensor-core dots"; the two e4m3-PV ones
+not under ``--quick``); peer = the BF16 case at the same shape, ``vs_convert`` = (convert µs) / (variant µs). Rows
+without a ``variant`` key time ``fp8_dequant="convert"``; the default ``"auto"`` picks by these rows
+(``mla_decode.BITCAST_MIN_ROWS``).
+BF16 rows run ``head_groups="auto"`` (16-head groups above 16 heads on Hopper, docs/mla.md "Head groups"); where
+that groups, ``variant: "head_groups=1"`` times the ungrouped call (the default before session 31; ``vs_grouped`` =
+grouped µs / ungrouped µs). Every row logs the launch's ``config`` and ``num_splits`` (``mla_decode.last_launch()``,
+e.g. ``m16n32w8s2p``, or ``m16n64w8s3-tma`` for the bf16 TMA launch).
 BF16 rows at 16 heads, batch ≥ 32 and 4k also run forced split counts (``variant: "splits=N"``, N ≠ the
 launcher's ``num_splits``), to see whether the split rule costs the short contexts their bandwidth; there and at
 batch 1, ``variant: "combine_only_tiles"`` / ``"combine_only_rows"`` rows time the split merge kernels alone
@@ -42,7 +44,7 @@ import sys
 import torch
 
 from mla_quant.formats import KVFormat
-from mla_quant.kernels.mla_decode import combine_splits, gluon_fits, last_launch, mla_decode
+from mla_quant.kernels.mla_decode import combine_splits, gluon_fits, last_launch, mla_decode, plan_head_groups
 
 from .common import L2_BYTES, Context, case, graph_us, random_kv_pool
 
@@ -166,9 +168,9 @@ def run(ctx: Context) -> list[dict]:
             flops = 2 * batch * heads * n * (D_LATENT + D_ROPE + D_LATENT)
             keys = {"kv": kind, "heads": heads, "batch": batch, "ctx": n, "page_size": PAGE}
 
-            def call(q, table, dequant="convert", num_splits=None):
+            def call(q, table, dequant="convert", num_splits=None, head_groups="auto"):
                 return mla_decode(q, pool, scales, table, seq_lens, SCALE, kind, D_LATENT, max_seq_len=n,
-                                  validate=False, fp8_dequant=dequant, num_splits=num_splits)
+                                  validate=False, fp8_dequant=dequant, num_splits=num_splits, head_groups=head_groups)
 
             def row(extra_keys, t, peer, peer_t, **fields):
                 return case("mla_decode", {**keys, **extra_keys}, t, bytes=moved, flops=flops, peer=peer,
@@ -189,8 +191,9 @@ def run(ctx: Context) -> list[dict]:
                 peer, peer_t = "mla_decode_bf16", bf16_us.get((heads, batch, n))
             cases.append(row({}, t, peer, peer_t, num_splits=splits, config=config))
             for variant in _variants(kind, ctx.quick):  # the same shape with the other dequantizations, side by side
-                if variant == "gluon" and gluon_fits(sets[0][0], pool, kind, D_LATENT) is not None:
-                    continue  # (more than 16 query rows, or no Hopper GPU with Gluon)
+                if variant == "gluon" and (heads % 16 and heads > 16
+                                           or gluon_fits(sets[0][0][:, :, :16], pool, kind, D_LATENT) is not None):
+                    continue  # (no Hopper GPU with Gluon; above 16 heads it runs in head groups of 16)
                 if live[variant]:
                     live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
                         lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))
@@ -198,6 +201,10 @@ def run(ctx: Context) -> list[dict]:
                     v_splits, v_config = last_launch()
                     cases.append(row({"variant": variant}, t_v, peer, peer_t, num_splits=v_splits, config=v_config,
                                      vs_convert=round(t / t_v, 3)))
+            if kind == "bf16" and plan_head_groups(sets[0][0], pool, kind, D_LATENT) > 1:  # the default before
+                t_1 = _graph_us(lambda: [call(q, tb, head_groups=1) for q, tb in sets], len(sets))
+                cases.append(row({"variant": "head_groups=1"}, t_1, peer, peer_t, num_splits=last_launch()[0],
+                                 config=last_launch()[1], vs_grouped=round(t / t_1, 3)))
             short = batch >= 32 and n == 4096  # the short-context bandwidth goal's rows
             if kind == "bf16" and heads <= 16 and (short or batch == 1):
                 if splits > 1:  # the merge kernel alone, on partials of this shape (fp32, as the kernel writes)

@@ -696,11 +696,42 @@ def test_head_groups_match_contiguous_attention(triton_backend, data, kind, page
     assert torch.allclose(lse.cpu(), lse1.cpu(), atol=1e-5)
 
 
-@pytest.mark.parametrize("groups", [0, 3, -2, 2.0, True])
+@pytest.mark.parametrize("groups", [0, 3, -2, 2.0, True, "Auto", None])
 def test_head_groups_must_divide_the_heads(groups):
     args = _small_case()  # 2 heads
     with pytest.raises(ValueError, match="head_groups"):
         mla_decode(*args, 0.1, "bf16", 128, head_groups=groups)
+
+
+def test_auto_head_groups_rule(monkeypatch):
+    """head_groups="auto": H / 16 groups at one query token above 16 heads (a multiple of 16) where one group's 16-row
+    call runs the Gluon kernel (fp8 pages, fp8_dequant auto / gluon) or TMA_CONFIG (bf16 pages on Hopper); 1 on the
+    CPU, with a config, another fp8_dequant, several query tokens, a batch past HEAD_GROUPS_MAX_BATCH."""
+    import mla_quant.kernels.mla_decode as md
+
+    bf16 = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
+    fp8 = torch.zeros(8, 64, 576, dtype=torch.float8_e4m3fn)
+
+    def q(b, s, h):
+        return torch.zeros(b, s, h, 576, dtype=torch.bfloat16)
+
+    for kind, pages in (("bf16", bf16), ("fp8_e4m3", fp8), ("fp8_ds_mla", fp8)):  # the CPU: never
+        assert md.plan_head_groups(q(1, 1, 128), pages, kind, 512) == 1
+    monkeypatch.setattr(md, "_hopper_gpu", lambda q: True)
+    monkeypatch.setattr(md, "gluon_fits", lambda q, kv, kind, d: None if q.shape[1] * q.shape[2] <= 16 else "rows")
+    for kind, pages in (("bf16", bf16), ("fp8_e4m3", fp8), ("fp8_ds_mla", fp8)):
+        assert [md.plan_head_groups(q(2, 1, h), pages, kind, 512) for h in (8, 16, 32, 48, 64, 128, 40)] == \
+            [1, 1, 2, 3, 4, 8, 1]
+        assert md.plan_head_groups(q(2, 2, 64), pages, kind, 512) == 1
+        assert md.plan_head_groups(q(2, 1, 64), pages, kind, 512, config={"BLOCK_M": 64}) == 1
+        with monkeypatch.context() as m:
+            m.setattr(md, "HEAD_GROUPS_MAX_BATCH", 4)
+            assert md.plan_head_groups(q(5, 1, 64), pages, kind, 512) == 1
+            assert md.plan_head_groups(q(4, 1, 64), pages, kind, 512) == 4
+    assert md.plan_head_groups(q(2, 1, 64), fp8, "fp8_e4m3", 512, fp8_dequant="gluon") == 4
+    assert md.plan_head_groups(q(2, 1, 64), fp8, "fp8_e4m3", 512, fp8_dequant="bitcast") == 1
+    assert md.plan_head_groups(q(2, 1, 64).float(), bf16, "bf16", 512) == 1  # TMA_CONFIG takes bf16 q only
+    assert md.plan_head_groups(q(2, 1, 64), bf16, "bf16", 512, fp8_dequant="bitcast") == 4  # (no fp8 pages)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -783,8 +814,11 @@ def test_head_groups_match_reference_gpu(kind, tensor_scale, heads, groups, s_q,
         assert_all_written(lse, "lse")
         assert rel_err(out.float(), o_ref.float()) < 1e-2, f"splits={splits}"
         assert torch.allclose(lse, lse_ref, atol=2e-2)
-        o1 = mla_decode(*args, num_splits=splits)[0]
+        o1 = mla_decode(*args, num_splits=splits, head_groups=1)[0]
         assert rel_err(out.float(), o1.float()) < 1e-2, f"splits={splits}"
+        o_auto = mla_decode(*args, num_splits=splits)[0]  # "auto": 16-row groups where they take a 16-row kernel
+        if s_q == 1 and heads // groups == 16:  # the same launches as the explicit groups
+            assert torch.equal(o_auto, out), f"splits={splits}"
 
 
 @pytest.mark.gpu

@@ -22,7 +22,8 @@ from ..kv_layout import DS_MLA_TILE, check_kv_pages, kv_data_dtype, kv_row_width
 from .reference import gather_kv_rows, mla_decode_reference
 
 __all__ = ["mla_decode", "mla_decode_reference", "check_kv_pages", "choose_num_splits", "plan_num_splits",
-           "last_launch", "takes_tma_launch", "gather_kv_rows", "tuned_config", "combine_splits", "COMBINES"]
+           "plan_head_groups", "last_launch", "takes_tma_launch", "gather_kv_rows", "tuned_config", "combine_splits",
+           "COMBINES"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 256
@@ -57,6 +58,13 @@ TMA_LAUNCH = True
 # 56.7 against 61.8 for the fp8 tensor-core dots ("auto" before); batch 64 x 4k 118.4 against 126.8; batch 64 x 64k
 # 1679.9 against 1688.3; the autotuned bitcast with pointer-loaded words took 155.8 at batch 64 x 4k (sweep).
 FP8_TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, TMA=True, num_warps=4, num_stages=3)
+# head_groups="auto" (the default): one query token and more than GROUP_ROWS heads (a multiple of it) decode as
+# heads / GROUP_ROWS groups of GROUP_ROWS heads where each group takes a 16-row kernel: the Gluon kernel for fp8
+# pages, TMA_CONFIG for bf16 pages (plan_head_groups). H100, session 31 (results/sweep_mla_gluon_h200.json, docs/mla.md
+# "Head groups"), batch 1 and 8 at 64 / 128 heads: 1.7-2.7x faster than ungrouped for fp8_e4m3 pages, 1.4-1.9x for
+# bf16; HEAD_GROUPS_MAX_BATCH bounds the rule to the batches measured.
+GROUP_ROWS = 16
+HEAD_GROUPS_MAX_BATCH = 8
 
 
 def _is_pow2(n: int) -> bool:
@@ -159,7 +167,7 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
                num_splits: int | None = None, max_seq_len: int | None = None, validate: bool = True,
                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                config: dict | None = None, fp8_dequant: str = "auto",
-               combine: str = "auto", head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               combine: str = "auto", head_groups: int | str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: ``q`` [B, S, H, d_latent + d_rope] over paged latents -> (out [B, S, H, d_latent]
     in q.dtype, lse fp32 [B, S, H]). See ``reference.mla_decode_reference`` for the exact semantics.
 
@@ -196,9 +204,11 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     arrival counters) was measured no faster and removed: docs/mla.md.
     ``head_groups`` (G, dividing H): run the heads as G groups of H / G, each group a request of its own over the
     same pages and length (:func:`_decode_head_groups`): G times the programs, and the pages read G times (mostly
-    from L2 when the groups run together). For many heads at small batch, where one request's programs leave SMs idle,
-    and for fp8 pages the Gluon kernel (≤ 16 query rows) at 64 / 128 heads. Same results up to fp32 rounding (another
-    split plan); opt-in, not yet timed (docs/mla.md "Head groups").
+    from L2 when the groups run together); same results up to fp32 rounding (another split plan). ``"auto"``
+    (default): :func:`plan_head_groups` — H / 16 groups at one query token, 32 or more heads and batch ≤
+    ``HEAD_GROUPS_MAX_BATCH`` on a Hopper GPU where each group then runs a 16-row kernel (the Gluon kernel for fp8
+    pages, ``TMA_CONFIG`` for bf16 pages), 1 elsewhere and whenever ``config`` is given or ``fp8_dequant`` names
+    another FP8 path (docs/mla.md "Head groups").
     """
     if fp8_dequant not in FP8_DEQUANTS:
         raise ValueError(f"fp8_dequant: {fp8_dequant!r} not in {FP8_DEQUANTS}")
@@ -225,9 +235,12 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     num_pages, page_size = kv_data.shape[:2]
     if validate and bsz:
         _validate_tables(block_table, seq_lens, num_pages, page_size, s_q)
-    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1 \
+    if head_groups == "auto":
+        head_groups = plan_head_groups(q, kv_data, kind, d_latent, config, fp8_dequant)
+    elif isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1 \
             or heads % head_groups:
-        raise ValueError(f"head_groups: {head_groups!r} must be a positive integer dividing the {heads} heads")
+        raise ValueError(f"head_groups: {head_groups!r} must be 'auto' or a positive integer dividing the {heads} "
+                         "heads")
     out = output_buffer("out", out, (bsz, s_q, heads, d_latent), q.dtype, q.device)
     lse = output_buffer("lse", lse, (bsz, s_q, heads), torch.float32, q.device)
     if head_groups > 1:
@@ -265,13 +278,36 @@ def _decode_head_groups(q, kv_data, kv_scales, block_table, seq_lens, softmax_sc
     lens = seq_lens.repeat_interleave(groups)
     if s_q == 1:  # [B, 1, G·per, ...] and [B·G, 1, per, ...] are the same memory
         mla_decode(grouped_q, kv_data, kv_scales, tables, lens, softmax_scale, kind, d_latent, validate=False,
-                   out=out.view(bsz * groups, 1, per, -1), lse=lse.view(bsz * groups, 1, per), **options)
+                   out=out.view(bsz * groups, 1, per, -1), lse=lse.view(bsz * groups, 1, per), head_groups=1,
+                   **options)
         return out, lse
     o, l = mla_decode(grouped_q, kv_data, kv_scales, tables, lens, softmax_scale, kind, d_latent, validate=False,
-                      **options)
+                      head_groups=1, **options)
     out.view(bsz, s_q, groups, per, -1).copy_(o.view(bsz, groups, s_q, per, -1).transpose(1, 2))
     lse.view(bsz, s_q, groups, per).copy_(l.view(bsz, groups, s_q, per).transpose(1, 2))
     return out, lse
+
+
+def plan_head_groups(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int, config: dict | None = None,
+                     fp8_dequant: str = "auto") -> int:
+    """What ``head_groups="auto"`` runs for a call with q [B, S, H, D]: ``H / GROUP_ROWS`` groups when S is 1, H a
+    multiple of ``GROUP_ROWS`` above it, B ≤ ``HEAD_GROUPS_MAX_BATCH``, no ``config`` and, for one group's query,
+    the 16-row kernel can run: the Gluon kernel for fp8 pages (:func:`gluon_fits`; ``fp8_dequant`` "auto" or
+    "gluon") or ``TMA_CONFIG`` for bf16 pages on a Hopper GPU (:func:`takes_tma_launch`); else 1."""
+    bsz, s_q, heads, _ = q.shape
+    if s_q != 1 or heads <= GROUP_ROWS or heads % GROUP_ROWS or bsz > HEAD_GROUPS_MAX_BATCH or config is not None:
+        return 1
+    one_group = q[:, :, :GROUP_ROWS]
+    if kind == "bf16":
+        fits = _hopper_gpu(q) and _tma_launch(one_group, kv_data, kind, False) is not None
+    else:
+        fits = fp8_dequant in ("auto", "gluon") and gluon_fits(one_group, kv_data, kind, d_latent) is None
+    return heads // GROUP_ROWS if fits else 1
+
+
+def _hopper_gpu(q: torch.Tensor) -> bool:
+    """Whether q lives on a Hopper GPU that runs compiled kernels (not the interpreter)."""
+    return q.is_cuda and not triton_interpreted() and _is_hopper(q.device)
 
 
 def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: int, max_len: int,
