@@ -706,7 +706,7 @@ def test_head_groups_must_divide_the_heads(groups):
 def test_auto_head_groups_rule(monkeypatch):
     """head_groups="auto": H / 16 groups at one query token above 16 heads (a multiple of 16) where one group's 16-row
     call runs the Gluon kernel (fp8 pages, fp8_dequant auto / gluon) or TMA_CONFIG (bf16 pages on Hopper); 1 on the
-    CPU, with a config, another fp8_dequant, several query tokens, a batch past HEAD_GROUPS_MAX_BATCH."""
+    CPU, with a config, another fp8_dequant, several query tokens, bf16 pages past HEAD_GROUPS_MAX_BATCH_BF16."""
     import mla_quant.kernels.mla_decode as md
 
     bf16 = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
@@ -724,9 +724,9 @@ def test_auto_head_groups_rule(monkeypatch):
             [1, 1, 2, 3, 4, 8, 1]
         assert md.plan_head_groups(q(2, 2, 64), pages, kind, 512) == 1
         assert md.plan_head_groups(q(2, 1, 64), pages, kind, 512, config={"BLOCK_M": 64}) == 1
-        with monkeypatch.context() as m:
-            m.setattr(md, "HEAD_GROUPS_MAX_BATCH", 4)
-            assert md.plan_head_groups(q(5, 1, 64), pages, kind, 512) == 1
+        with monkeypatch.context() as m:  # the batch bound holds for bf16 pages only
+            m.setattr(md, "HEAD_GROUPS_MAX_BATCH_BF16", 4)
+            assert md.plan_head_groups(q(5, 1, 64), pages, kind, 512) == (1 if kind == "bf16" else 4)
             assert md.plan_head_groups(q(4, 1, 64), pages, kind, 512) == 4
     assert md.plan_head_groups(q(2, 1, 64), fp8, "fp8_e4m3", 512, fp8_dequant="gluon") == 4
     assert md.plan_head_groups(q(2, 1, 64), fp8, "fp8_e4m3", 512, fp8_dequant="bitcast") == 1

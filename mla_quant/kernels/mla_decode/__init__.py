@@ -61,10 +61,11 @@ FP8_TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, TMA=True, num
 # head_groups="auto" (the default): one query token and more than GROUP_ROWS heads (a multiple of it) decode as
 # heads / GROUP_ROWS groups of GROUP_ROWS heads where each group takes a 16-row kernel: the Gluon kernel for fp8
 # pages, TMA_CONFIG for bf16 pages (plan_head_groups). H100, session 31 (results/sweep_mla_gluon_h200.json, docs/mla.md
-# "Head groups"), batch 1 and 8 at 64 / 128 heads: 1.7-2.7x faster than ungrouped for fp8_e4m3 pages, 1.4-1.9x for
-# bf16; HEAD_GROUPS_MAX_BATCH bounds the rule to the batches measured.
+# "Head groups"), 64 / 128 heads: fp8_e4m3 pages 1.7-2.7x faster than ungrouped at batch 1 to 128, fp8_ds_mla
+# 2.4-4.2x; bf16 pages 1.4-2.0x faster up to batch 32 (0.97x at 64 heads x 32 x 4k), 1.07-1.08x slower at batch
+# 128 x 1k, where the ungrouped grid already fills the GPU: HEAD_GROUPS_MAX_BATCH_BF16.
 GROUP_ROWS = 16
-HEAD_GROUPS_MAX_BATCH = 8
+HEAD_GROUPS_MAX_BATCH_BF16 = 32
 
 
 def _is_pow2(n: int) -> bool:
@@ -205,9 +206,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     ``head_groups`` (G, dividing H): run the heads as G groups of H / G, each group a request of its own over the
     same pages and length (:func:`_decode_head_groups`): G times the programs, and the pages read G times (mostly
     from L2 when the groups run together); same results up to fp32 rounding (another split plan). ``"auto"``
-    (default): :func:`plan_head_groups` — H / 16 groups at one query token, 32 or more heads and batch ≤
-    ``HEAD_GROUPS_MAX_BATCH`` on a Hopper GPU where each group then runs a 16-row kernel (the Gluon kernel for fp8
-    pages, ``TMA_CONFIG`` for bf16 pages), 1 elsewhere and whenever ``config`` is given or ``fp8_dequant`` names
+    (default): :func:`plan_head_groups` — H / 16 groups at one query token and 32 or more heads on a Hopper GPU
+    where each group then runs a 16-row kernel (the Gluon kernel for fp8 pages; ``TMA_CONFIG`` for bf16 pages, up to
+    ``HEAD_GROUPS_MAX_BATCH_BF16`` requests), 1 elsewhere and whenever ``config`` is given or ``fp8_dequant`` names
     another FP8 path (docs/mla.md "Head groups").
     """
     if fp8_dequant not in FP8_DEQUANTS:
@@ -291,15 +292,16 @@ def _decode_head_groups(q, kv_data, kv_scales, block_table, seq_lens, softmax_sc
 def plan_head_groups(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int, config: dict | None = None,
                      fp8_dequant: str = "auto") -> int:
     """What ``head_groups="auto"`` runs for a call with q [B, S, H, D]: ``H / GROUP_ROWS`` groups when S is 1, H a
-    multiple of ``GROUP_ROWS`` above it, B ≤ ``HEAD_GROUPS_MAX_BATCH``, no ``config`` and, for one group's query,
-    the 16-row kernel can run: the Gluon kernel for fp8 pages (:func:`gluon_fits`; ``fp8_dequant`` "auto" or
-    "gluon") or ``TMA_CONFIG`` for bf16 pages on a Hopper GPU (:func:`takes_tma_launch`); else 1."""
+    multiple of ``GROUP_ROWS`` above it, no ``config`` and, for one group's query, the 16-row kernel can run: the
+    Gluon kernel for fp8 pages (:func:`gluon_fits`; ``fp8_dequant`` "auto" or "gluon") or, for bf16 pages on a Hopper
+    GPU and B ≤ ``HEAD_GROUPS_MAX_BATCH_BF16``, ``TMA_CONFIG`` (:func:`takes_tma_launch`); else 1."""
     bsz, s_q, heads, _ = q.shape
-    if s_q != 1 or heads <= GROUP_ROWS or heads % GROUP_ROWS or bsz > HEAD_GROUPS_MAX_BATCH or config is not None:
+    if s_q != 1 or heads <= GROUP_ROWS or heads % GROUP_ROWS or config is not None:
         return 1
     one_group = q[:, :, :GROUP_ROWS]
     if kind == "bf16":
-        fits = _hopper_gpu(q) and _tma_launch(one_group, kv_data, kind, False) is not None
+        fits = bsz <= HEAD_GROUPS_MAX_BATCH_BF16 and _hopper_gpu(q) \
+            and _tma_launch(one_group, kv_data, kind, False) is not None
     else:
         fits = fp8_dequant in ("auto", "gluon") and gluon_fits(one_group, kv_data, kind, d_latent) is None
     return heads // GROUP_ROWS if fits else 1
