@@ -61,9 +61,9 @@ FP8_TMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, QK_SPLIT_LOAD=False, TMA=True, num
 # head_groups="auto" (the default): one query token and more than GROUP_ROWS heads (a multiple of it) decode as
 # heads / GROUP_ROWS groups of GROUP_ROWS heads where each group takes a 16-row kernel: the Gluon kernel for fp8
 # pages, TMA_CONFIG for bf16 pages (plan_head_groups). H100, session 31 (results/sweep_mla_gluon_h200.json, docs/mla.md
-# "Head groups"), 64 / 128 heads: fp8_e4m3 pages 1.7-2.7x faster than ungrouped at batch 1 to 128, fp8_ds_mla
-# 2.4-4.2x; bf16 pages 1.4-2.0x faster up to batch 32 (0.97x at 64 heads x 32 x 4k), 1.07-1.08x slower at batch
-# 128 x 1k, where the ungrouped grid already fills the GPU: HEAD_GROUPS_MAX_BATCH_BF16.
+# "Head groups"), 64 / 128 heads: fp8_e4m3 pages 1.6-2.8x faster than ungrouped at batch 1 to 128, fp8_ds_mla
+# 2.4-4.2x; bf16 pages 1.4-2.2x up to batch 8, 1.6x at 128 heads x 32 x 4k, even (0.97x) at 64 heads x 32 x 4k and
+# 1.07-1.08x slower at 128 x 1k, where the ungrouped grid already fills the GPU: HEAD_GROUPS_MAX_BATCH_BF16.
 GROUP_ROWS = 16
 HEAD_GROUPS_MAX_BATCH_BF16 = 32
 
