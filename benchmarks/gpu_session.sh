@@ -9,6 +9,9 @@
 #   and name ".whl" in the device call's carry.
 #   The whole suite outlasts one 600 s device call (session 16: ~915 tests in 540 s on 15 workers, ~1340 in all):
 #   TEST_SHARD=k/n runs every n-th test file from the k-th (sorted paths), so n calls cover it.
+#   TEST_DIST=load spreads single tests instead of whole files over the workers (default loadfile): a file of ~180 GPU
+#   tests (test_fused_moe.py) on one worker outlasts a call. A quiet log names no passing test: pass -rA in the
+#   pytest args to list them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -17,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | 
 XDIST=""
 if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
   python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site \
-    && XDIST="-n ${TEST_WORKERS:-8} --dist loadfile"
+    && XDIST="-n ${TEST_WORKERS:-8} --dist ${TEST_DIST:-loadfile}"
 fi
 TESTS=${2:-tests}
 if [ -n "${TEST_SHARD:-}" ]; then
