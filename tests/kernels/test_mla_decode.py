@@ -734,6 +734,18 @@ def test_auto_head_groups_rule(monkeypatch):
     assert md.plan_head_groups(q(2, 1, 64), bf16, "bf16", 512, fp8_dequant="bitcast") == 4  # (no fp8 pages)
 
 
+def test_auto_head_groups_are_planned_for_triton_launches_only(torch_backend, monkeypatch):
+    """The reference backend (forced, or CPU tensors) runs one ungrouped call: the rule is not even asked."""
+    import mla_quant.kernels.mla_decode as md
+
+    asked = []
+    monkeypatch.setattr(md, "plan_head_groups", lambda *a, **k: asked.append(a) or 2)
+    q, data, s, table, lens = _small_case()
+    mla_decode(q.to(torch_backend), data.to(torch_backend), None, table.to(torch_backend), lens.to(torch_backend),
+               0.1, "bf16", 128)
+    assert asked == []
+
+
 # ------------------------------------------------------------------------------------------ GPU
 def _real_dim_args(kind, tensor_scale, heads, s_q, lengths, seed, page_size=64):
     """mla_decode's positional args on CUDA at real dims (512 + 64, page size 64 unless given, scale 0.1): bf16

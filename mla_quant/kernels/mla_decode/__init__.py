@@ -236,8 +236,9 @@ def mla_decode(q: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor |
     num_pages, page_size = kv_data.shape[:2]
     if validate and bsz:
         _validate_tables(block_table, seq_lens, num_pages, page_size, s_q)
-    if head_groups == "auto":
-        head_groups = plan_head_groups(q, kv_data, kind, d_latent, config, fp8_dequant)
+    if head_groups == "auto":  # (the reference backend, forced on a GPU, runs ungrouped)
+        head_groups = plan_head_groups(q, kv_data, kind, d_latent, config, fp8_dequant) \
+            if use_triton(q, kv_data, block_table, seq_lens) else 1
     elif isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1 \
             or heads % head_groups:
         raise ValueError(f"head_groups: {head_groups!r} must be 'auto' or a positive integer dividing the {heads} "
