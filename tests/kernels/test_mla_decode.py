@@ -734,6 +734,18 @@ def test_auto_head_groups_rule(monkeypatch):
     assert md.plan_head_groups(q(2, 1, 64), bf16, "bf16", 512, fp8_dequant="bitcast") == 4  # (no fp8 pages)
 
 
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_head_groups_with_an_empty_batch(triton_backend, s_q):
+    """No requests: empty outputs of the right shapes, grouped or not (the grouped views name every size)."""
+    dev = triton_backend
+    data = torch.randn(4, 8, 144, device=dev).to(torch.bfloat16)
+    q = torch.randn(0, s_q, 4, 144, device=dev)
+    table, lens = torch.zeros(0, 2, dtype=torch.int32, device=dev), torch.zeros(0, dtype=torch.int32, device=dev)
+    for groups in (1, 2, "auto"):
+        out, lse = mla_decode(q, data, None, table, lens, 0.1, "bf16", 128, head_groups=groups)
+        assert out.shape == (0, s_q, 4, 128) and lse.shape == (0, s_q, 4)
+
+
 def test_auto_head_groups_are_planned_for_triton_launches_only(torch_backend, monkeypatch):
     """The reference backend (forced, or CPU tensors) runs one ungrouped call: the rule is not even asked."""
     import mla_quant.kernels.mla_decode as md

@@ -274,18 +274,18 @@ def _decode_head_groups(q, kv_data, kv_scales, block_table, seq_lens, softmax_sc
     [B·G, S, H/G, D], group g of request b the row b·G + g with b's block table row and length. With one query token
     the grouped q, out and lse are views of the caller's; with more, q is copied and the outputs copied back."""
     bsz, s_q, heads, d = q.shape
-    per = heads // groups
+    per, d_out = heads // groups, out.shape[-1]  # (explicit sizes: views of an empty batch cannot infer -1)
     grouped_q = q.reshape(bsz, s_q, groups, per, d).transpose(1, 2).reshape(bsz * groups, s_q, per, d)
     tables = block_table.repeat_interleave(groups, dim=0)
     lens = seq_lens.repeat_interleave(groups)
     if s_q == 1:  # [B, 1, G·per, ...] and [B·G, 1, per, ...] are the same memory
         mla_decode(grouped_q, kv_data, kv_scales, tables, lens, softmax_scale, kind, d_latent, validate=False,
-                   out=out.view(bsz * groups, 1, per, -1), lse=lse.view(bsz * groups, 1, per), head_groups=1,
+                   out=out.view(bsz * groups, 1, per, d_out), lse=lse.view(bsz * groups, 1, per), head_groups=1,
                    **options)
         return out, lse
     o, l = mla_decode(grouped_q, kv_data, kv_scales, tables, lens, softmax_scale, kind, d_latent, validate=False,
                       head_groups=1, **options)
-    out.view(bsz, s_q, groups, per, -1).copy_(o.view(bsz, groups, s_q, per, -1).transpose(1, 2))
+    out.view(bsz, s_q, groups, per, d_out).copy_(o.view(bsz, groups, s_q, per, d_out).transpose(1, 2))
     lse.view(bsz, s_q, groups, per).copy_(l.view(bsz, groups, s_q, per).transpose(1, 2))
     return out, lse
 
