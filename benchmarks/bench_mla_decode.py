@@ -191,9 +191,10 @@ def run(ctx: Context) -> list[dict]:
                 peer, peer_t = "mla_decode_bf16", bf16_us.get((heads, batch, n))
             cases.append(row({}, t, peer, peer_t, num_splits=splits, config=config))
             for variant in _variants(kind, ctx.quick):  # the same shape with the other dequantizations, side by side
-                if variant == "gluon" and (heads % 16 and heads > 16
-                                           or gluon_fits(sets[0][0][:, :, :16], pool, kind, D_LATENT) is not None):
-                    continue  # (no Hopper GPU with Gluon; above 16 heads it runs in head groups of 16)
+                q0 = sets[0][0]
+                if variant == "gluon" and gluon_fits(q0, pool, kind, D_LATENT) is not None \
+                        and plan_head_groups(q0, pool, kind, D_LATENT, fp8_dequant="gluon") == 1:
+                    continue  # (no Hopper GPU with Gluon, or more than 16 heads that do not split into groups of 16)
                 if live[variant]:
                     live[variant], t_v = _try_variant(kind, variant, lambda: _graph_us(
                         lambda: [call(q, tb, variant) for q, tb in sets], len(sets)))

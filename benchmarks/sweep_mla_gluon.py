@@ -80,9 +80,8 @@ def sweep_shape(batch: int, ctx: int, settings: list[str], dev: str = "cuda", he
         if name == "bf16":
             fns[name] = bf16()
         elif m := GROUPS.match(name):
-            pages, groups = m.groups()
-            fns[name] = {"bf16_": bf16, "ds_": lambda g: ds("auto", g), None: lambda g: fp8("auto", groups=g)}[pages](
-                int(groups))
+            pages, g = m.group(1), int(m.group(2))
+            fns[name] = bf16(g) if pages == "bf16_" else ds("auto", g) if pages == "ds_" else fp8("auto", groups=g)
         elif name == "bitcast":
             fns[name] = fp8("bitcast")
         elif name == "ds_mla":

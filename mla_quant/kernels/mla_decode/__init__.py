@@ -310,7 +310,7 @@ def plan_head_groups(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent
 
 def _hopper_gpu(q: torch.Tensor) -> bool:
     """Whether q lives on a Hopper GPU that runs compiled kernels (not the interpreter)."""
-    return q.is_cuda and not triton_interpreted() and _is_hopper(q.device)
+    return not triton_interpreted() and _is_hopper(q.device)
 
 
 def _auto_fp8_dequant(kind: str, q: torch.Tensor, kv_data: torch.Tensor, batch: int, max_len: int,
@@ -485,7 +485,7 @@ def gluon_fits(q: torch.Tensor, kv_data: torch.Tensor, kind: str, d_latent: int)
     if not _tma_rows(kv_data, "fp8_e4m3", GLUON_BLOCK_N):  # (the same alignment rules for ds_mla's byte rows)
         return ("pages TMA cannot read in 64-token tiles (page size a multiple of 64, contiguous pages, 16-byte "
                 "aligned rows)")
-    if triton_interpreted() or not _is_hopper(q.device) or not _gluon_available():
+    if not _hopper_gpu(q) or not _gluon_available():
         return "no Hopper GPU with Triton's Gluon (the interpreter cannot run it)"
     return None
 
