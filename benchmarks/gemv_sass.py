@@ -86,6 +86,7 @@ def rows_profile() -> list[str]:
             pairs, pair_scales = pair_order_reference(x[None])
             for form, tile, launch in (
                     ("rows", gemv_tile(n, k), lambda t: gemv_launch(x, packed, scale, y, 32, t, pdl)),
+                    ("rows_spans", (8, 0, 4, False), lambda t: gemv_launch(x, packed, scale, y, 32, t, pdl)),
                     ("rows_half2", half2_tile(n, k),
                      lambda t: half2_launch(pairs[0], pair_scales[0], packed, scale, y, 32, t, pdl))):
                 start = len(compiled)

@@ -13,8 +13,9 @@ with PDL (``pdl``: each call's weights loaded before it waits for the call befor
 checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). ``half2`` settings time the
 fp16x2 rows GEMV (``gemv="rows_half2"``, ``gemv_half2.py``) at each of ``HALF2_TILES`` together with its pair-order
 launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv only``: the GEMV on pairs made once,
-what a producer that wrote pair order would leave). Writes every round's µs; with ``--label`` the shapes' runs go
-under that key of an existing results file (written after each shape).
+what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
+power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL. Writes every round's µs; with
+``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,)))
 # rows of more than 1024 words (K = 12288, 18432): pipelined chunks only (one chunk would spill)
 LONG_TILES = ((4, 512, 4, True), (8, 256, 4, True), (8, 256, 8, True), (8, 512, 4, True), (8, 512, 8, True),
               (16, 256, 8, True), (16, 512, 8, True), (8, 1024, 8, True), (4, 1024, 4, True), (32, 128, 8, True))
+# (BN, warps) of the rows kernel with the row in power-of-two spans (gemv.row_spans: 896 words = 512 + 256 + 128,
+# all loaded first; --forms spans), where a one-chunk tile carries 128 masked words of 1024
+SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8))
 # (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
@@ -92,7 +96,7 @@ def _shape_list(text: str | None) -> tuple:
 def _extra(ap) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
-    ap.add_argument("--forms", default="rows", help="rows, half2 or both (comma-separated)")
+    ap.add_argument("--forms", default="rows", help="rows, spans, half2 (comma-separated)")
     ap.add_argument("--pdl-only", action="store_true", help="time each tile with PDL only")
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
 
@@ -142,6 +146,19 @@ def main(argv=None) -> None:
                         continue
                     fns[name] = (lambda t, p: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, p)
                                                        for s in sets])(tile, pdl)
+        if "spans" in forms:
+            for bn, warps in SPAN_TILES:
+                name = f"rows BN={bn} spans w={warps} pdl"
+                try:
+                    y.fill_(float("nan"))
+                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, (bn, 0, warps, False), PDL)
+                    torch.cuda.synchronize()
+                    errors[name] = _rel_err(y, ref)
+                except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+                fns[name] = (lambda t: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, PDL)
+                                                for s in sets])((bn, 0, warps, False))
         if "half2" in forms:
             fns["rows_half2_prefetch"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="rows_half2",
                                                              prefetch_weights=True) for s in sets]

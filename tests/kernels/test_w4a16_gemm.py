@@ -540,6 +540,9 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
     (20, 384, 128, (4, 16, 2, False)),    # group 128, 3 chunks of 16 words
     (20, 384, 64, (4, 64, 2, True)),      # pipelined, a masked last chunk
     (9, 256, 32, (32, 32, 4, True)),      # one program wider than N, one chunk: nothing to pipeline
+    (37, 448, 32, (8, 0, 4, False)),      # spans 32 + 16 + 8 words, none masked
+    (20, 416, 32, (4, 0, 2, False)),      # 52 words: spans 32 + 16 + a masked 4 of 8
+    (9, 576, 64, (16, 0, 4, False)),      # 72 words: spans 64 + 8, no third; group 64 across a span's edge
 ], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_gemv_matches_reference(triton_backend, n, k, group, tile, dtype):
@@ -581,6 +584,18 @@ def test_rows_gemv_strided_and_unaligned_activations(triton_backend):
     y = w4a16_gemm(x.contiguous().view(1, 1, 512), packed, scale, 32)
     assert y.shape == (1, 1, 40)
     assert_rel_close(y[0], ref, 1e-5, "leading dims")
+
+
+def test_row_spans():
+    """Powers of two, largest first, covering the row; only the last one may pass its end."""
+    from mla_quant.kernels.w4a16_gemm.gemv import row_spans
+
+    assert row_spans(896) == (512, 256, 128) and row_spans(2304) == (2048, 256, 0) and row_spans(256) == (256, 0, 0)
+    assert row_spans(52) == (32, 16, 4) and row_spans(60) == (32, 16, 16)
+    for kw in range(4, 3000, 4):
+        spans = [s for s in row_spans(kw) if s]
+        assert all(s & (s - 1) == 0 for s in spans) and spans == sorted(spans, reverse=True)
+        assert sum(spans[:-1]) < kw <= sum(spans)
 
 
 def test_rows_gemv_tile_rule():

@@ -28,12 +28,13 @@ from .kernel import int4_x_plane_dot
 
 
 @triton.jit
-def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr,
-           INTERPRET: tl.constexpr):
-    """Words int32 [BKW, BN] and scales fp32 [BKW/4, BN] of chunk ``c`` (words past K/8 read as 0, scales as 0)."""
-    FULL: tl.constexpr = (c + 1) * BKW <= KW
-    rw = c * BKW + tl.arange(0, BKW)[:, None]
-    runs = c * (BKW // 4) + tl.arange(0, BKW // 4)[:, None]  # runs of 4 words (32 K): one scale each
+def _span(w_cols, s_cols, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr,
+          INTERPRET: tl.constexpr):
+    """Words int32 [SIZE, BN] and scales fp32 [SIZE/4, BN] of words OFF .. OFF + SIZE of the rows (words past K/8
+    read as 0, scales as 0)."""
+    FULL: tl.constexpr = OFF + SIZE <= KW
+    rw = OFF + tl.arange(0, SIZE)[:, None]
+    runs = OFF // 4 + tl.arange(0, SIZE // 4)[:, None]  # runs of 4 words (32 K): one scale each
     if FULL:
         words = tl.load(w_cols + rw)
     else:
@@ -43,24 +44,40 @@ def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexp
 
 
 @triton.jit
+def _span_dot(words, scales, x_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexpr,
+              INTERPRET: tl.constexpr, VEC: tl.constexpr):
+    """x · codes · scale of words OFF .. OFF + SIZE summed per run of 4 words: fp32 [SIZE/4, BN] (the sum over
+    runs, across warps, is left to the end of the row: one cross-warp reduction per span, not per chunk). x is
+    read in place (element 8w of word w; past K/8 the last word's, whose products the zero scales drop)."""
+    rw = OFF + tl.arange(0, SIZE)[:, None]
+    x_ptrs = x_ptr + 8 * tl.minimum(rw, KW - 1)
+    inner = int4_x_plane_dot(words, x_ptrs, None, True, INTERPRET, VEC)          # [SIZE, BN]
+    runs = tl.sum(tl.reshape(inner, (SIZE // 4, 4, words.shape[1])), axis=1)    # [SIZE/4, BN]
+    return runs * scales
+
+
+@triton.jit
+def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    """:func:`_span` of chunk ``c`` (BKW words each)."""
+    return _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET)
+
+
+@triton.jit
 def _chunk_dot(words, scales, x_ptr, c: tl.constexpr, KW: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr,
                VEC: tl.constexpr):
-    """x · codes · scale of chunk ``c`` summed per run of 4 words: fp32 [BKW/4, BN] (the sum over runs, across
-    warps, is left to the end of the row: one cross-warp reduction per program, not per chunk). x is read in place
-    (element 8w of word w; past K/8 the last word's, whose products the zero scales drop)."""
-    rw = c * BKW + tl.arange(0, BKW)[:, None]
-    x_ptrs = x_ptr + 8 * tl.minimum(rw, KW - 1)
-    inner = int4_x_plane_dot(words, x_ptrs, None, True, INTERPRET, VEC)          # [BKW, BN]
-    runs = tl.sum(tl.reshape(inner, (BKW // 4, 4, words.shape[1])), axis=1)     # [BKW/4, BN]
-    return runs * scales
+    """:func:`_span_dot` of chunk ``c``."""
+    return _span_dot(words, scales, x_ptr, c * BKW, BKW, KW, INTERPRET, VEC)
 
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
                        K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                       PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                       PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0):
     # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PIPE: chunk c + 1 is loaded before
-    # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it.
+    # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it. SPAN1 > 0:
+    # the row as spans of BKW, SPAN1 and SPAN2 (powers of two, only the last one masked) words, all loaded first.
     KW: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = (KW + BKW - 1) // BKW
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -69,21 +86,34 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
     s_cols = s_ptr + cols * (K // GROUP)
     if PDL:
         gdc_launch_dependents()
-    words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
-    if PIPE and CHUNKS > 1:
-        ahead, ahead_scales = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
-    if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
-        gdc_wait()
-    acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
-    for c in tl.static_range(1, CHUNKS):
-        if PIPE:
-            words, scales = ahead, ahead_scales
-            if c + 1 < CHUNKS:
-                ahead, ahead_scales = _chunk(w_cols, s_cols, c + 1, KW, GROUP, BKW, INTERPRET)
-        else:
-            words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
-        acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
-    tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
+    if SPAN1 > 0:
+        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET)
+        words1, scales1 = _span(w_cols, s_cols, BKW, SPAN1, KW, GROUP, INTERPRET)
+        if SPAN2 > 0:
+            words2, scales2 = _span(w_cols, s_cols, BKW + SPAN1, SPAN2, KW, GROUP, INTERPRET)
+        if PDL:
+            gdc_wait()
+        y = tl.sum(_span_dot(words, scales, x_ptr, 0, BKW, KW, INTERPRET, VEC), axis=0)
+        y += tl.sum(_span_dot(words1, scales1, x_ptr, BKW, SPAN1, KW, INTERPRET, VEC), axis=0)
+        if SPAN2 > 0:
+            y += tl.sum(_span_dot(words2, scales2, x_ptr, BKW + SPAN1, SPAN2, KW, INTERPRET, VEC), axis=0)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+    else:
+        words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
+        if PIPE and CHUNKS > 1:
+            ahead, ahead_scales = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
+        if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
+            gdc_wait()
+        acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
+        for c in tl.static_range(1, CHUNKS):
+            if PIPE:
+                words, scales = ahead, ahead_scales
+                if c + 1 < CHUNKS:
+                    ahead, ahead_scales = _chunk(w_cols, s_cols, c + 1, KW, GROUP, BKW, INTERPRET)
+            else:
+                words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
+            acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
+        tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 # The tiles (BN, BKW, num_warps, PIPE) by row length, H200, sweep_w4a16_gemv (session 25, interleaved CUDA-graph
@@ -115,13 +145,30 @@ def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int,
     return 8, 512, 8, True
 
 
+def row_spans(kw: int) -> tuple[int, int, int]:
+    """A row of ``kw`` words as at most three power-of-two spans, largest first, only the last one past the row
+    (e.g. 896 = 512 + 256 + 128; 2304 = 2048 + 256 + 0): no masked words where a chunk of the row's width rounded
+    up would carry 128 of 1024 (K = 7168)."""
+    spans, left = [], kw
+    while left > 0 and len(spans) < 2:
+        spans.append(1 << (left.bit_length() - 1))
+        left -= spans[-1]
+    spans.append(triton.next_power_of_2(left) if left > 0 else 0)
+    return spans[0], spans[1] if len(spans) > 1 else 0, spans[2] if len(spans) > 2 else 0
+
+
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
                 interpreted: bool = False) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, num_warps,
-    PIPE); ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait."""
+    PIPE); a BKW of 0: the row in the spans of :func:`row_spans`, all loaded before the arithmetic (PIPE unused);
+    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait."""
     n, kw = weight_packed.shape
     bn, bkw, warps, pipe = tile
+    spans = {}
+    if bkw == 0:
+        bkw, span1, span2 = row_spans(kw)
+        spans, pipe = {"SPAN1": span1, "SPAN2": span2}, False
     vec = not interpreted and x1.data_ptr() % 16 == 0
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
                                               BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec, INTERPRET=interpreted,
-                                              num_warps=warps, **(pdl or {"PDL": False}))
+                                              num_warps=warps, **spans, **(pdl or {"PDL": False}))
