@@ -39,7 +39,7 @@ GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
 PDL = {"PDL": 1, "launch_pdl": True}
 # (BN, BKW, warps, PIPE); a BKW of 0 stands for the row's words rounded up to a power of two (one chunk)
-TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,)))
+TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,))) + ((2, 0, 1, False), (4, 0, 1, False), (8, 0, 1, False))
          + ((8, 128, 4, True), (8, 256, 4, True), (16, 128, 4, True), (16, 256, 4, True), (16, 256, 8, True),
             (8, 128, 2, True), (4, 256, 4, True), (32, 128, 8, True), (8, 512, 4, True), (16, 64, 4, True),
             (32, 64, 4, True)))
@@ -48,7 +48,7 @@ LONG_TILES = ((4, 512, 4, True), (8, 256, 4, True), (8, 256, 8, True), (8, 512, 
               (16, 256, 8, True), (16, 512, 8, True), (8, 1024, 8, True), (4, 1024, 4, True), (32, 128, 8, True))
 # (BN, warps) of the rows kernel with the row in power-of-two spans (gemv.row_spans: 896 words = 512 + 256 + 128,
 # all loaded first; --forms spans), where a one-chunk tile carries 128 masked words of 1024
-SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8))
+SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8), (2, 1), (4, 1), (2, 2), (8, 1), (1, 1))
 # (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),

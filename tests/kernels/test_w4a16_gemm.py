@@ -543,6 +543,7 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
     (37, 448, 32, (8, 0, 4, False)),      # spans 32 + 16 + 8 words, none masked
     (20, 416, 32, (4, 0, 2, False)),      # 52 words: spans 32 + 16 + a masked 4 of 8
     (9, 576, 64, (16, 0, 4, False)),      # 72 words: spans 64 + 8, no third; group 64 across a span's edge
+    (7, 1792, 32, (2, 0, 1, False)),      # the rule's one-warp tile: spans 128 + 64 + 32
 ], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_gemv_matches_reference(triton_backend, n, k, group, tile, dtype):
@@ -599,14 +600,19 @@ def test_row_spans():
 
 
 def test_rows_gemv_tile_rule():
-    """The chunk never passes the row's words rounded up to a power of two, nor 1024 words (a 4096-word chunk spilled
-    at K = 18432); the interpreter's tile pipelines its chunks."""
+    """Rows up to 1024 words: one warp, the row in spans, ~64 words per thread (2 rows at K = 7168, 8 at 2048); longer
+    rows: pipelined chunks of at most 1024 words (a 4096-word chunk spilled at K = 18432); the interpreter's tile
+    pipelines its chunks."""
     from mla_quant.kernels.w4a16_gemm.gemv import gemv_tile
 
-    for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (64, 256)):
+    assert gemv_tile(4096, 7168) == (2, 0, 1, False) and gemv_tile(7168, 2048) == (8, 0, 1, False)
+    for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (64, 256), (64, 64)):
         bn, bkw, warps, pipe = gemv_tile(n, k)
-        assert bkw <= min(triton.next_power_of_2(k // 8), 1024) and bn >= 1 and warps in (2, 4, 8)
-        assert pipe or bkw >= k // 8  # a row in several chunks overlaps their loads
+        words = triton.next_power_of_2(k // 8)
+        if words <= 1024:
+            assert bkw == 0 and warps == 1 and bn * words == 2048 or (bn == 1 and words > 2048)
+        else:
+            assert 0 < bkw <= 1024 and pipe and warps in (2, 4, 8)
     assert gemv_tile(64, 2048, interpreted=True)[3]
 
 

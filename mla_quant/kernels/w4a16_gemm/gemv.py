@@ -116,32 +116,31 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
         tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-# The tiles (BN, BKW, num_warps, PIPE) by row length, H200, sweep_w4a16_gemv (session 25, interleaved CUDA-graph
-# rounds, with prefetch_weights; plain launches rank them alike):
-# - up to 1024 words (K = 7168: 896): 8 rows, the row in one chunk, 4 warps: 3.58 / 7.06 µs at 2048 / 4096 rows
-#   (pipelined 512-word chunks 3.58 / 7.06, 16 rows 4.39 / 7.96; two 512-word chunks both loaded before any
-#   arithmetic, a PRE setting removed since, 3.73 / 7.19);
-# - up to 256 words (K = 2048): 32 rows, pipelined 128-word chunks, 8 warps: 3.60 µs at 7168 rows (16 rows, two
-#   prefetched chunks: 3.82 with a reduction per chunk, 4.38 with one per row);
-# - longer rows (K = 18432: 2304 words; one chunk, or 4 warps, would spill): pipelined 512-word chunks, 8 warps.
-#   Session 27 timed it with bf16 x (with PDL): 33.0 µs at 7168 x 18432, 18.7 at 6144 x 12288; 4 rows on 4 warps
-#   30.6-30.9 / 17.3-17.5, 8 x 256 on 8 warps 30.5 / 18.7, 8 x 512 on 4 warps 43.4 / 16.8. 16-bit x runs gemv_half2.py
-#   there since (faster still), so this tile serves fp32 x, which was not timed (4 x 512 on 4 warps takes 168
-#   registers with fp32 x at K = 18432 against 128 with bf16): the rule is left as it was.
-SHORT_ROW_WORDS, LONG_ROW_WORDS = 256, 1024
+# The tiles (BN, BKW, num_warps, PIPE) by row length. Up to 1024 words: one warp per program, the rows in power-of-two
+# spans (BKW 0, row_spans), BN rows so that a thread holds ~64 words: no cross-warp sum, no barrier, no masked words.
+# H200, sweep_w4a16_gemv --forms rows,spans (session 32, interleaved CUDA-graph rounds, with prefetch_weights):
+# 4096 x 7168 2 rows 6.60 µs against 7.03 for the previous tile (8 rows, one 1024-word chunk, 4 warps), 2048 x 7168
+# 3.45 against 3.56, 7168 x 2048 (8 rows, one 256-word span) 3.43 against 3.58 (32 rows, pipelined 128-word chunks,
+# 8 warps); at 4096 x 7168 the spans on 2 / 4 warps (4 / 8 rows) 6.90 / 7.34, 4 rows on one warp 7.39, one chunk of 1024
+# words on one warp (2 / 4 rows) 7.71 / 7.18. Longer rows (K = 18432: 2304 words; one chunk, or 4 warps, would spill):
+# pipelined 512-word chunks, 8 warps. Session 27 timed it with bf16 x (with PDL): 33.0 µs at 7168 x 18432, 18.7 at
+# 6144 x 12288; 4 rows on 4 warps 30.6-30.9 / 17.3-17.5, 8 x 256 on 8 warps 30.5 / 18.7, 8 x 512 on 4 warps 43.4 / 16.8.
+# 16-bit x runs gemv_half2.py there since (faster still), so this tile serves fp32 x, which was not timed (4 x 512 on 4
+# warps takes 168 registers with fp32 x at K = 18432 against 128 with bf16): the rule is left as it was.
+LONG_ROW_WORDS = 1024
+WORDS_PER_THREAD = 64  # one warp's rows: BN = 32 * WORDS_PER_THREAD / (the row's words rounded up)
 INTERPRETER_TILE = (8, 64, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
 
 def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int, bool]:
-    """(BN, BKW, num_warps, PIPE) for an N x K weight, by the row's words rounded up to a power of two."""
+    """(BN, BKW, num_warps, PIPE) for an N x K weight, by the row's words rounded up to a power of two; a BKW of 0:
+    the row in :func:`row_spans`."""
     words = triton.next_power_of_2(k // 8)
     if interpreted:
         bn, bkw, warps, pipe = INTERPRETER_TILE
         return bn, min(bkw, words), warps, pipe
-    if words <= SHORT_ROW_WORDS:
-        return 32, max(words // 2, 16), 8, True
     if words <= LONG_ROW_WORDS:
-        return 8, words, 4, False
+        return max(1, 32 * WORDS_PER_THREAD // words), 0, 1, False
     return 8, 512, 8, True
 
 
