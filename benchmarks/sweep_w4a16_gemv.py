@@ -54,7 +54,8 @@ HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, F
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
                (4, 64, 2, True), (8, 128, 8, True), (16, 128, 8, True), (32, 32, 8, True), (8, 64, 2, True),
                (4, 128, 4, True), (4, 32, 2, True), (8, 32, 2, True), (32, 64, 8, True), (16, 16, 2, True),
-               (64, 32, 8, True), (16, 32, 8, True))
+               (64, 32, 8, True), (16, 32, 8, True),
+               (1, 0, 1, False), (2, 0, 1, False), (2, 128, 1, True), (4, 64, 1, True), (8, 32, 1, True))
 
 
 def _tiles(k: int) -> list[tuple]:
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
                         out.append(half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, t, PDL))
                     return out
                 fns[name] = call
-                if i == 0 or tile == half2_tile_rule(n, k):
+                if i == 0 or tile == half2_tile_rule(n, k) or warps == 1:
                     fns[name + " gemv only"] = (lambda t: lambda: [half2_launch(pairs[0], pair_scales[0], s["p4"],
                                                                                 s["s4"], y[0], GROUP, t, PDL)
                                                                    for s in sets])(tile)
