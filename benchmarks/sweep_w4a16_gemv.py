@@ -39,7 +39,8 @@ GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
 PDL = {"PDL": 1, "launch_pdl": True}
 # (BN, BKW, warps, PIPE); a BKW of 0 stands for the row's words rounded up to a power of two (one chunk)
-TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,))) + ((2, 0, 1, False), (4, 0, 1, False), (8, 0, 1, False))
+TILES = (tuple(itertools.product((4, 8, 16, 32), (0,), (2, 4, 8), (False,)))
+         + ((2, 0, 1, False), (4, 0, 1, False), (8, 0, 1, False))
          + ((8, 128, 4, True), (8, 256, 4, True), (16, 128, 4, True), (16, 256, 4, True), (16, 256, 8, True),
             (8, 128, 2, True), (4, 256, 4, True), (32, 128, 8, True), (8, 512, 4, True), (16, 64, 4, True),
             (32, 64, 4, True)))

@@ -17,13 +17,15 @@ from .reference import w4a16_gemm_reference
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the one-token GEMV: "auto" (below), whole rows per program (gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs
 # at 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
-# counters), the same grid in fp16x2 arithmetic (gemv_half2.py), the split-K plane GEMV in one launch, nibble planes
-# after a plane_order launch, or the first form
+# counters; one warp per program since session 32: 3.45 / 6.60 with prefetch_weights), the same grid in fp16x2
+# arithmetic (gemv_half2.py), the split-K plane GEMV in one launch, nibble planes after a plane_order launch, or the
+# first form
 GEMV_FORMS = ("auto", "rows", "rows_half2", "planes1", "planes", "tile")
 # gemv="auto" (the default): the half2 rows GEMV (gemv_half2.py) for bf16 / fp16 x with rows of more than this many
 # words, the fp32 rows GEMV otherwise. H200, sweep_w4a16_gemv (session 27, interleaved rounds with the PDL launches
 # QuantLinear makes): 7168 x 18432 25.0 µs against 33.0 (1.92x tinygemm's 48.1), 6144 x 12288 16.0 against 18.7
-# (1.92x, 30.8); at 7168 and 2048 K the fp32 rows GEMV is faster (7.0 against 8.7 µs at 4096 x 7168)
+# (1.92x, 30.8); at 7168 and 2048 K the fp32 rows GEMV is faster (7.0 against 8.7 µs at 4096 x 7168; 6.6 on one warp
+# since session 32)
 HALF2_MIN_ROW_WORDS = 1024
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
