@@ -117,6 +117,24 @@ def summarize_source(text: str, tokens: int, top: int = 16) -> dict:
             "stall_sample_share": {op: round(c / samples, 3) for op, c in stall.most_common(top)}}
 
 
+def profile(rep: str, kernel_regex: str, case_cmd: list[str], ncu_args: tuple[str, ...] = ()):
+    """Run ``case_cmd`` (a python module's argument list) under ncu, profiling the third launch of the kernels named by
+    ``kernel_regex`` with SECTIONS into ``rep``.ncu-rep. Returns (the run's stdout, a function reading one of the
+    report's pages by ncu's ``--page`` arguments), or (the error's tail, None)."""
+    cmd = ["ncu", "-k", f"regex:{kernel_regex}", "--launch-skip", "2", "--launch-count", "1", *ncu_args, "-f",
+           "-o", rep]
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    log = subprocess.run(cmd + [sys.executable, "-m", *case_cmd], capture_output=True, text=True, timeout=300)
+    if log.returncode or not os.path.exists(rep + ".ncu-rep"):
+        return (log.stdout + log.stderr)[-1500:], None
+
+    def page(*args):
+        return subprocess.run(["ncu", "-i", rep + ".ncu-rep", *args], capture_output=True, text=True,
+                              timeout=300).stdout
+    return log.stdout, page
+
+
 def run_all(folder: str, only: list[str] | None) -> dict:
     batch, ctx, heads = SHAPE
     os.makedirs(folder, exist_ok=True)
@@ -125,22 +143,12 @@ def run_all(folder: str, only: list[str] | None) -> dict:
         name = f"{kind}_{dequant}"
         if only and not any(o in name for o in only):
             continue
-        rep = os.path.join(folder, name)
-        cmd = ["ncu", "-k", "regex:_mla_decode_kernel", "--launch-skip", "2", "--launch-count", "1", "-f", "-o", rep]
-        for s in SECTIONS:
-            cmd += ["--section", s]
-        cmd += [sys.executable, "-m", "benchmarks.ncu_mla_decode", "--case", kind, dequant, str(batch), str(ctx),
-                str(heads)]
-        log = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        launch = [ln for ln in log.stdout.splitlines() if ln.startswith(kind)]
-        if log.returncode or not os.path.exists(rep + ".ncu-rep"):
-            cases[name] = {"error": (log.stdout + log.stderr)[-1500:]}
+        out, page = profile(os.path.join(folder, name), "_mla_decode_kernel",
+                            ["benchmarks.ncu_mla_decode", "--case", kind, dequant, str(batch), str(ctx), str(heads)])
+        if page is None:
+            cases[name] = {"error": out}
             continue
-
-        def page(*args):
-            return subprocess.run(["ncu", "-i", rep + ".ncu-rep", *args], capture_output=True, text=True,
-                                  timeout=300).stdout
-
+        launch = [ln for ln in out.splitlines() if ln.startswith(kind)]
         row = {"launch": launch[-1] if launch else None, **summarize_raw(page("--page", "raw", "--csv")),
                **summarize_source(page("--page", "source", "--csv", "--print-source", "sass"), batch * ctx)}
         cases[name] = row

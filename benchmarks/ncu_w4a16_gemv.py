@@ -8,9 +8,9 @@
 Forms (``FORMS``): ``rows`` (gemv.py at the tile ``gemv_tile`` picks: the row in one chunk of the words rounded up
 to a power of two), ``spans`` (the same kernel with the row in power-of-two spans, ``gemv.row_spans``), ``half2``
 (gemv_half2.py at ``half2_tile``, on x already in pair order) and ``tinygemm`` (the peer). Each case launches three
-times; ncu profiles the third with ``ncu_mla_decode.SECTIONS``. The summary per case (``ncu_mla_decode``'s):
+times; ncu profiles the third (``ncu_mla_decode.profile``). The summary per case (``ncu_mla_decode``'s):
 duration, DRAM and issue throughput, registers, warps per scheduler, stall reasons per issued instruction, and the
-warp-level instructions per weight by opcode with each opcode's share of the stall samples — whether the GEMV
+warp-level instructions per 1000 weights by opcode with each opcode's share of the stall samples — whether the GEMV
 waits on its loads or on its arithmetic (docs/moe.md "W4A16 at M = 1").
 """
 from __future__ import annotations
@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
-from .ncu_mla_decode import SECTIONS, summarize_raw, summarize_source
+from .ncu_mla_decode import profile, summarize_raw, summarize_source
 
 FORMS = ("rows", "spans", "half2", "tinygemm")
 KERNELS = {"rows": "_w4a16_gemv_kernel", "spans": "_w4a16_gemv_kernel", "half2": "_w4a16_gemv_half2_kernel",
@@ -64,25 +62,17 @@ def run_all(folder: str, shapes: list[tuple[int, int]], forms: tuple[str, ...]) 
     for n, k in shapes:
         for form in forms:
             name = f"{form}_{n}x{k}"
-            rep = os.path.join(folder, name)
-            cmd = ["ncu", "-k", f"regex:{KERNELS[form]}", "--launch-skip", "2", "--launch-count", "1",
-                   "--clock-control", "none", "-f", "-o", rep]
-            for s in SECTIONS:
-                cmd += ["--section", s]
-            cmd += [sys.executable, "-m", "benchmarks.ncu_w4a16_gemv", "--case", form, str(n), str(k)]
-            log = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if log.returncode or not os.path.exists(rep + ".ncu-rep"):
-                cases[name] = {"error": (log.stdout + log.stderr)[-1500:]}
+            err, page = profile(os.path.join(folder, name), KERNELS[form],
+                                ["benchmarks.ncu_w4a16_gemv", "--case", form, str(n), str(k)],
+                                ("--clock-control", "none"))
+            if page is None:
+                cases[name] = {"error": err}
                 continue
-
-            def page(*args, rep=rep):
-                return subprocess.run(["ncu", "-i", rep + ".ncu-rep", *args], capture_output=True, text=True,
-                                      timeout=300).stdout
-
-            source = summarize_source(page("--page", "source", "--csv", "--print-source", "sass"), n * k)
+            # per 1000 weights: summarize_source rounds to 0.1, and a GEMV issues ~0.1-0.2 per weight
+            source = summarize_source(page("--page", "source", "--csv", "--print-source", "sass"), n * k / 1000)
             row = {**summarize_raw(page("--page", "raw", "--csv")),
-                   "warp_instr_per_weight": source["warp_instr_per_token"],
-                   "per_weight_by_opcode": source["per_token_by_opcode"],
+                   "warp_instr_per_1000_weights": source["warp_instr_per_token"],
+                   "per_1000_weights_by_opcode": source["per_token_by_opcode"],
                    "stall_sample_share": source["stall_sample_share"]}
             cases[name] = row
             print(name, json.dumps(row)[:600], flush=True)
