@@ -14,7 +14,8 @@ checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). 
 fp16x2 rows GEMV (``gemv="rows_half2"``, ``gemv_half2.py``) at each of ``HALF2_TILES`` together with its pair-order
 launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv only``: the GEMV on pairs made once,
 what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
-power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL. Writes every round's µs; with
+power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL; ``half2spans`` the half2 GEMV so
+(``HALF2_SPAN_TILES``, with and without the pair-order launch). Writes every round's µs; with
 ``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
@@ -50,6 +51,9 @@ LONG_TILES = ((4, 512, 4, True), (8, 256, 4, True), (8, 256, 8, True), (8, 512, 
 # (BN, warps) of the rows kernel with the row in power-of-two spans (gemv.row_spans: 896 words = 512 + 256 + 128,
 # all loaded first; --forms spans), where a one-chunk tile carries 128 masked words of 1024
 SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8), (2, 1), (4, 1), (2, 2), (8, 1), (1, 1))
+# (BN, warps) of the half2 GEMV with the row's runs in power-of-two spans (224 runs = 128 + 64 + 32; --forms
+# half2spans; sm_90 static: 0.073-0.088 warp-instructions per weight on one or two warps, no spills)
+HALF2_SPAN_TILES = ((2, 1), (4, 1), (1, 1), (4, 2), (8, 1))
 # (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
@@ -98,7 +102,7 @@ def _shape_list(text: str | None) -> tuple:
 def _extra(ap) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
-    ap.add_argument("--forms", default="rows", help="rows, spans, half2 (comma-separated)")
+    ap.add_argument("--forms", default="rows", help="rows, spans, half2, half2spans (comma-separated)")
     ap.add_argument("--pdl-only", action="store_true", help="time each tile with PDL only")
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
 
@@ -161,13 +165,19 @@ def main(argv=None) -> None:
                     continue
                 fns[name] = (lambda t: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, PDL)
                                                 for s in sets])((bn, 0, warps, False))
+        half2_settings = []
         if "half2" in forms:
+            half2_settings += [(f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl",
+                                (bn, br, warps, pipe)) for bn, br, warps, pipe in _half2_tiles(k)]
+        if "half2spans" in forms:
+            half2_settings += [(f"half2 BN={bn} spans w={warps} pdl", (bn, 0, warps, False))
+                               for bn, warps in HALF2_SPAN_TILES]
+        if half2_settings:
             fns["rows_half2_prefetch"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="rows_half2",
                                                              prefetch_weights=True) for s in sets]
             pairs, pair_scales = pair_order(x)
-            for i, tile in enumerate(_half2_tiles(k)):
-                bn, br, warps, pipe = tile
-                name = f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl"
+            for i, (name, tile) in enumerate(half2_settings):
+                warps = tile[2]
                 try:
                     y.fill_(float("nan"))
                     half2_launch(pairs[0], pair_scales[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL)

@@ -625,6 +625,9 @@ def test_rows_gemv_tile_rule():
     (64, 1024, 64, (16, 8, 4, True)),     # whole chunks, group 64
     (9, 256, 32, (32, 4, 4, True)),       # one program wider than N
     (24, 96, 32, (8, 2, 2, True)),        # 3 runs: K below one 256-wide pair-order block
+    (37, 448, 32, (8, 0, 4, False)),      # spans of 8 + 4 + 2 runs, none past K
+    (24, 480, 32, (8, 0, 2, False)),      # 15 runs: spans 8 + 4 + 4, the last one past K by a run
+    (9, 576, 64, (2, 0, 1, False)),       # 18 runs: spans 16 + 2 on one warp, group 64
 ], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rows_half2_gemv_matches_reference_and_the_rows_gemv(triton_backend, n, k, group, tile, dtype):

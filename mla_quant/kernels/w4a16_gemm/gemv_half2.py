@@ -23,43 +23,61 @@ import triton.language as tl
 from .._gemm_utils import _load_in_place, four_words
 from .._half2_gemv import load_pairs, pair_offsets, run_dot
 from .._triton_utils import gdc_launch_dependents, gdc_wait
+from .gemv import row_spans
 
 
 @triton.jit
-def _runs(c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """Run indices [BN, BR] of chunk ``c`` (clamped to the last run) and where they are real runs."""
-    run = c * BR + tl.arange(0, BR)[None, :] + tl.zeros((BN, 1), dtype=tl.int32)
+def _span_runs(OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr):
+    """Run indices [BN, SIZE] of runs OFF .. OFF + SIZE (clamped to the last run) and where they are real runs."""
+    run = OFF + tl.arange(0, SIZE)[None, :] + tl.zeros((BN, 1), dtype=tl.int32)
     return tl.minimum(run, RUNS - 1), run < RUNS
 
 
 @triton.jit
-def _chunk(w_rows, s_rows, c: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr, BR: tl.constexpr,
-           BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Words (4 int32 [BN, BR]) and fp32 scales [BN, BR] of chunk ``c`` (scales 0 past the row's runs)."""
-    run, ok = _runs(c, RUNS, BR, BN)
+def _span(w_rows, s_rows, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr,
+          BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Words (4 int32 [BN, SIZE]) and fp32 scales [BN, SIZE] of runs OFF .. OFF + SIZE (scales 0 past the row)."""
+    run, ok = _span_runs(OFF, SIZE, RUNS, BN)
     words = four_words(w_rows + 4 * run, INTERPRET)
     scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET)
-    if (c + 1) * BR > RUNS:
+    if OFF + SIZE > RUNS:
         scales = tl.where(ok, scales, 0.0)
     return words, scales
 
 
 @triton.jit
-def _chunk_dot(words, scales, p_ptr, ps_ptr, c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr,
-               BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Run sums × group scale × the run's activation scale, fp32 [BN, BR] (summed over runs at the row's end)."""
-    run, ok = _runs(c, RUNS, BR, BN)
+def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr,
+              BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Run sums × group scale × the run's activation scale, fp32 [BN, SIZE] (summed over runs at the row's end)."""
+    run, ok = _span_runs(OFF, SIZE, RUNS, BN)
     x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
     xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET)
     return run_dot(words, x, INTERPRET) * (scales * xs)
 
 
 @triton.jit
+def _chunk(w_rows, s_rows, c: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr, BR: tl.constexpr,
+           BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """:func:`_span` of chunk ``c`` (BR runs each)."""
+    return _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET)
+
+
+@triton.jit
+def _chunk_dot(words, scales, p_ptr, ps_ptr, c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr,
+               BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """:func:`_span_dot` of chunk ``c``."""
+    return _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET)
+
+
+@triton.jit
 def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                              K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                             PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                             PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0):
     # p: x's pairs (int32, pair order), ps: its run scales (fp32 [K/32]), w [N, K/8] int32, s [N, K/GROUP], y [N].
     # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
+    # SPAN1 > 0: the row as spans of BR, SPAN1 and SPAN2 runs (powers of two, only the last one past the row), all
+    # loaded first (gemv.row_spans).
     RUNS: tl.constexpr = K // 32
     CHUNKS: tl.constexpr = (RUNS + BR - 1) // BR
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -68,21 +86,34 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     s_rows = s_ptr + rows * (K // GROUP)
     if PDL:
         gdc_launch_dependents()
-    words, scales = _chunk(w_rows, s_rows, 0, RUNS, GROUP, BR, BN, INTERPRET)
-    if PIPE and CHUNKS > 1:
-        ahead, ahead_scales = _chunk(w_rows, s_rows, 1, RUNS, GROUP, BR, BN, INTERPRET)
-    if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
-        gdc_wait()
-    acc = _chunk_dot(words, scales, p_ptr, ps_ptr, 0, RUNS, BR, BN, INTERPRET)
-    for c in tl.static_range(1, CHUNKS):
-        if PIPE:
-            words, scales = ahead, ahead_scales
-            if c + 1 < CHUNKS:
-                ahead, ahead_scales = _chunk(w_rows, s_rows, c + 1, RUNS, GROUP, BR, BN, INTERPRET)
-        else:
-            words, scales = _chunk(w_rows, s_rows, c, RUNS, GROUP, BR, BN, INTERPRET)
-        acc += _chunk_dot(words, scales, p_ptr, ps_ptr, c, RUNS, BR, BN, INTERPRET)
-    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+    if SPAN1 > 0:
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET)
+        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET)
+        if SPAN2 > 0:
+            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET)
+        if PDL:
+            gdc_wait()
+        y = tl.sum(_span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET), axis=1)
+        y += tl.sum(_span_dot(words1, scales1, p_ptr, ps_ptr, BR, SPAN1, RUNS, BN, INTERPRET), axis=1)
+        if SPAN2 > 0:
+            y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET), axis=1)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+    else:
+        words, scales = _chunk(w_rows, s_rows, 0, RUNS, GROUP, BR, BN, INTERPRET)
+        if PIPE and CHUNKS > 1:
+            ahead, ahead_scales = _chunk(w_rows, s_rows, 1, RUNS, GROUP, BR, BN, INTERPRET)
+        if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
+            gdc_wait()
+        acc = _chunk_dot(words, scales, p_ptr, ps_ptr, 0, RUNS, BR, BN, INTERPRET)
+        for c in tl.static_range(1, CHUNKS):
+            if PIPE:
+                words, scales = ahead, ahead_scales
+                if c + 1 < CHUNKS:
+                    ahead, ahead_scales = _chunk(w_rows, s_rows, c + 1, RUNS, GROUP, BR, BN, INTERPRET)
+            else:
+                words, scales = _chunk(w_rows, s_rows, c, RUNS, GROUP, BR, BN, INTERPRET)
+            acc += _chunk_dot(words, scales, p_ptr, ps_ptr, c, RUNS, BR, BN, INTERPRET)
+        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 # The tiles (BN, BR, num_warps, PIPE) by the row's runs. H200, sweep_w4a16_gemv (session 27, interleaved CUDA-graph
@@ -120,10 +151,15 @@ def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size
                  pdl: dict | None = None, interpreted: bool = False) -> None:
     """Launch :func:`_w4a16_gemv_half2_kernel` for x in pair order (``pairs`` int32 / ``pair_scales`` fp32: one row
     of ``_half2_gemv.pair_order``) -> y1 [N] (contiguous) with ``tile`` = (BN, BR, num_warps, PIPE); ``pdl``:
-    ``_pdl.pdl_launch``'s keywords (the weights then read before the wait)."""
+    ``_pdl.pdl_launch``'s keywords (the weights then read before the wait). A BR of 0: the row's runs in the spans
+    of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused)."""
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
+    spans = {}
+    if br == 0:
+        br, span1, span2 = row_spans(kw // 4)
+        spans, pipe = {"SPAN1": span1, "SPAN2": span2}, False
     _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](pairs, pair_scales, weight_packed, weight_scale, y1, n,
                                                     K=8 * kw, GROUP=group_size, BN=bn, BR=br, PIPE=bool(pipe),
-                                                    INTERPRET=interpreted, num_warps=warps,
+                                                    INTERPRET=interpreted, num_warps=warps, **spans,
                                                     **(pdl or {"PDL": False}))
