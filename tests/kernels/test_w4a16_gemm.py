@@ -587,6 +587,27 @@ def test_rows_gemv_strided_and_unaligned_activations(triton_backend):
     assert_rel_close(y[0], ref, 1e-5, "leading dims")
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=10, deadline=None)
+@given(n=odd_sizes(1, 40), runs=st.integers(1, 40), group=st.sampled_from([32, 64, 128]),
+       tile=st.sampled_from([(2, 0, 1, False), (8, 0, 4, False), (4, 0, 2, False), (8, 16, 4, True)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_rows_gemv_spans_over_shapes(triton_backend, n, runs, group, tile, dtype, seed):
+    """Any N and row length (K = 32 · runs, rounded up to the group): the row in power-of-two spans (BKW 0, the
+    default's one-warp form among them) equals the reference, NaN-poisoned outputs overwritten."""
+    from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
+
+    dev = triton_backend
+    k = -(-32 * runs // group) * group
+    g = torch.Generator().manual_seed(seed)
+    packed, scale = I.int4_quantize_reference(torch.randn(n, k, generator=g), group, dtype)
+    packed, scale = packed.to(dev), scale.to(dev)
+    x = torch.randn(k, generator=g).to(dtype).to(dev)
+    y = poisoned_empty((n,), dtype, dev)
+    gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted())
+    ref = w4a16_gemm_reference(x[None], packed, scale, group)[0]
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} {tile}")
+
+
 def test_row_spans():
     """Powers of two, largest first, covering the row; only the last one may pass its end."""
     from mla_quant.kernels.w4a16_gemm.gemv import row_spans
@@ -649,7 +670,8 @@ def test_rows_half2_gemv_matches_reference_and_the_rows_gemv(triton_backend, n, 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=10, deadline=None)
 @given(n=odd_sizes(1, 40), runs=st.integers(1, 20), group=st.sampled_from([32, 64, 128]),
-       tile=st.sampled_from([(8, 4, 4, True), (4, 8, 2, False), (16, 2, 4, True), (2, 16, 1, False)]),
+       tile=st.sampled_from([(8, 4, 4, True), (4, 8, 2, False), (16, 2, 4, True), (2, 16, 1, False),
+                             (2, 0, 1, False), (4, 0, 2, False)]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]), scale_x=st.sampled_from([1e-3, 1.0, 300.0]),
        seed=st.integers(0, 2**31 - 1))
 def test_rows_half2_gemv_over_shapes_and_activation_ranges(triton_backend, n, runs, group, tile, dtype, scale_x,
