@@ -547,17 +547,21 @@ def test_gpu_planes1_real_shapes(n, k, dtype):
 ], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_gemv_matches_reference(triton_backend, n, k, group, tile, dtype):
+    _check_rows_gemv(triton_backend, n, k, group, tile, dtype, n + k)
+
+
+def _check_rows_gemv(dev, n: int, k: int, group: int, tile: tuple, dtype, seed: int) -> None:
+    """gemv_launch at ``tile`` into a NaN-poisoned y equals the reference (fp32 sums: 1e-5; bf16 / fp16: 1e-2)."""
     from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
 
-    dev = triton_backend
-    g = torch.Generator().manual_seed(n + k)
+    g = torch.Generator().manual_seed(seed)
     packed, scale = I.int4_quantize_reference(torch.randn(n, k, generator=g), group, dtype)
     packed, scale = packed.to(dev), scale.to(dev)
     x = torch.randn(k, generator=g).to(dtype).to(dev)
     y = poisoned_empty((n,), dtype, dev)
     gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted())
     ref = w4a16_gemm_reference(x[None], packed, scale, group)[0]
-    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} g{group}")
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} g{group} {tile}")
 
 
 def test_rows_gemv_is_the_default_exact_for_every_nibble_and_deterministic(triton_backend):
@@ -594,18 +598,7 @@ def test_rows_gemv_strided_and_unaligned_activations(triton_backend):
 def test_rows_gemv_spans_over_shapes(triton_backend, n, runs, group, tile, dtype, seed):
     """Any N and row length (K = 32 · runs, rounded up to the group): the row in power-of-two spans (BKW 0, the
     default's one-warp form among them) equals the reference, NaN-poisoned outputs overwritten."""
-    from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
-
-    dev = triton_backend
-    k = -(-32 * runs // group) * group
-    g = torch.Generator().manual_seed(seed)
-    packed, scale = I.int4_quantize_reference(torch.randn(n, k, generator=g), group, dtype)
-    packed, scale = packed.to(dev), scale.to(dev)
-    x = torch.randn(k, generator=g).to(dtype).to(dev)
-    y = poisoned_empty((n,), dtype, dev)
-    gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted())
-    ref = w4a16_gemm_reference(x[None], packed, scale, group)[0]
-    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} {tile}")
+    _check_rows_gemv(triton_backend, n, -(-32 * runs // group) * group, group, tile, dtype, seed)
 
 
 def test_row_spans():
