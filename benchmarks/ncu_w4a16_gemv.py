@@ -5,8 +5,9 @@
     # one case's launches alone (what --run starts under ncu)
     python -m benchmarks.ncu_w4a16_gemv --case FORM N K
 
-Forms (``FORMS``): ``rows`` (gemv.py at the tile ``gemv_tile`` picks: the row in one chunk of the words rounded up
-to a power of two), ``spans`` (the same kernel with the row in power-of-two spans, ``gemv.row_spans``), ``half2``
+Forms (``FORMS``): ``rows`` (gemv.py at the tile ``gemv_tile`` picks: since session 32 one warp, the row in
+power-of-two spans; before, 8 rows in one masked 1024-word chunk on 4 warps), ``spans`` (the same spans on 8 rows and
+4 warps), ``half2``
 (gemv_half2.py at ``half2_tile``, on x already in pair order) and ``tinygemm`` (the peer). Each case launches three
 times; ncu profiles the third (``ncu_mla_decode.profile``). The summary per case (``ncu_mla_decode``'s):
 duration, DRAM and issue throughput, registers, warps per scheduler, stall reasons per issued instruction, and the

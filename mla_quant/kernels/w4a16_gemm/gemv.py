@@ -2,18 +2,18 @@
 
 y[n] = Σ_k x[k] · s[n, k / GROUP] · (q[n, k] - 8) for one activation row x [K] and W [N, K/8] int32 nibbles.
 
-Each program owns ``BN`` output rows and walks their whole K in chunks of ``BKW`` words: no split-K, so no
-partials, arrival counters or zero-fill launch, and every output is summed in one fixed order. Where K/8 fits one
-chunk (Kimi's 7168: 896 words, a 1024-word chunk with the last 128 masked) a program issues all its loads — words
-and scales of its rows — before its first arithmetic, so a wave of programs keeps ~BN·K/2 bytes per program in
-flight. The arithmetic is the plane GEMV's (``kernel.int4_x_plane_dot``: one LOP3 + FFMA + FFMA per weight, each
-word's 8 activations in one 128-bit load, the group scale once per run of 4 words). Rows of several chunks either
-load the next chunk after a chunk's arithmetic or, with ``PIPE``, before it (a register double buffer); the per-run
-partials are summed across warps once, at the end of the row. Tiles by row length: :func:`gemv_tile`; measured in
-docs/moe.md "W4A16 at M = 1: whole rows".
+Each program owns ``BN`` output rows and walks their whole K: no split-K, so no partials, arrival counters or
+zero-fill launch, and every output is summed in one fixed order. Rows of up to 1024 words (Kimi's K = 7168: 896)
+come as up to three power-of-two *spans* (:func:`row_spans`: 512 + 256 + 128, no masked words), all loaded — words
+and scales of its rows — before the first arithmetic, on one warp per program (no cross-warp sum). Longer rows are
+walked in chunks of ``BKW`` words, the next one loaded after a chunk's arithmetic or, with ``PIPE``, before it (a
+register double buffer); their per-run partials are summed across warps once, at the end of the row. The
+arithmetic is the plane GEMV's (``kernel.int4_x_plane_dot``: one LOP3 + FFMA + FFMA per weight, each word's 8
+activations in one 128-bit load, the group scale once per run of 4 words). Tiles by row length: :func:`gemv_tile`;
+measured in docs/moe.md "W4A16 at M = 1: whole rows" and "one warp per program".
 
 ``PDL`` (launched with programmatic dependent launch, :mod:`.._pdl`): the program lets the next kernel be
-scheduled, loads its first chunk of words and scales (two with ``PIPE``), and only then waits for the kernel
+scheduled, loads its spans or first chunk of words and scales (two with ``PIPE``), and only then waits for the kernel
 before it (``griddepcontrol.wait``) before reading x. The weights of a decode step do not depend on the kernel
 before, so their loads overlap that kernel's tail and the launch gap — which is the caller's promise
 (``w4a16_gemm``'s ``prefetch_weights``): the weight and scale tensors are not written by the kernel launched just
@@ -47,27 +47,13 @@ def _span(w_cols, s_cols, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexp
 def _span_dot(words, scales, x_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexpr,
               INTERPRET: tl.constexpr, VEC: tl.constexpr):
     """x · codes · scale of words OFF .. OFF + SIZE summed per run of 4 words: fp32 [SIZE/4, BN] (the sum over
-    runs, across warps, is left to the end of the row: one cross-warp reduction per span, not per chunk). x is
-    read in place (element 8w of word w; past K/8 the last word's, whose products the zero scales drop)."""
+    runs is left to the caller: once per span, or once per row for chunks). x is read in place (element 8w of word
+    w; past K/8 the last word's, whose products the zero scales drop)."""
     rw = OFF + tl.arange(0, SIZE)[:, None]
     x_ptrs = x_ptr + 8 * tl.minimum(rw, KW - 1)
     inner = int4_x_plane_dot(words, x_ptrs, None, True, INTERPRET, VEC)          # [SIZE, BN]
     runs = tl.sum(tl.reshape(inner, (SIZE // 4, 4, words.shape[1])), axis=1)    # [SIZE/4, BN]
     return runs * scales
-
-
-@triton.jit
-def _chunk(w_cols, s_cols, c: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr,
-           INTERPRET: tl.constexpr):
-    """:func:`_span` of chunk ``c`` (BKW words each)."""
-    return _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET)
-
-
-@triton.jit
-def _chunk_dot(words, scales, x_ptr, c: tl.constexpr, KW: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr,
-               VEC: tl.constexpr):
-    """:func:`_span_dot` of chunk ``c``."""
-    return _span_dot(words, scales, x_ptr, c * BKW, BKW, KW, INTERPRET, VEC)
 
 
 @triton.jit
@@ -99,20 +85,20 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, x_ptr, BKW + SPAN1, SPAN2, KW, INTERPRET, VEC), axis=0)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _chunk(w_cols, s_cols, 0, KW, GROUP, BKW, INTERPRET)
+        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _chunk(w_cols, s_cols, 1, KW, GROUP, BKW, INTERPRET)
+            ahead, ahead_scales = _span(w_cols, s_cols, BKW, BKW, KW, GROUP, INTERPRET)
         if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
             gdc_wait()
-        acc = _chunk_dot(words, scales, x_ptr, 0, KW, BKW, INTERPRET, VEC)
+        acc = _span_dot(words, scales, x_ptr, 0, BKW, KW, INTERPRET, VEC)
         for c in tl.static_range(1, CHUNKS):
             if PIPE:
                 words, scales = ahead, ahead_scales
                 if c + 1 < CHUNKS:
-                    ahead, ahead_scales = _chunk(w_cols, s_cols, c + 1, KW, GROUP, BKW, INTERPRET)
+                    ahead, ahead_scales = _span(w_cols, s_cols, (c + 1) * BKW, BKW, KW, GROUP, INTERPRET)
             else:
-                words, scales = _chunk(w_cols, s_cols, c, KW, GROUP, BKW, INTERPRET)
-            acc += _chunk_dot(words, scales, x_ptr, c, KW, BKW, INTERPRET, VEC)
+                words, scales = _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET)
+            acc += _span_dot(words, scales, x_ptr, c * BKW, BKW, KW, INTERPRET, VEC)
         tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -144,16 +130,23 @@ def gemv_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int,
     return 8, 512, 8, True
 
 
-def row_spans(kw: int) -> tuple[int, int, int]:
-    """A row of ``kw`` words as at most three power-of-two spans, largest first, only the last one past the row
-    (e.g. 896 = 512 + 256 + 128; 2304 = 2048 + 256 + 0): no masked words where a chunk of the row's width rounded
+def row_spans(width: int) -> tuple[int, int, int]:
+    """A row of ``width`` words (or runs) as at most three power-of-two spans, largest first, only the last one past
+    the row (896 = 512 + 256 + 128; 2304 = 2048 + 256 + 0): no masked words where a chunk of the row's width rounded
     up would carry 128 of 1024 (K = 7168)."""
-    spans, left = [], kw
-    while left > 0 and len(spans) < 2:
-        spans.append(1 << (left.bit_length() - 1))
-        left -= spans[-1]
-    spans.append(triton.next_power_of_2(left) if left > 0 else 0)
-    return spans[0], spans[1] if len(spans) > 1 else 0, spans[2] if len(spans) > 2 else 0
+    first = 1 << (width.bit_length() - 1)
+    second = 1 << ((width - first).bit_length() - 1) if width > first else 0
+    left = width - first - second
+    return first, second, triton.next_power_of_2(left) if left else 0
+
+
+def span_launch(width: int, first: int, pipe: bool) -> tuple[int, bool, dict]:
+    """(first span or chunk, PIPE, the SPAN1 / SPAN2 keywords) of a tile whose first span is ``first``: a 0 stands
+    for the row's :func:`row_spans` (PIPE off); any other ``first`` is a chunk length, launched as given."""
+    if first:
+        return first, pipe, {}
+    first, span1, span2 = row_spans(width)
+    return first, False, {"SPAN1": span1, "SPAN2": span2}
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
@@ -163,10 +156,7 @@ def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tupl
     ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait."""
     n, kw = weight_packed.shape
     bn, bkw, warps, pipe = tile
-    spans = {}
-    if bkw == 0:
-        bkw, span1, span2 = row_spans(kw)
-        spans, pipe = {"SPAN1": span1, "SPAN2": span2}, False
+    bkw, pipe, spans = span_launch(kw, bkw, pipe)
     vec = not interpreted and x1.data_ptr() % 16 == 0
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
                                               BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec, INTERPRET=interpreted,

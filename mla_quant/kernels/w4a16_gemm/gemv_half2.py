@@ -23,7 +23,7 @@ import triton.language as tl
 from .._gemm_utils import _load_in_place, four_words
 from .._half2_gemv import load_pairs, pair_offsets, run_dot
 from .._triton_utils import gdc_launch_dependents, gdc_wait
-from .gemv import row_spans
+from .gemv import span_launch
 
 
 @triton.jit
@@ -56,20 +56,6 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
 
 
 @triton.jit
-def _chunk(w_rows, s_rows, c: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr, BR: tl.constexpr,
-           BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """:func:`_span` of chunk ``c`` (BR runs each)."""
-    return _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET)
-
-
-@triton.jit
-def _chunk_dot(words, scales, p_ptr, ps_ptr, c: tl.constexpr, RUNS: tl.constexpr, BR: tl.constexpr,
-               BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """:func:`_span_dot` of chunk ``c``."""
-    return _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET)
-
-
-@triton.jit
 def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                              K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                              PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
@@ -99,20 +85,20 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET), axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _chunk(w_rows, s_rows, 0, RUNS, GROUP, BR, BN, INTERPRET)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _chunk(w_rows, s_rows, 1, RUNS, GROUP, BR, BN, INTERPRET)
+            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET)
         if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
             gdc_wait()
-        acc = _chunk_dot(words, scales, p_ptr, ps_ptr, 0, RUNS, BR, BN, INTERPRET)
+        acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET)
         for c in tl.static_range(1, CHUNKS):
             if PIPE:
                 words, scales = ahead, ahead_scales
                 if c + 1 < CHUNKS:
-                    ahead, ahead_scales = _chunk(w_rows, s_rows, c + 1, RUNS, GROUP, BR, BN, INTERPRET)
+                    ahead, ahead_scales = _span(w_rows, s_rows, (c + 1) * BR, BR, RUNS, GROUP, BN, INTERPRET)
             else:
-                words, scales = _chunk(w_rows, s_rows, c, RUNS, GROUP, BR, BN, INTERPRET)
-            acc += _chunk_dot(words, scales, p_ptr, ps_ptr, c, RUNS, BR, BN, INTERPRET)
+                words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET)
+            acc += _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET)
         tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -155,10 +141,7 @@ def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size
     of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused)."""
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
-    spans = {}
-    if br == 0:
-        br, span1, span2 = row_spans(kw // 4)
-        spans, pipe = {"SPAN1": span1, "SPAN2": span2}, False
+    br, pipe, spans = span_launch(kw // 4, br, pipe)
     _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](pairs, pair_scales, weight_packed, weight_scale, y1, n,
                                                     K=8 * kw, GROUP=group_size, BN=bn, BR=br, PIPE=bool(pipe),
                                                     INTERPRET=interpreted, num_warps=warps, **spans,
