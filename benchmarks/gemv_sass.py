@@ -87,8 +87,6 @@ def rows_profile() -> list[str]:
             for form, tile, launch in (
                     ("rows", gemv_tile(n, k), lambda t: gemv_launch(x, packed, scale, y, 32, t, pdl)),
                     ("rows_spans", (8, 0, 4, False), lambda t: gemv_launch(x, packed, scale, y, 32, t, pdl)),
-                    ("rows_stride", gemv_tile(n, k),
-                     lambda t: gemv_launch(x, packed, scale, y, 32, t, pdl, programs=n // t[0] // 2)),
                     ("rows_half2", half2_tile(n, k),
                      lambda t: half2_launch(pairs[0], pair_scales[0], packed, scale, y, 32, t, pdl)),
                     ("half2_spans", (2, 0, 1, False),

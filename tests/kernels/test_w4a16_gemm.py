@@ -550,9 +550,8 @@ def test_rows_gemv_matches_reference(triton_backend, n, k, group, tile, dtype):
     _check_rows_gemv(triton_backend, n, k, group, tile, dtype, n + k)
 
 
-def _check_rows_gemv(dev, n: int, k: int, group: int, tile: tuple, dtype, seed: int, programs: int = 0) -> None:
-    """gemv_launch at ``tile`` (on a grid of ``programs``, if > 0) into a NaN-poisoned y equals the reference (fp32
-    sums: 1e-5; bf16 / fp16: 1e-2)."""
+def _check_rows_gemv(dev, n: int, k: int, group: int, tile: tuple, dtype, seed: int) -> None:
+    """gemv_launch at ``tile`` into a NaN-poisoned y equals the reference (fp32 sums: 1e-5; bf16 / fp16: 1e-2)."""
     from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
 
     g = torch.Generator().manual_seed(seed)
@@ -560,10 +559,9 @@ def _check_rows_gemv(dev, n: int, k: int, group: int, tile: tuple, dtype, seed: 
     packed, scale = packed.to(dev), scale.to(dev)
     x = torch.randn(k, generator=g).to(dtype).to(dev)
     y = poisoned_empty((n,), dtype, dev)
-    gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted(), programs=programs)
+    gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted())
     ref = w4a16_gemm_reference(x[None], packed, scale, group)[0]
-    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2,
-                     f"rows {n}x{k} g{group} {tile} programs {programs}")
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} g{group} {tile}")
 
 
 def test_rows_gemv_is_the_default_exact_for_every_nibble_and_deterministic(triton_backend):
@@ -593,29 +591,14 @@ def test_rows_gemv_strided_and_unaligned_activations(triton_backend):
     assert_rel_close(y[0], ref, 1e-5, "leading dims")
 
 
-@pytest.mark.parametrize("n,k,group,tile,programs", [
-    (37, 448, 32, (2, 0, 1, False), 3),     # 19 tiles on 3 programs: 7 / 6 / 6 each, the last tile one row past N
-    (37, 448, 32, (8, 16, 4, True), 2),     # pipelined chunks in each of a program's tiles
-    (64, 1024, 64, (4, 0, 1, False), 1),    # one program walks all 16 tiles
-    (9, 256, 32, (2, 0, 1, False), 100),    # more programs than tiles: the plain grid
-], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_gemv_grid_stride(triton_backend, n, k, group, tile, programs, dtype):
-    """gemv_launch(programs=...): a grid smaller than the row tiles, each program taking every grid-th tile, covers
-    every row once (NaN-poisoned outputs overwritten) and equals the reference."""
-    _check_rows_gemv(triton_backend, n, k, group, tile, dtype, n + k, programs)
-
-
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=10, deadline=None)
 @given(n=odd_sizes(1, 40), runs=st.integers(1, 40), group=st.sampled_from([32, 64, 128]),
        tile=st.sampled_from([(2, 0, 1, False), (8, 0, 4, False), (4, 0, 2, False), (8, 16, 4, True)]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1),
-       programs=st.sampled_from([0, 0, 1, 2, 5]))
-def test_rows_gemv_spans_over_shapes(triton_backend, n, runs, group, tile, dtype, seed, programs):
-    """Any N and row length (K = 32 · runs, rounded up to the group), on the plain grid or a smaller one (grid
-    stride): the row in power-of-two spans (BKW 0, the default's one-warp form among them) equals the reference,
-    NaN-poisoned outputs overwritten."""
-    _check_rows_gemv(triton_backend, n, -(-32 * runs // group) * group, group, tile, dtype, seed, programs)
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_rows_gemv_spans_over_shapes(triton_backend, n, runs, group, tile, dtype, seed):
+    """Any N and row length (K = 32 · runs, rounded up to the group): the row in power-of-two spans (BKW 0, the
+    default's one-warp form among them) equals the reference, NaN-poisoned outputs overwritten."""
+    _check_rows_gemv(triton_backend, n, -(-32 * runs // group) * group, group, tile, dtype, seed)
 
 
 def test_row_spans():
@@ -1052,26 +1035,6 @@ def test_gpu_rows_gemv_real_shapes(n, k, dtype):
     chain = [w4a16_gemm(x, packed, scale, 32, prefetch_weights=True) for _ in range(8)]
     for i, c in enumerate(chain):
         assert_bitwise_equal(c, y, f"prefetch call {i}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (1000, 1536)])
-@pytest.mark.parametrize("per_sm", [1, 4, 8])
-def test_gpu_rows_gemv_grid_stride(n, k, per_sm):
-    """The compiled grid-stride launch of the default tile (``programs`` per SM), with PDL in a chain of calls: bitwise
-    equal to the plain grid (the same per-row sums, in the same order)."""
-    from mla_quant.kernels._pdl import pdl_launch
-    from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
-
-    packed, scale = _weights(n, k, 32, "cuda")
-    x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    y = w4a16_gemm(x[None], packed, scale, 32, gemv="rows")[0]
-    programs = per_sm * torch.cuda.get_device_properties(0).multi_processor_count
-    pdl = pdl_launch(x.device, "w4a16_gemv")
-    for i in range(4):
-        out = poisoned_empty((n,), torch.bfloat16, "cuda")
-        gemv_launch(x, packed, scale, out, 32, gemv_tile(n, k), pdl, programs=programs)
-        assert_bitwise_equal(out, y, f"grid stride call {i}")
 
 
 @pytest.mark.gpu

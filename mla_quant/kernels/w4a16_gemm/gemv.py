@@ -57,16 +57,21 @@ def _span_dot(words, scales, x_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, KW: t
 
 
 @triton.jit
-def _rows(x_ptr, w_ptr, s_ptr, y_ptr, N, rn, K: tl.constexpr, GROUP: tl.constexpr, BKW: tl.constexpr,
-          PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SPAN1: tl.constexpr,
-          SPAN2: tl.constexpr):
-    """y[rn] for the BN rows rn: their words and scales loaded (as spans, or the first chunk or two), then — with
-    PDL — the wait for the kernel before, then the arithmetic and the store."""
+def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
+                       K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                       PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0):
+    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PIPE: chunk c + 1 is loaded before
+    # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it. SPAN1 > 0:
+    # the row as spans of BKW, SPAN1 and SPAN2 (powers of two, only the last one masked) words, all loaded first.
     KW: tl.constexpr = K // 8
     CHUNKS: tl.constexpr = (KW + BKW - 1) // BKW
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     cols = (rn % N)[None, :].to(tl.int64)  # rows past N re-read valid ones; never stored
     w_cols = w_ptr + cols * KW
     s_cols = s_ptr + cols * (K // GROUP)
+    if PDL:
+        gdc_launch_dependents()
     if SPAN1 > 0:
         words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET)
         words1, scales1 = _span(w_cols, s_cols, BKW, SPAN1, KW, GROUP, INTERPRET)
@@ -95,29 +100,6 @@ def _rows(x_ptr, w_ptr, s_ptr, y_ptr, N, rn, K: tl.constexpr, GROUP: tl.constexp
                 words, scales = _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET)
             acc += _span_dot(words, scales, x_ptr, c * BKW, BKW, KW, INTERPRET, VEC)
         tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
-                       K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                       PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, STRIDE: tl.constexpr = False):
-    # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PIPE: chunk c + 1 is loaded before
-    # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it. SPAN1 > 0:
-    # the row as spans of BKW, SPAN1 and SPAN2 (powers of two, only the last one masked) words, all loaded first.
-    # STRIDE: a grid smaller than the row tiles, each program taking tiles pid, pid + grid, ... in turn (with PDL the
-    # wait is passed once; later tiles' waits return at once).
-    if PDL:
-        gdc_launch_dependents()
-    if STRIDE:
-        for t in tl.range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0), num_stages=1):
-            # x + (t * BN) // N is x (t * BN < N) in a form the compiler cannot see through: it keeps x's loads in the
-            # loop, where hoisting all of them (loop-invariant) cost every register and spilled
-            _rows(x_ptr + (t * BN) // N, w_ptr, s_ptr, y_ptr, N, t * BN + tl.arange(0, BN), K, GROUP, BKW, PIPE, VEC,
-                  INTERPRET, PDL, SPAN1, SPAN2)
-    else:
-        _rows(x_ptr, w_ptr, s_ptr, y_ptr, N, tl.program_id(0) * BN + tl.arange(0, BN), K, GROUP, BKW, PIPE, VEC,
-              INTERPRET, PDL, SPAN1, SPAN2)
 
 
 # The tiles (BN, BKW, num_warps, PIPE) by row length. Up to 1024 words: one warp per program, the rows in power-of-two
@@ -168,17 +150,14 @@ def span_launch(width: int, first: int, pipe: bool) -> tuple[int, bool, dict]:
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
-                interpreted: bool = False, programs: int = 0) -> None:
+                interpreted: bool = False) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, num_warps,
     PIPE); a BKW of 0: the row in the spans of :func:`row_spans`, all loaded before the arithmetic (PIPE unused);
-    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait. ``programs``
-    > 0: at most that many programs, each taking every ``programs``-th tile of rows (a grid-stride loop)."""
+    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait."""
     n, kw = weight_packed.shape
     bn, bkw, warps, pipe = tile
     bkw, pipe, spans = span_launch(kw, bkw, pipe)
     vec = not interpreted and x1.data_ptr() % 16 == 0
-    tiles = triton.cdiv(n, bn)
-    stride = 0 < programs < tiles
-    _w4a16_gemv_kernel[(programs if stride else tiles,)](
-        x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec,
-        INTERPRET=interpreted, STRIDE=stride, num_warps=warps, **spans, **(pdl or {"PDL": False}))
+    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
+                                              BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec, INTERPRET=interpreted,
+                                              num_warps=warps, **spans, **(pdl or {"PDL": False}))
