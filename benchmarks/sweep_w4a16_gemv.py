@@ -15,7 +15,8 @@ fp16x2 rows GEMV (``gemv="rows_half2"``, ``gemv_half2.py``) at each of ``HALF2_T
 launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv only``: the GEMV on pairs made once,
 what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
 power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL; ``half2spans`` the half2 GEMV so
-(``HALF2_SPAN_TILES``, with and without the pair-order launch). Writes every round's µs; with
+(``HALF2_SPAN_TILES``, with and without the pair-order launch); ``hints`` the default tile with each of ``HINTS``
+(cache hints of the weight loads), with PDL. Writes every round's µs; with
 ``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from mla_quant.kernels._half2_gemv import pair_order
 from mla_quant.kernels.int4_quant import int4_quantize
 from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
-from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch
+from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
 from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch
 
 from .bench_gemm import _tinygemm_pack
@@ -54,6 +55,9 @@ SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8), (2, 1), 
 # (BN, warps) of the half2 GEMV with the row's runs in power-of-two spans (224 runs = 128 + 64 + 32; --forms
 # half2spans; sm_90 static: 0.073-0.088 warp-instructions per weight on one or two warps, no spills)
 HALF2_SPAN_TILES = ((2, 1), (4, 1), (1, 1), (4, 2), (8, 1))
+# gemv.py's HINT on the weight loads (--forms hints): 0 none, 1 .cg, 2 evict-first, 3 evict-first and the scales
+# with no L1 line
+HINTS = (0, 1, 2, 3)
 # (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
@@ -102,7 +106,7 @@ def _shape_list(text: str | None) -> tuple:
 def _extra(ap) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
-    ap.add_argument("--forms", default="rows", help="rows, spans, half2, half2spans (comma-separated)")
+    ap.add_argument("--forms", default="rows", help="rows, spans, hints, half2, half2spans (comma-separated)")
     ap.add_argument("--pdl-only", action="store_true", help="time each tile with PDL only")
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
 
@@ -165,6 +169,20 @@ def main(argv=None) -> None:
                     continue
                 fns[name] = (lambda t: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, PDL)
                                                 for s in sets])((bn, 0, warps, False))
+        if "hints" in forms:  # the default tile with cache hints on the streamed weights (gemv.py HINT)
+            tile = gemv_tile(n, k)
+            for hint in HINTS:
+                name = f"rows {tile} hint {hint} pdl"
+                try:
+                    y.fill_(float("nan"))
+                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL, hint=hint)
+                    torch.cuda.synchronize()
+                    errors[name] = _rel_err(y, ref)
+                except Exception as e:  # noqa: BLE001
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+                fns[name] = (lambda h: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, hint=h)
+                                                for s in sets])(hint)
         half2_settings = []
         if "half2" in forms:
             half2_settings += [(f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl",

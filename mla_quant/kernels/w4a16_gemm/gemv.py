@@ -29,17 +29,26 @@ from .kernel import int4_x_plane_dot
 
 @triton.jit
 def _span(w_cols, s_cols, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr,
-          INTERPRET: tl.constexpr):
+          INTERPRET: tl.constexpr, HINT: tl.constexpr = 0):
     """Words int32 [SIZE, BN] and scales fp32 [SIZE/4, BN] of words OFF .. OFF + SIZE of the rows (words past K/8
-    read as 0, scales as 0)."""
+    read as 0, scales as 0). HINT (cache hints of the streamed words, a sweep setting): 1 ``.cg`` (L2 only), 2
+    evict-first, 3 evict-first and the scales without an L1 line (ptxas refuses ``.cg`` with evict-first)."""
     FULL: tl.constexpr = OFF + SIZE <= KW
+    CG: tl.constexpr = ".cg" if HINT == 1 else ""
+    EVICT: tl.constexpr = "evict_first" if HINT >= 2 else ""
     rw = OFF + tl.arange(0, SIZE)[:, None]
     runs = OFF // 4 + tl.arange(0, SIZE // 4)[:, None]  # runs of 4 words (32 K): one scale each
     if FULL:
-        words = tl.load(w_cols + rw)
+        words = tl.load(w_cols + rw, cache_modifier=CG, eviction_policy=EVICT)
     else:
-        words = tl.load(w_cols + rw, mask=rw < KW, other=0)
-    scales = _load_in_place(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET)  # 0 past K
+        words = tl.load(w_cols + rw, mask=rw < KW, other=0, cache_modifier=CG, eviction_policy=EVICT)
+    s_ptrs = s_cols + (32 * runs) // GROUP
+    if HINT == 3 and FULL and not INTERPRET and s_ptrs.dtype.element_ty != tl.float32:
+        scales = tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.b16 $0, [$1];", "=h,l", [s_ptrs],
+                                           dtype=tl.int16, is_pure=True, pack=1)
+        scales = scales.to(s_ptrs.dtype.element_ty, bitcast=True).to(tl.float32)
+    else:
+        scales = _load_in_place(s_ptrs, runs < KW // 4, FULL, INTERPRET)  # 0 past K
     return words, scales
 
 
@@ -60,7 +69,7 @@ def _span_dot(words, scales, x_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, KW: t
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
                        K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                        PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0):
+                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, HINT: tl.constexpr = 0):
     # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PIPE: chunk c + 1 is loaded before
     # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it. SPAN1 > 0:
     # the row as spans of BKW, SPAN1 and SPAN2 (powers of two, only the last one masked) words, all loaded first.
@@ -73,10 +82,10 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     if SPAN1 > 0:
-        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET)
-        words1, scales1 = _span(w_cols, s_cols, BKW, SPAN1, KW, GROUP, INTERPRET)
+        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET, HINT)
+        words1, scales1 = _span(w_cols, s_cols, BKW, SPAN1, KW, GROUP, INTERPRET, HINT)
         if SPAN2 > 0:
-            words2, scales2 = _span(w_cols, s_cols, BKW + SPAN1, SPAN2, KW, GROUP, INTERPRET)
+            words2, scales2 = _span(w_cols, s_cols, BKW + SPAN1, SPAN2, KW, GROUP, INTERPRET, HINT)
         if PDL:
             gdc_wait()
         y = tl.sum(_span_dot(words, scales, x_ptr, 0, BKW, KW, INTERPRET, VEC), axis=0)
@@ -85,9 +94,9 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, x_ptr, BKW + SPAN1, SPAN2, KW, INTERPRET, VEC), axis=0)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET)
+        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET, HINT)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _span(w_cols, s_cols, BKW, BKW, KW, GROUP, INTERPRET)
+            ahead, ahead_scales = _span(w_cols, s_cols, BKW, BKW, KW, GROUP, INTERPRET, HINT)
         if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
             gdc_wait()
         acc = _span_dot(words, scales, x_ptr, 0, BKW, KW, INTERPRET, VEC)
@@ -95,9 +104,9 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
             if PIPE:
                 words, scales = ahead, ahead_scales
                 if c + 1 < CHUNKS:
-                    ahead, ahead_scales = _span(w_cols, s_cols, (c + 1) * BKW, BKW, KW, GROUP, INTERPRET)
+                    ahead, ahead_scales = _span(w_cols, s_cols, (c + 1) * BKW, BKW, KW, GROUP, INTERPRET, HINT)
             else:
-                words, scales = _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET)
+                words, scales = _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET, HINT)
             acc += _span_dot(words, scales, x_ptr, c * BKW, BKW, KW, INTERPRET, VEC)
         tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
@@ -150,14 +159,15 @@ def span_launch(width: int, first: int, pipe: bool) -> tuple[int, bool, dict]:
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
-                interpreted: bool = False) -> None:
+                interpreted: bool = False, hint: int = 0) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, num_warps,
     PIPE); a BKW of 0: the row in the spans of :func:`row_spans`, all loaded before the arithmetic (PIPE unused);
-    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait."""
+    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait. ``hint``:
+    the kernel's HINT (cache hints of the weight loads; 0, the default, none)."""
     n, kw = weight_packed.shape
     bn, bkw, warps, pipe = tile
     bkw, pipe, spans = span_launch(kw, bkw, pipe)
     vec = not interpreted and x1.data_ptr() % 16 == 0
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
                                               BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec, INTERPRET=interpreted,
-                                              num_warps=warps, **spans, **(pdl or {"PDL": False}))
+                                              HINT=hint, num_warps=warps, **spans, **(pdl or {"PDL": False}))
