@@ -16,7 +16,8 @@ launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv on
 what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
 power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL; ``half2spans`` the half2 GEMV so
 (``HALF2_SPAN_TILES``, with and without the pair-order launch); ``hints`` the default tile with each of ``HINTS``
-(cache hints of the weight loads), with PDL. Writes every round's µs; with
+(cache hints of the weight loads), with PDL; ``half2hints`` the half2 GEMV's rule tile with each of
+``HALF2_HINTS`` after its pair-order launch. Writes every round's µs; with
 ``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
@@ -55,9 +56,11 @@ SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8), (2, 1), 
 # (BN, warps) of the half2 GEMV with the row's runs in power-of-two spans (224 runs = 128 + 64 + 32; --forms
 # half2spans; sm_90 static: 0.073-0.088 warp-instructions per weight on one or two warps, no spills)
 HALF2_SPAN_TILES = ((2, 1), (4, 1), (1, 1), (4, 2), (8, 1))
-# gemv.py's HINT on the weight loads (--forms hints): 0 none, 1 .cg, 2 evict-first, 3 evict-first and the scales
-# with no L1 line
-HINTS = (0, 1, 2, 3)
+# gemv.py's HINT on the weight loads (--forms hints): 0 none, 1 .cg, 2 words evict-first, 3 words evict-first and the
+# scales with no L1 line (the default), 4 only the scales with no L1 line; the half2 GEMV's (--forms half2hints, its
+# rule tile with the pair-order launch): 0 none, 1 scales with no L1 line, 2 words too
+HALF2_HINTS = (0, 1, 2)
+HINTS = (0, 1, 2, 3, 4)
 # (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
@@ -106,7 +109,8 @@ def _shape_list(text: str | None) -> tuple:
 def _extra(ap) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
-    ap.add_argument("--forms", default="rows", help="rows, spans, hints, half2, half2spans (comma-separated)")
+    ap.add_argument("--forms", default="rows",
+                    help="rows, spans, hints, half2, half2spans, half2hints (comma-separated)")
     ap.add_argument("--pdl-only", action="store_true", help="time each tile with PDL only")
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
 
@@ -181,8 +185,29 @@ def main(argv=None) -> None:
                 except Exception as e:  # noqa: BLE001
                     errors[name] = f"{type(e).__name__}: {e}"[:300]
                     continue
-                fns[name] = (lambda h: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, hint=h)
-                                                for s in sets])(hint)
+                fns[name] = (lambda t, h: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, PDL, hint=h)
+                                                   for s in sets])(tile, hint)
+        if "half2hints" in forms:  # the half2 rule tile after its pair-order launch, each HALF2_HINTS
+            tile = half2_tile_rule(n, k)
+            for hint in HALF2_HINTS:
+                name = f"half2 {tile} hint {hint} pdl"
+                try:
+                    y.fill_(float("nan"))
+                    p, ps = pair_order(x)
+                    half2_launch(p[0], ps[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL, hint=hint)
+                    torch.cuda.synchronize()
+                    errors[name] = _rel_err(y, ref)
+                except Exception as e:  # noqa: BLE001
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+
+                def call(t=tile, h=hint):
+                    out = []
+                    for s in sets:
+                        p, ps = pair_order(x)
+                        out.append(half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, t, PDL, hint=h))
+                    return out
+                fns[name] = call
         half2_settings = []
         if "half2" in forms:
             half2_settings += [(f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl",

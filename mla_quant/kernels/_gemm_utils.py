@@ -159,34 +159,42 @@ def int4_plane_dot(words, a_ptrs, a_mask, EVEN: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def ld4(ptrs):
+def ld4(ptrs, NO_L1: tl.constexpr = False):
     """16 bytes at each pointer (16-byte aligned) as four int32, one 128-bit load, in the pointers' layout (an
-    inline-asm load gets no layout of its own: see :func:`_load_in_place`)."""
+    inline-asm load gets no layout of its own: see :func:`_load_in_place`). ``NO_L1``: no L1 line allocated (bytes
+    read once, streamed)."""
+    if NO_L1:
+        return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                         "=r,=r,=r,=r,l", [ptrs], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
     return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
                                      dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
-def four_words(ptrs, INTERPRET: tl.constexpr):
-    """The 4 int32 words at each (16-byte aligned) pointer: one 128-bit load (four loads under the interpreter)."""
+def four_words(ptrs, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False):
+    """The 4 int32 words at each (16-byte aligned) pointer: one 128-bit load (four loads under the interpreter);
+    ``NO_L1``: :func:`ld4`'s."""
     if INTERPRET:
         return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
-    return ld4(ptrs)
+    return ld4(ptrs, NO_L1)
 
 
 @triton.jit
-def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False):
     """``ptrs`` loaded as fp32 in the layout the pointers already have: an inline-asm load is not a tl.load,
     so Triton's coalescing does not give it a layout of its own (which here would cost a shared-memory
-    conversion per K block). Masked (ragged K) and interpreted: a plain load."""
+    conversion per K block). Masked (ragged K) and interpreted: a plain load. ``NO_L1``: no L1 line allocated
+    (weight scales, read once: in the one-token GEMVs their scalar loads' L1 lines cost 5-7 %, docs/moe.md)."""
     DT: tl.constexpr = ptrs.dtype.element_ty
+    LD: tl.constexpr = "ld.global.nc.L1::no_allocate" if NO_L1 else "ld.global.nc"
     if INTERPRET or not EVEN:
         v = tl.load(ptrs, mask=mask, other=0.0)
     elif DT == tl.float32:
-        v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+        v = tl.inline_asm_elementwise(LD + ".b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
                                       pack=1).to(tl.float32, bitcast=True)
     else:  # bf16 / fp16
-        v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.int16, is_pure=True,
+        v = tl.inline_asm_elementwise(LD + ".b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.int16, is_pure=True,
                                       pack=1).to(DT, bitcast=True)
     return v.to(tl.float32)
 

@@ -1038,6 +1038,36 @@ def test_gpu_rows_gemv_real_shapes(n, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (7168, 18432), (1000, 1536)])
+def test_gpu_gemv_cache_hints_are_bitwise_equal(n, k):
+    """The cache hints of the weight loads (gemv.py's HINT 0-4, gemv_half2.py's 0-2) change where lines live, not
+    the sums: every hint's output is bitwise the no-hint one, and the rows GEMV's equals the reference at bf16 level."""
+    from mla_quant.kernels._half2_gemv import pair_order
+    from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
+    from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_tile
+
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for hint in range(5):
+        y = poisoned_empty((n,), torch.bfloat16, "cuda")
+        gemv_launch(x, packed, scale, y, 32, gemv_tile(n, k), hint=hint)
+        rows.append(y)
+    assert_rel_close(rows[0].float(), w4a16_gemm_reference(x[None].float(), packed, scale, 32)[0].float(), 1e-2, "ref")
+    for hint, y in enumerate(rows[1:], 1):
+        assert_bitwise_equal(y, rows[0], f"rows hint {hint}")
+    pairs, pair_scales = pair_order(x[None])
+    half2 = []
+    for hint in range(3):
+        y = poisoned_empty((n,), torch.bfloat16, "cuda")
+        half2_launch(pairs[0], pair_scales[0], packed, scale, y, 32, half2_tile(n, k), hint=hint)
+        half2.append(y)
+    assert_rel_close(half2[0].float(), rows[0].float(), 1e-2, "half2 vs rows")
+    for hint, y in enumerate(half2[1:], 1):
+        assert_bitwise_equal(y, half2[0], f"half2 hint {hint}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (6144, 12288),
                                  (1000, 1536)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

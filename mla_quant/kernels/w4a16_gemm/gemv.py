@@ -31,24 +31,19 @@ from .kernel import int4_x_plane_dot
 def _span(w_cols, s_cols, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr,
           INTERPRET: tl.constexpr, HINT: tl.constexpr = 0):
     """Words int32 [SIZE, BN] and scales fp32 [SIZE/4, BN] of words OFF .. OFF + SIZE of the rows (words past K/8
-    read as 0, scales as 0). HINT (cache hints of the streamed words, a sweep setting): 1 ``.cg`` (L2 only), 2
-    evict-first, 3 evict-first and the scales without an L1 line (ptxas refuses ``.cg`` with evict-first)."""
+    read as 0, scales as 0). HINT (cache hints of the streamed weights): 1 ``.cg`` (L2 only), 2 words evict-first,
+    3 words evict-first and scales without an L1 line, 4 only the scales without an L1 line (ptxas refuses ``.cg``
+    with evict-first)."""
     FULL: tl.constexpr = OFF + SIZE <= KW
     CG: tl.constexpr = ".cg" if HINT == 1 else ""
-    EVICT: tl.constexpr = "evict_first" if HINT >= 2 else ""
+    EVICT: tl.constexpr = "evict_first" if HINT == 2 or HINT == 3 else ""
     rw = OFF + tl.arange(0, SIZE)[:, None]
     runs = OFF // 4 + tl.arange(0, SIZE // 4)[:, None]  # runs of 4 words (32 K): one scale each
     if FULL:
         words = tl.load(w_cols + rw, cache_modifier=CG, eviction_policy=EVICT)
     else:
         words = tl.load(w_cols + rw, mask=rw < KW, other=0, cache_modifier=CG, eviction_policy=EVICT)
-    s_ptrs = s_cols + (32 * runs) // GROUP
-    if HINT == 3 and FULL and not INTERPRET and s_ptrs.dtype.element_ty != tl.float32:
-        scales = tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.b16 $0, [$1];", "=h,l", [s_ptrs],
-                                           dtype=tl.int16, is_pure=True, pack=1)
-        scales = scales.to(s_ptrs.dtype.element_ty, bitcast=True).to(tl.float32)
-    else:
-        scales = _load_in_place(s_ptrs, runs < KW // 4, FULL, INTERPRET)  # 0 past K
+    scales = _load_in_place(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET, HINT >= 3)  # 0 past K
     return words, scales
 
 
@@ -122,6 +117,11 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
 # 6144 x 12288; 4 rows on 4 warps 30.6-30.9 / 17.3-17.5, 8 x 256 on 8 warps 30.5 / 18.7, 8 x 512 on 4 warps 43.4 / 16.8.
 # 16-bit x runs gemv_half2.py there since (faster still), so this tile serves fp32 x, which was not timed (4 x 512 on 4
 # warps takes 168 registers with fp32 x at K = 18432 against 128 with bf16): the rule is left as it was.
+# Cache hints of the weight loads (the kernel's HINT): the words evict-first, the scales' scalar loads without an L1
+# line. H100, sweep --forms hints (session 33, interleaved CUDA-graph rounds, PDL): 4096 x 7168 6.84 µs against 7.34
+# with no hints, 2048 x 7168 3.67 / 3.86, 7168 x 2048 3.54 / 3.73, 7168 x 18432 (8 x 512 chunks) 34.6 / 36.8;
+# words evict-first alone 7.22 / 3.79 / 3.77 / 37.0, .cg 7.35 / 3.86 / 3.73 / 36.8.
+HINT = 3
 LONG_ROW_WORDS = 1024
 WORDS_PER_THREAD = 64  # one warp's rows: BN = 32 * WORDS_PER_THREAD / (the row's words rounded up)
 INTERPRETER_TILE = (8, 64, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
@@ -159,15 +159,15 @@ def span_launch(width: int, first: int, pipe: bool) -> tuple[int, bool, dict]:
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
-                interpreted: bool = False, hint: int = 0) -> None:
+                interpreted: bool = False, hint: int | None = None) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, num_warps,
     PIPE); a BKW of 0: the row in the spans of :func:`row_spans`, all loaded before the arithmetic (PIPE unused);
     ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait. ``hint``:
-    the kernel's HINT (cache hints of the weight loads; 0, the default, none)."""
+    the kernel's HINT (cache hints of the weight loads; default ``HINT``)."""
     n, kw = weight_packed.shape
     bn, bkw, warps, pipe = tile
     bkw, pipe, spans = span_launch(kw, bkw, pipe)
     vec = not interpreted and x1.data_ptr() % 16 == 0
-    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size,
-                                              BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec, INTERPRET=interpreted,
-                                              HINT=hint, num_warps=warps, **spans, **(pdl or {"PDL": False}))
+    _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
+        x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec,
+        INTERPRET=interpreted, HINT=HINT if hint is None else hint, num_warps=warps, **spans, **(pdl or {"PDL": False}))

@@ -35,11 +35,12 @@ def _span_runs(OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, BN: tl
 
 @triton.jit
 def _span(w_rows, s_rows, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr,
-          BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Words (4 int32 [BN, SIZE]) and fp32 scales [BN, SIZE] of runs OFF .. OFF + SIZE (scales 0 past the row)."""
+          BN: tl.constexpr, INTERPRET: tl.constexpr, HINT: tl.constexpr = 0):
+    """Words (4 int32 [BN, SIZE]) and fp32 scales [BN, SIZE] of runs OFF .. OFF + SIZE (scales 0 past the row).
+    HINT: 1 the scales without an L1 line, 2 the words too."""
     run, ok = _span_runs(OFF, SIZE, RUNS, BN)
-    words = four_words(w_rows + 4 * run, INTERPRET)
-    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET)
+    words = four_words(w_rows + 4 * run, INTERPRET, HINT >= 2)
+    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET, HINT >= 1)
     if OFF + SIZE > RUNS:
         scales = tl.where(ok, scales, 0.0)
     return words, scales
@@ -59,7 +60,7 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
 def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                              K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                              PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0):
+                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, HINT: tl.constexpr = 0):
     # p: x's pairs (int32, pair order), ps: its run scales (fp32 [K/32]), w [N, K/8] int32, s [N, K/GROUP], y [N].
     # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
     # SPAN1 > 0: the row as spans of BR, SPAN1 and SPAN2 runs (powers of two, only the last one past the row), all
@@ -73,10 +74,10 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     if SPAN1 > 0:
-        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET)
-        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, HINT)
+        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET, HINT)
         if SPAN2 > 0:
-            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET)
+            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET, HINT)
         if PDL:
             gdc_wait()
         y = tl.sum(_span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET), axis=1)
@@ -85,9 +86,9 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET), axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, HINT)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET)
+            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, HINT)
         if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
             gdc_wait()
         acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET)
@@ -95,9 +96,9 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             if PIPE:
                 words, scales = ahead, ahead_scales
                 if c + 1 < CHUNKS:
-                    ahead, ahead_scales = _span(w_rows, s_rows, (c + 1) * BR, BR, RUNS, GROUP, BN, INTERPRET)
+                    ahead, ahead_scales = _span(w_rows, s_rows, (c + 1) * BR, BR, RUNS, GROUP, BN, INTERPRET, HINT)
             else:
-                words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET)
+                words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET, HINT)
             acc += _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET)
         tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
@@ -134,15 +135,16 @@ def half2_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int
 
 
 def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size: int, tile: tuple,
-                 pdl: dict | None = None, interpreted: bool = False) -> None:
+                 pdl: dict | None = None, interpreted: bool = False, hint: int = 0) -> None:
     """Launch :func:`_w4a16_gemv_half2_kernel` for x in pair order (``pairs`` int32 / ``pair_scales`` fp32: one row
     of ``_half2_gemv.pair_order``) -> y1 [N] (contiguous) with ``tile`` = (BN, BR, num_warps, PIPE); ``pdl``:
     ``_pdl.pdl_launch``'s keywords (the weights then read before the wait). A BR of 0: the row's runs in the spans
-    of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused)."""
+    of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused). ``hint``: the kernel's HINT (L1
+    allocation of the weight loads; 0: as plain ``ld.global.nc``)."""
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
     br, pipe, spans = span_launch(kw // 4, br, pipe)
     _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](pairs, pair_scales, weight_packed, weight_scale, y1, n,
                                                     K=8 * kw, GROUP=group_size, BN=bn, BR=br, PIPE=bool(pipe),
-                                                    INTERPRET=interpreted, num_warps=warps, **spans,
+                                                    INTERPRET=interpreted, HINT=hint, num_warps=warps, **spans,
                                                     **(pdl or {"PDL": False}))
