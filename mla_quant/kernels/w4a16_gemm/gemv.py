@@ -9,8 +9,10 @@ and scales of its rows — before the first arithmetic, on one warp per program 
 walked in chunks of ``BKW`` words, the next one loaded after a chunk's arithmetic or, with ``PIPE``, before it (a
 register double buffer); their per-run partials are summed across warps once, at the end of the row. The
 arithmetic is the plane GEMV's (``kernel.int4_x_plane_dot``: one LOP3 + FFMA + FFMA per weight, each word's 8
-activations in one 128-bit load, the group scale once per run of 4 words). Tiles by row length: :func:`gemv_tile`;
-measured in docs/moe.md "W4A16 at M = 1: whole rows" and "one warp per program".
+activations in one 128-bit load, the group scale once per run of 4 words). The weights are read once, so they
+stream past L1 (``HINT``: words evict-first, scales with no L1 line), which leaves L1 to the activation row. Tiles
+by row length: :func:`gemv_tile`; measured in docs/moe.md "W4A16 at M = 1: whole rows", "one warp per program" and
+"the weights stream past L1".
 
 ``PDL`` (launched with programmatic dependent launch, :mod:`.._pdl`): the program lets the next kernel be
 scheduled, loads its spans or first chunk of words and scales (two with ``PIPE``), and only then waits for the kernel

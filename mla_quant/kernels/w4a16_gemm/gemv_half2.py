@@ -114,6 +114,10 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
 # - 64 runs (K = 2048): 32 rows, 32-run chunks, 8 warps 5.1 µs at 7168 rows (the rows GEMV 3.6).
 # Only the two long rows are faster than the fp32 rows GEMV: w4a16_gemm's gemv="auto" takes this GEMV above
 # HALF2_MIN_ROW_WORDS.
+# The weight loads without L1 lines (HINT 2: words and scales; 1: the scales only). H100, sweep --forms half2hints
+# (session 33, the rule tiles after the pair-order launch, PDL): 7168 x 18432 31.2 µs against 31.9 with plain loads,
+# 6144 x 12288 18.6 / 19.8; the scales alone 31.9 / 19.7.
+HINT = 2
 INTERPRETER_TILE = (8, 4, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
 
@@ -135,16 +139,17 @@ def half2_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int
 
 
 def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size: int, tile: tuple,
-                 pdl: dict | None = None, interpreted: bool = False, hint: int = 0) -> None:
+                 pdl: dict | None = None, interpreted: bool = False, hint: int | None = None) -> None:
     """Launch :func:`_w4a16_gemv_half2_kernel` for x in pair order (``pairs`` int32 / ``pair_scales`` fp32: one row
     of ``_half2_gemv.pair_order``) -> y1 [N] (contiguous) with ``tile`` = (BN, BR, num_warps, PIPE); ``pdl``:
     ``_pdl.pdl_launch``'s keywords (the weights then read before the wait). A BR of 0: the row's runs in the spans
     of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused). ``hint``: the kernel's HINT (L1
-    allocation of the weight loads; 0: as plain ``ld.global.nc``)."""
+    allocation of the weight loads; default ``HINT``; 0: plain ``ld.global.nc``)."""
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
     br, pipe, spans = span_launch(kw // 4, br, pipe)
     _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](pairs, pair_scales, weight_packed, weight_scale, y1, n,
                                                     K=8 * kw, GROUP=group_size, BN=bn, BR=br, PIPE=bool(pipe),
-                                                    INTERPRET=interpreted, HINT=hint, num_warps=warps, **spans,
+                                                    INTERPRET=interpreted, HINT=HINT if hint is None else hint,
+                                                    num_warps=warps, **spans,
                                                     **(pdl or {"PDL": False}))
