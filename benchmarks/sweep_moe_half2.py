@@ -2,7 +2,7 @@
 Kimi decode, in one GPU call.
 
     python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16] [--pin FORMS]
-        [--rows] [--early] [--pairs] [--no-l1] [--label NAME]
+        [--rows] [--early] [--pairs] [--stream-weights] [--label NAME]
 
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
 per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the plane GEMV with
@@ -17,8 +17,8 @@ rows under that key of an existing ``--out`` file. ``--early`` adds ``half2_pref
 setting of ``fused_moe.WEIGHTS_BEFORE_WAIT`` (which launches read their routing and first weights before the PDL
 wait: none, the down only, both), with and without ``PAIRS_IN_GATE_UP`` (h in pair order from the gate-up's
 epilogue, no pair_order launch between the GEMVs). ``--pairs`` adds, at one token, ``half2_prefetch`` with the gate-up and the down
-launch pinned to different tiles (each pair of ``PAIR_GATE_UP`` × ``PAIR_DOWN``). ``--no-l1`` adds
-``half2_prefetch`` with ``fused_moe.HALF2_WEIGHTS_NO_L1`` (the experts' words and scales without L1 lines).
+launch pinned to different tiles (each pair of ``PAIR_GATE_UP`` × ``PAIR_DOWN``). ``--stream-weights`` adds
+``half2_prefetch`` with ``fused_moe.HALF2_STREAM_WEIGHTS`` (the experts' words and scales without L1 lines).
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                                   ap.add_argument("--rows", action="store_true"),
                                   ap.add_argument("--early", action="store_true"),
                                   ap.add_argument("--pairs", action="store_true"),
-                                  ap.add_argument("--no-l1", action="store_true"),
+                                  ap.add_argument("--stream-weights", action="store_true"),
                                   ap.add_argument("--label")))
     if args is None:
         return 1
@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                                         (("gate_up", "down"), True)):
                     name = "half2_prefetch_early_{}_pairs_{}".format("_".join(launches) or "none", "on" if pairs else "off")
                     fns[name] = early(launches, pairs)
-            if args.no_l1:  # fused_moe.HALF2_WEIGHTS_NO_L1 at capture
-                def no_l1():
-                    with module_attrs(F, {"HALF2_WEIGHTS_NO_L1": True}):
+            if args.stream_weights:  # fused_moe.HALF2_STREAM_WEIGHTS at capture
+                def stream():
+                    with module_attrs(F, {"HALF2_STREAM_WEIGHTS": True}):
                         return routed("int4_g32", block_m=1, gemv="half2_prefetch")
-                fns["half2_prefetch_no_l1"] = no_l1
+                fns["half2_prefetch_stream"] = stream
             if args.pairs and t == 1:
                 for g in PAIR_GATE_UP:
                     for d in PAIR_DOWN:

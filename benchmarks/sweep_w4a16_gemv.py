@@ -9,15 +9,15 @@ For each N×K (group 32, bf16 x and scales) one graph per setting holds one call
 to miss L2 (as ``bench_gemm``), all with the same x. Settings: ``tinygemm`` (the peer), ``planes1`` (the bare
 call: its split-K counters zeroed by a fill launch) and ``planes1_ws`` (kept counters), then the rows kernel at
 each tile (BN rows per program, BKW words per K chunk, warps, PIPE: the chunks pipelined) launched plainly and
-with PDL (``pdl``: each call's weights loaded before it waits for the call before — consecutive GEMVs overlap). Each rows setting is first
-checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). ``half2`` settings time the
+with PDL (``pdl``: each call's weights loaded before it waits for the call before — consecutive GEMVs overlap).
+Each setting is first checked against ``w4a16_gemm_reference`` (max error over max |y|, bf16 output). ``half2`` settings time the
 fp16x2 rows GEMV (``gemv="rows_half2"``, ``gemv_half2.py``) at each of ``HALF2_TILES`` together with its pair-order
 launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv only``: the GEMV on pairs made once,
 what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
 power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL; ``half2spans`` the half2 GEMV so
-(``HALF2_SPAN_TILES``, with and without the pair-order launch); ``hints`` the default tile with each of ``HINTS``
-(cache hints of the weight loads), with PDL; ``half2hints`` the half2 GEMV's rule tile with each of
-``HALF2_HINTS`` after its pair-order launch. Writes every round's µs; with
+(``HALF2_SPAN_TILES``, with and without the pair-order launch); ``stream`` both GEMVs' rule tiles with plain and with
+streamed weight loads (``stream=``: past L1), with PDL (session 33's ``hints`` / ``half2hints`` runs timed more
+variants: commit 900e38f). Writes every round's µs; with
 ``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
@@ -56,11 +56,6 @@ SPAN_TILES = ((8, 4), (4, 2), (4, 4), (8, 2), (8, 8), (16, 4), (16, 8), (2, 1), 
 # (BN, warps) of the half2 GEMV with the row's runs in power-of-two spans (224 runs = 128 + 64 + 32; --forms
 # half2spans; sm_90 static: 0.073-0.088 warp-instructions per weight on one or two warps, no spills)
 HALF2_SPAN_TILES = ((2, 1), (4, 1), (1, 1), (4, 2), (8, 1))
-# gemv.py's HINT on the weight loads (--forms hints): 0 none, 1 .cg, 2 words evict-first, 3 words evict-first and the
-# scales with no L1 line (the default), 4 only the scales with no L1 line; the half2 GEMV's (--forms half2hints, its
-# rule tile with the pair-order launch): 0 none, 1 scales with no L1 line, 2 words too
-HALF2_HINTS = (0, 1, 2)
-HINTS = (0, 1, 2, 3, 4)
 # (BN, BR runs, warps, PIPE) of the half2 GEMV; a BR of 0: the row's runs rounded up to a power of two (one chunk)
 HALF2_TILES = ((4, 0, 2, False), (4, 0, 4, False), (8, 0, 4, False), (8, 0, 8, False), (16, 0, 8, False),
                (8, 128, 4, True), (8, 64, 4, True), (8, 32, 4, True), (16, 64, 4, True), (16, 32, 4, True),
@@ -110,7 +105,7 @@ def _extra(ap) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
     ap.add_argument("--forms", default="rows",
-                    help="rows, spans, hints, half2, half2spans, half2hints (comma-separated)")
+                    help="rows, spans, stream, half2, half2spans (comma-separated)")
     ap.add_argument("--pdl-only", action="store_true", help="time each tile with PDL only")
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
 
@@ -144,70 +139,46 @@ def main(argv=None) -> None:
             fns["planes1_ws"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, counters=counters,
                                                     gemv="planes1") for s in sets]
         errors = {}
-        pdls = (PDL,) if args.pdl_only else (None, PDL)
+
+        def add(name: str, launch) -> bool:
+            """``launch`` (one weight set -> the call) checked once against the reference into a NaN-poisoned y,
+            then timed over every set; a setting that fails to compile is a finding, recorded as its error."""
+            try:
+                y.fill_(float("nan"))
+                launch(sets[0])
+                torch.cuda.synchronize()
+                errors[name] = _rel_err(y, ref)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {e}"[:300]
+                return False
+            fns[name] = lambda: [launch(s) for s in sets]
+            return True
+
+        def rows(tile, pdl=PDL, stream=None):
+            return lambda s: gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, tile, pdl, stream=stream)
+
+        def half2(tile, stream=None, pairs=None):
+            """pair_order with PDL, then the GEMV (what prefetch_weights launches); ``pairs``: the GEMV alone, on
+            pairs made once."""
+            def launch(s):
+                p, ps = pairs or pair_order(x)
+                return half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, stream=stream)
+            return launch
+
         if "rows" in forms:
             for tile in _tiles(k):
                 bn, bkw, warps, pipe = tile
-                for pdl in pdls:
-                    name = f"rows BN={bn} BKW={bkw} w={warps}" + (" pipe" if pipe else "") + (" pdl" if pdl else "")
-                    try:
-                        y.fill_(float("nan"))
-                        gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, pdl)
-                        torch.cuda.synchronize()
-                        errors[name] = _rel_err(y, ref)
-                    except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
-                        errors[name] = f"{type(e).__name__}: {e}"[:300]
-                        continue
-                    fns[name] = (lambda t, p: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, p)
-                                                       for s in sets])(tile, pdl)
+                for pdl in (PDL,) if args.pdl_only else (None, PDL):
+                    add(f"rows BN={bn} BKW={bkw} w={warps}" + (" pipe" if pipe else "") + (" pdl" if pdl else ""),
+                        rows(tile, pdl))
         if "spans" in forms:
             for bn, warps in SPAN_TILES:
-                name = f"rows BN={bn} spans w={warps} pdl"
-                try:
-                    y.fill_(float("nan"))
-                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, (bn, 0, warps, False), PDL)
-                    torch.cuda.synchronize()
-                    errors[name] = _rel_err(y, ref)
-                except Exception as e:  # noqa: BLE001 - a tile that fails to compile is a finding
-                    errors[name] = f"{type(e).__name__}: {e}"[:300]
-                    continue
-                fns[name] = (lambda t: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, PDL)
-                                                for s in sets])((bn, 0, warps, False))
-        if "hints" in forms:  # the default tile with cache hints on the streamed weights (gemv.py HINT)
-            tile = gemv_tile(n, k)
-            for hint in HINTS:
-                name = f"rows {tile} hint {hint} pdl"
-                try:
-                    y.fill_(float("nan"))
-                    gemv_launch(x[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL, hint=hint)
-                    torch.cuda.synchronize()
-                    errors[name] = _rel_err(y, ref)
-                except Exception as e:  # noqa: BLE001
-                    errors[name] = f"{type(e).__name__}: {e}"[:300]
-                    continue
-                fns[name] = (lambda t, h: lambda: [gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, t, PDL, hint=h)
-                                                   for s in sets])(tile, hint)
-        if "half2hints" in forms:  # the half2 rule tile after its pair-order launch, each HALF2_HINTS
-            tile = half2_tile_rule(n, k)
-            for hint in HALF2_HINTS:
-                name = f"half2 {tile} hint {hint} pdl"
-                try:
-                    y.fill_(float("nan"))
-                    p, ps = pair_order(x)
-                    half2_launch(p[0], ps[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL, hint=hint)
-                    torch.cuda.synchronize()
-                    errors[name] = _rel_err(y, ref)
-                except Exception as e:  # noqa: BLE001
-                    errors[name] = f"{type(e).__name__}: {e}"[:300]
-                    continue
-
-                def call(t=tile, h=hint):
-                    out = []
-                    for s in sets:
-                        p, ps = pair_order(x)
-                        out.append(half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, t, PDL, hint=h))
-                    return out
-                fns[name] = call
+                add(f"rows BN={bn} spans w={warps} pdl", rows((bn, 0, warps, False)))
+        if "stream" in forms:  # both GEMVs' rule tiles with plain and with streamed weight loads
+            tile, tile2 = gemv_tile(n, k), half2_tile_rule(n, k)
+            for stream in (False, True):
+                add(f"rows {tile} stream {stream} pdl", rows(tile, stream=stream))
+                add(f"half2 {tile2} stream {stream} pdl", half2(tile2, stream))
         half2_settings = []
         if "half2" in forms:
             half2_settings += [(f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl",
@@ -218,29 +189,10 @@ def main(argv=None) -> None:
         if half2_settings:
             fns["rows_half2_prefetch"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv="rows_half2",
                                                              prefetch_weights=True) for s in sets]
-            pairs, pair_scales = pair_order(x)
+            made = pair_order(x)
             for i, (name, tile) in enumerate(half2_settings):
-                warps = tile[2]
-                try:
-                    y.fill_(float("nan"))
-                    half2_launch(pairs[0], pair_scales[0], sets[0]["p4"], sets[0]["s4"], y[0], GROUP, tile, PDL)
-                    torch.cuda.synchronize()
-                    errors[name] = _rel_err(y, ref)
-                except Exception as e:  # noqa: BLE001
-                    errors[name] = f"{type(e).__name__}: {e}"[:300]
-                    continue
-
-                def call(t=tile):  # pair_order with PDL, then the GEMV: what prefetch_weights launches
-                    out = []
-                    for s in sets:
-                        p, ps = pair_order(x)
-                        out.append(half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, t, PDL))
-                    return out
-                fns[name] = call
-                if i == 0 or tile == half2_tile_rule(n, k) or warps == 1:
-                    fns[name + " gemv only"] = (lambda t: lambda: [half2_launch(pairs[0], pair_scales[0], s["p4"],
-                                                                                s["s4"], y[0], GROUP, t, PDL)
-                                                                   for s in sets])(tile)
+                if add(name, half2(tile)) and (i == 0 or tile == half2_tile_rule(n, k) or tile[2] == 1):
+                    add(name + " gemv only", half2(tile, pairs=made))
         rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
         rows = []
         tiny = rounds["tinygemm"]

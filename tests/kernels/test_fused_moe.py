@@ -817,10 +817,10 @@ def test_gpu_half2_gemv_real_widths(t, dtype, form):
 def test_half2_prefetch_launch_settings_change_no_bit(triton_backend, monkeypatch, tokens, fusion):
     """half2_prefetch's defaults — WEIGHTS_BEFORE_WAIT (routing and first weights read before the PDL wait, the
     counters zeroed after the gate-up's GEMV, a dropped slot waiting on its own path) and PAIRS_IN_GATE_UP (the
-    gate-up's epilogue writes h in pair order: no pair_order launch between the GEMVs) and HALF2_WEIGHTS_NO_L1 (the
+    gate-up's epilogue writes h in pair order: no pair_order launch between the GEMVs) and HALF2_STREAM_WEIGHTS (the
     weights loaded without L1 lines) — give the bits of the launches without them, under poisoned allocations (h's
-    pair padding is never read), on the decode path (dropped slots) and the aligned one. Interpreted the waits return at once: this checks the code order, test_pdl.py the
-    ordering on the GPU."""
+    pair padding is never read), on the decode path (dropped slots) and the aligned one. Interpreted the waits return
+    at once: this checks the code order, test_pdl.py the ordering on the GPU."""
     import mla_quant.kernels._half2_gemv as H
     import mla_quant.kernels.fused_moe as F
     from mla_quant.kernels.fused_moe import kernel as K
@@ -840,28 +840,28 @@ def test_half2_prefetch_launch_settings_change_no_bit(triton_backend, monkeypatc
         class Spy:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    seen.append((kw["WEIGHTS_FIRST"], kw.get("PAIRS_OUT", False), kw["NO_L1"]))
+                    seen.append((kw["WEIGHTS_FIRST"], kw.get("PAIRS_OUT", False), kw["STREAM"]))
                     return launch[grid](*args, **kw)
                 return run
         monkeypatch.setattr(K, "_moe_gemm_kernel", Spy())
     _poison_allocations(monkeypatch)
     outs = {}
-    for early, pairs, no_l1 in ((("gate_up", "down"), True, False), (("down",), True, False), ((), True, False),
-                                (("gate_up", "down"), False, False), ((), False, False),
-                                (("gate_up", "down"), True, True)):
+    for early, pairs, stream in ((("gate_up", "down"), True, False), (("down",), True, False), ((), True, False),
+                                 (("gate_up", "down"), False, False), ((), False, False),
+                                 (("gate_up", "down"), True, True)):
         monkeypatch.setattr(F, "WEIGHTS_BEFORE_WAIT", early)
         monkeypatch.setattr(F, "PAIRS_IN_GATE_UP", pairs)
-        monkeypatch.setattr(F, "HALF2_WEIGHTS_NO_L1", no_l1)
+        monkeypatch.setattr(F, "HALF2_STREAM_WEIGHTS", stream)
         seen.clear(), pair_orders.clear()
-        outs[early, pairs, no_l1] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
-                                              gemv="half2_prefetch", decode_fusion=fusion, shared_out=shared_out,
-                                              out=poisoned_empty(x.shape, x.dtype, dev))
+        outs[early, pairs, stream] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
+                                               gemv="half2_prefetch", decode_fusion=fusion, shared_out=shared_out,
+                                               out=poisoned_empty(x.shape, x.dtype, dev))
         assert len(pair_orders) == (1 if pairs else 2), (early, pairs)
         if dev == "cpu":
-            assert seen == [("gate_up" in early, pairs, no_l1), ("down" in early, False, no_l1)], (early, pairs)
+            assert seen == [("gate_up" in early, pairs, stream), ("down" in early, False, stream)], (early, pairs)
     plain = outs[(), False, False]
     for setting, got in outs.items():
-        assert_bitwise_equal(got, plain, f"WEIGHTS_BEFORE_WAIT, PAIRS_IN_GATE_UP, HALF2_WEIGHTS_NO_L1 = {setting}")
+        assert_bitwise_equal(got, plain, f"(WEIGHTS_BEFORE_WAIT, PAIRS_IN_GATE_UP, HALF2_STREAM_WEIGHTS) = {setting}")
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
                               shared_out=shared_out.cpu())

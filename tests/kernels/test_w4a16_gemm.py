@@ -561,7 +561,8 @@ def _check_rows_gemv(dev, n: int, k: int, group: int, tile: tuple, dtype, seed: 
     y = poisoned_empty((n,), dtype, dev)
     gemv_launch(x, packed, scale, y, group, tile, interpreted=triton_interpreted())
     ref = w4a16_gemm_reference(x[None], packed, scale, group)[0]
-    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"rows {n}x{k} g{group} {tile}")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_rel_close(y.float(), ref.float(), tol, f"rows {n}x{k} g{group} {tile}")
 
 
 def test_rows_gemv_is_the_default_exact_for_every_nibble_and_deterministic(triton_backend):
@@ -1039,32 +1040,25 @@ def test_gpu_rows_gemv_real_shapes(n, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (7168, 18432), (1000, 1536)])
-def test_gpu_gemv_cache_hints_are_bitwise_equal(n, k):
-    """The cache hints of the weight loads (gemv.py's HINT 0-4, gemv_half2.py's 0-2) change where lines live, not
-    the sums: every hint's output is bitwise the no-hint one, and the rows GEMV's equals the reference at bf16 level."""
+def test_gpu_gemv_streamed_weights_are_bitwise_equal(n, k):
+    """The weights streamed past L1 (``stream``, the default of both one-token GEMVs) change where lines live, not
+    the sums: each GEMV's output is bitwise the one with plain loads, and equals the reference at bf16 level."""
     from mla_quant.kernels._half2_gemv import pair_order
     from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
     from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_tile
 
     packed, scale = _weights(n, k, 32, "cuda")
     x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for hint in range(5):
-        y = poisoned_empty((n,), torch.bfloat16, "cuda")
-        gemv_launch(x, packed, scale, y, 32, gemv_tile(n, k), hint=hint)
-        rows.append(y)
-    assert_rel_close(rows[0].float(), w4a16_gemm_reference(x[None].float(), packed, scale, 32)[0].float(), 1e-2, "ref")
-    for hint, y in enumerate(rows[1:], 1):
-        assert_bitwise_equal(y, rows[0], f"rows hint {hint}")
     pairs, pair_scales = pair_order(x[None])
-    half2 = []
-    for hint in range(3):
-        y = poisoned_empty((n,), torch.bfloat16, "cuda")
-        half2_launch(pairs[0], pair_scales[0], packed, scale, y, 32, half2_tile(n, k), hint=hint)
-        half2.append(y)
-    assert_rel_close(half2[0].float(), rows[0].float(), 1e-2, "half2 vs rows")
-    for hint, y in enumerate(half2[1:], 1):
-        assert_bitwise_equal(y, half2[0], f"half2 hint {hint}")
+    ref = w4a16_gemm_reference(x[None].float(), packed, scale, 32)[0].float()
+    for form, launch in (("rows", lambda y, s: gemv_launch(x, packed, scale, y, 32, gemv_tile(n, k), stream=s)),
+                         ("half2", lambda y, s: half2_launch(pairs[0], pair_scales[0], packed, scale, y, 32,
+                                                             half2_tile(n, k), stream=s))):
+        plain, streamed = (poisoned_empty((n,), torch.bfloat16, "cuda") for _ in range(2))
+        launch(plain, False)
+        launch(streamed, True)
+        assert_rel_close(plain.float(), ref, 1e-2, form)
+        assert_bitwise_equal(streamed, plain, f"{form} streamed")
 
 
 @pytest.mark.gpu

@@ -46,8 +46,8 @@ WEIGHTS_BEFORE_WAIT = ("gate_up", "down")
 # launch runs between the GEMVs; a sweep setting.
 PAIRS_IN_GATE_UP = True
 # half2 GEMVs: the experts' words and scales loaded without L1 lines (read once), as the dense one-token GEMVs do
-# since session 33 (gemv_half2.HINT: 2-6 % faster there on an H100); a sweep setting, not yet timed in the MoE.
-HALF2_WEIGHTS_NO_L1 = False
+# since session 33 (gemv_half2.STREAM_WEIGHTS: 2-6 % faster there on an H100); a sweep setting, not yet timed here.
+HALF2_STREAM_WEIGHTS = False
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -279,7 +279,7 @@ def fused_moe(
     interpret = triton_interpreted()
     consts = dict(KIND=kind_id, W8A8=act_quant, GROUP=group_size, SBN=block[0], SBK=block[1], ACT_G=act_group,
                   IEEE=x.dtype == torch.float32 and not act_quant, INTERPRET=interpret, BLOCK_M=bm, DIRECT=direct,
-                  NO_L1=half2 and HALF2_WEIGHTS_NO_L1)
+                  STREAM=half2 and HALF2_STREAM_WEIGHTS)
     if planes:  # the plane GEMV reads fp32 nibble planes; the gate-up epilogue writes h as planes too
         consts.update(PLANES=True, H_DT=_TL_DTYPES[x.dtype])
         tuned = moe_gemv_prefetch_autotuned if gemv == "prefetch" else moe_gemv_planes_autotuned

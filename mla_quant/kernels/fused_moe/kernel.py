@@ -164,7 +164,7 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N, K, stride_at, stride_ast,
                      stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
-                     ROWS: tl.constexpr = False, WAIT: tl.constexpr = 0, NO_L1: tl.constexpr = False):
+                     ROWS: tl.constexpr = False, WAIT: tl.constexpr = 0, STREAM: tl.constexpr = False):
     """The half2 GEMV of one assignment (``HALF2``; ``a_row``: its row of ``a``, pairs from
     ``_half2_gemv.pair_order``, run scales at ``as_ptr``) against columns n0..n0+BLOCK_N of one expert: fp32
     [1, BLOCK_N] sums (gate, and up when GATED). Tiles are [BLOCK_K/32, BLOCK_N/2] runs (4 words each), the even
@@ -175,7 +175,7 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     read again). ROWS: the tiles are [BLOCK_N/2, BLOCK_K/32] instead, so a warp's lanes take consecutive runs of
     one weight row (coalesced 16-byte word loads) rather than the columns of one run. WAIT (a PDL mode, with
     PREFETCH): the PDL wait comes after the first K block's words are loaded, before any activation is read.
-    NO_L1: the weights' words and scales are loaded without L1 lines (read once; see gemv_half2.HINT)."""
+    STREAM: the weights' words and scales are loaded without L1 lines (read once; see gemv_half2.STREAM_WEIGHTS)."""
     if ROWS:
         rr = tl.arange(0, BLOCK_K // 32)[None, :] + tl.zeros((BLOCK_N // 2, 1), dtype=tl.int32)  # full tile shape
         c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[:, None]
@@ -194,7 +194,7 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     acc3o = tl.zeros(rr.shape, dtype=tl.float32)
     if PREFETCH:  # the first K block's words (runs past K: the first run)
         n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd, 4 * tl.where(rr < K // 32, rr, 0), GATED,
-                                           INTERPRET, NO_L1)
+                                           INTERPRET, STREAM)
     grid_dependency_sync(WAIT)
     for k0 in range(0, K, BLOCK_K):
         run = k0 // 32 + rr
@@ -208,38 +208,38 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
             w1e, w1o, w3e, w3o = n1e, n1o, n3e, n3o
             n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd,
                                                4 * tl.minimum(run + BLOCK_K // 32, K // 32 - 1), GATED, INTERPRET,
-                                               NO_L1)
+                                               STREAM)
         else:
-            w1e, w1o, w3e, w3o = _column_words(w1_ptr, w3_ptr, even, odd, w_off, GATED, INTERPRET, NO_L1)
-        acc1e += _half2_term(w1e, s1_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET, NO_L1)
-        acc1o += _half2_term(w1o, s1_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET, NO_L1)
+            w1e, w1o, w3e, w3o = _column_words(w1_ptr, w3_ptr, even, odd, w_off, GATED, INTERPRET, STREAM)
+        acc1e += _half2_term(w1e, s1_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET, STREAM)
+        acc1o += _half2_term(w1o, s1_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET, STREAM)
         if GATED:
-            acc3e += _half2_term(w3e, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET, NO_L1)
-            acc3o += _half2_term(w3o, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET, NO_L1)
+            acc3e += _half2_term(w3e, s3_ptr + even_s + s_off, x, xs, ok, EVEN_K, INTERPRET, STREAM)
+            acc3o += _half2_term(w3o, s3_ptr + odd_s + s_off, x, xs, ok, EVEN_K, INTERPRET, STREAM)
     RUN_AXIS: tl.constexpr = 1 if ROWS else 0
     return _interleave(acc1e, acc1o, BLOCK_N, RUN_AXIS), _interleave(acc3e, acc3o, BLOCK_N, RUN_AXIS)
 
 
 @triton.jit
 def _column_words(w1_ptr, w3_ptr, even, odd, w_off, GATED: tl.constexpr, INTERPRET: tl.constexpr,
-                  NO_L1: tl.constexpr = False):
+                  STREAM: tl.constexpr = False):
     """The half2 tile's words at word offset ``w_off`` (``four_words`` each): gate even / odd columns, then up even /
     odd (without GATED the gate's again, unread: no load)."""
-    w1e = four_words(w1_ptr + even + w_off, INTERPRET, NO_L1)
-    w1o = four_words(w1_ptr + odd + w_off, INTERPRET, NO_L1)
+    w1e = four_words(w1_ptr + even + w_off, INTERPRET, STREAM)
+    w1o = four_words(w1_ptr + odd + w_off, INTERPRET, STREAM)
     if GATED:
-        w3e = four_words(w3_ptr + even + w_off, INTERPRET, NO_L1)
-        w3o = four_words(w3_ptr + odd + w_off, INTERPRET, NO_L1)
+        w3e = four_words(w3_ptr + even + w_off, INTERPRET, STREAM)
+        w3o = four_words(w3_ptr + odd + w_off, INTERPRET, STREAM)
     else:
         w3e, w3o = w1e, w1o
     return w1e, w1o, w3e, w3o
 
 
 @triton.jit
-def _half2_term(words, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False):
+def _half2_term(words, s_ptrs, x, xs, ok, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr = False):
     """Run sums × group scale × activation run scale for one column tile's ``words`` (``four_words``; zero where not
     ``ok`` unless EVEN_K)."""
-    term = run_dot(words, x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET, NO_L1) * xs)
+    term = run_dot(words, x, INTERPRET) * (_load_in_place(s_ptrs, ok, True, INTERPRET, STREAM) * xs)
     if not EVEN_K:
         term = tl.where(ok, term, 0.0)
     return term
@@ -359,7 +359,7 @@ def _moe_gemm_kernel(
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
         HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, HALF2_ROWS: tl.constexpr = False,
-        WEIGHTS_FIRST: tl.constexpr = False, PAIRS_OUT: tl.constexpr = False, NO_L1: tl.constexpr = False):
+        WEIGHTS_FIRST: tl.constexpr = False, PAIRS_OUT: tl.constexpr = False, STREAM: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
     # scales.
@@ -369,7 +369,7 @@ def _moe_gemm_kernel(
     # WEIGHTS_FIRST (HALF2 with PREFETCH, launched with PDL): the routing (expert and row ids) and the first K
     # block's weights are read before the PDL wait, everything else after it. The host guarantees that every
     # kernel which may still run at that point writes neither (fused_moe: "Weights before the wait").
-    # NO_L1 (HALF2): the expert weights' words and scales are loaded without L1 lines (fused_moe.HALF2_WEIGHTS_NO_L1).
+    # STREAM (HALF2): the expert weights' words and scales are loaded without L1 lines (fused_moe.HALF2_STREAM_WEIGHTS).
     # PAIRS_OUT (the half2 gate-up): h leaves in pair order, out_ptr its pairs and hs_ptr its run scales, exactly
     # what _half2_gemv.pair_order makes of h rounded to H_DT (_store_pairs), so no pair_order launch follows.
     tl.static_assert(not PAIRS_OUT or (HALF2 and GATED and BLOCK_N % 32 == 0), "PAIRS_OUT: half2 gate-up, whole runs")
@@ -407,7 +407,7 @@ def _moe_gemm_kernel(
         acc1, acc3 = _int4_half2_gemv(a_ptr, as_ptr, tl.sum(tl.where(row_ok, a_rows, 0)), w1_ptr, s1_ptr, w3_ptr,
                                       s3_ptr, pid_n * BLOCK_N, N, K, stride_at, stride_ast, stride_wn, stride_sn,
                                       GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH, HALF2_ROWS,
-                                      PDL if WEIGHTS_FIRST else 0, NO_L1)
+                                      PDL if WEIGHTS_FIRST else 0, STREAM)
         if WEIGHTS_FIRST:
             _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS)
     elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv

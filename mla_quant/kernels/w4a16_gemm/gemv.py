@@ -10,7 +10,7 @@ walked in chunks of ``BKW`` words, the next one loaded after a chunk's arithmeti
 register double buffer); their per-run partials are summed across warps once, at the end of the row. The
 arithmetic is the plane GEMV's (``kernel.int4_x_plane_dot``: one LOP3 + FFMA + FFMA per weight, each word's 8
 activations in one 128-bit load, the group scale once per run of 4 words). The weights are read once, so they
-stream past L1 (``HINT``: words evict-first, scales with no L1 line), which leaves L1 to the activation row. Tiles
+stream past L1 (``STREAM``: words evict-first, scales with no L1 line), which leaves L1 to the activation row. Tiles
 by row length: :func:`gemv_tile`; measured in docs/moe.md "W4A16 at M = 1: whole rows", "one warp per program" and
 "the weights stream past L1".
 
@@ -31,21 +31,18 @@ from .kernel import int4_x_plane_dot
 
 @triton.jit
 def _span(w_cols, s_cols, OFF: tl.constexpr, SIZE: tl.constexpr, KW: tl.constexpr, GROUP: tl.constexpr,
-          INTERPRET: tl.constexpr, HINT: tl.constexpr = 0):
+          INTERPRET: tl.constexpr, STREAM: tl.constexpr = False):
     """Words int32 [SIZE, BN] and scales fp32 [SIZE/4, BN] of words OFF .. OFF + SIZE of the rows (words past K/8
-    read as 0, scales as 0). HINT (cache hints of the streamed weights): 1 ``.cg`` (L2 only), 2 words evict-first,
-    3 words evict-first and scales without an L1 line, 4 only the scales without an L1 line (ptxas refuses ``.cg``
-    with evict-first)."""
+    read as 0, scales as 0). STREAM: the words evict-first, the scales without an L1 line (read once)."""
     FULL: tl.constexpr = OFF + SIZE <= KW
-    CG: tl.constexpr = ".cg" if HINT == 1 else ""
-    EVICT: tl.constexpr = "evict_first" if HINT == 2 or HINT == 3 else ""
+    EVICT: tl.constexpr = "evict_first" if STREAM else ""
     rw = OFF + tl.arange(0, SIZE)[:, None]
     runs = OFF // 4 + tl.arange(0, SIZE // 4)[:, None]  # runs of 4 words (32 K): one scale each
     if FULL:
-        words = tl.load(w_cols + rw, cache_modifier=CG, eviction_policy=EVICT)
+        words = tl.load(w_cols + rw, eviction_policy=EVICT)
     else:
-        words = tl.load(w_cols + rw, mask=rw < KW, other=0, cache_modifier=CG, eviction_policy=EVICT)
-    scales = _load_in_place(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET, HINT >= 3)  # 0 past K
+        words = tl.load(w_cols + rw, mask=rw < KW, other=0, eviction_policy=EVICT)
+    scales = _load_in_place(s_cols + (32 * runs) // GROUP, runs < KW // 4, FULL, INTERPRET, STREAM)  # 0 past K
     return words, scales
 
 
@@ -66,7 +63,7 @@ def _span_dot(words, scales, x_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, KW: t
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
                        K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                        PIPE: tl.constexpr, VEC: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, HINT: tl.constexpr = 0):
+                       SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, STREAM: tl.constexpr = False):
     # x [K] (16-byte aligned for VEC), w [N, K/8] int32, s [N, K/GROUP], y [N]. PIPE: chunk c + 1 is loaded before
     # chunk c's arithmetic (a register double buffer; two chunks before the PDL wait); else after it. SPAN1 > 0:
     # the row as spans of BKW, SPAN1 and SPAN2 (powers of two, only the last one masked) words, all loaded first.
@@ -79,10 +76,10 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     if SPAN1 > 0:
-        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET, HINT)
-        words1, scales1 = _span(w_cols, s_cols, BKW, SPAN1, KW, GROUP, INTERPRET, HINT)
+        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET, STREAM)
+        words1, scales1 = _span(w_cols, s_cols, BKW, SPAN1, KW, GROUP, INTERPRET, STREAM)
         if SPAN2 > 0:
-            words2, scales2 = _span(w_cols, s_cols, BKW + SPAN1, SPAN2, KW, GROUP, INTERPRET, HINT)
+            words2, scales2 = _span(w_cols, s_cols, BKW + SPAN1, SPAN2, KW, GROUP, INTERPRET, STREAM)
         if PDL:
             gdc_wait()
         y = tl.sum(_span_dot(words, scales, x_ptr, 0, BKW, KW, INTERPRET, VEC), axis=0)
@@ -91,9 +88,9 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, x_ptr, BKW + SPAN1, SPAN2, KW, INTERPRET, VEC), axis=0)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET, HINT)
+        words, scales = _span(w_cols, s_cols, 0, BKW, KW, GROUP, INTERPRET, STREAM)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _span(w_cols, s_cols, BKW, BKW, KW, GROUP, INTERPRET, HINT)
+            ahead, ahead_scales = _span(w_cols, s_cols, BKW, BKW, KW, GROUP, INTERPRET, STREAM)
         if PDL:  # the weights above may be read early; x (and y) only after the kernel before has finished
             gdc_wait()
         acc = _span_dot(words, scales, x_ptr, 0, BKW, KW, INTERPRET, VEC)
@@ -101,9 +98,9 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
             if PIPE:
                 words, scales = ahead, ahead_scales
                 if c + 1 < CHUNKS:
-                    ahead, ahead_scales = _span(w_cols, s_cols, (c + 1) * BKW, BKW, KW, GROUP, INTERPRET, HINT)
+                    ahead, ahead_scales = _span(w_cols, s_cols, (c + 1) * BKW, BKW, KW, GROUP, INTERPRET, STREAM)
             else:
-                words, scales = _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET, HINT)
+                words, scales = _span(w_cols, s_cols, c * BKW, BKW, KW, GROUP, INTERPRET, STREAM)
             acc += _span_dot(words, scales, x_ptr, c * BKW, BKW, KW, INTERPRET, VEC)
         tl.store(y_ptr + rn, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=rn < N)
 
@@ -119,11 +116,12 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
 # 6144 x 12288; 4 rows on 4 warps 30.6-30.9 / 17.3-17.5, 8 x 256 on 8 warps 30.5 / 18.7, 8 x 512 on 4 warps 43.4 / 16.8.
 # 16-bit x runs gemv_half2.py there since (faster still), so this tile serves fp32 x, which was not timed (4 x 512 on 4
 # warps takes 168 registers with fp32 x at K = 18432 against 128 with bf16): the rule is left as it was.
-# Cache hints of the weight loads (the kernel's HINT): the words evict-first, the scales' scalar loads without an L1
-# line. H100, sweep --forms hints (session 33, interleaved CUDA-graph rounds, PDL): 4096 x 7168 6.84 µs against 7.34
-# with no hints, 2048 x 7168 3.67 / 3.86, 7168 x 2048 3.54 / 3.73, 7168 x 18432 (8 x 512 chunks) 34.6 / 36.8;
-# words evict-first alone 7.22 / 3.79 / 3.77 / 37.0, .cg 7.35 / 3.86 / 3.73 / 36.8.
-HINT = 3
+# The weights stream past L1 (the kernel's STREAM): the words evict-first, the scales' scalar loads without an L1
+# line. H100, sweep --forms stream / hints (session 33, interleaved CUDA-graph rounds, PDL): 4096 x 7168 6.84 µs
+# against 7.34 with plain loads, 2048 x 7168 3.67 / 3.86, 7168 x 2048 3.54 / 3.73, 7168 x 18432 (8 x 512 chunks)
+# 34.6 / 36.8; the words evict-first alone 7.22 / 3.79 / 3.77 / 37.0, the scales alone 7.36 / 3.87 / 3.74, .cg
+# 7.35 / 3.86 / 3.73 / 36.8 (those variants: commit 900e38f).
+STREAM_WEIGHTS = True
 LONG_ROW_WORDS = 1024
 WORDS_PER_THREAD = 64  # one warp's rows: BN = 32 * WORDS_PER_THREAD / (the row's words rounded up)
 INTERPRETER_TILE = (8, 64, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
@@ -161,15 +159,16 @@ def span_launch(width: int, first: int, pipe: bool) -> tuple[int, bool, dict]:
 
 
 def gemv_launch(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
-                interpreted: bool = False, hint: int | None = None) -> None:
+                interpreted: bool = False, stream: bool | None = None) -> None:
     """Launch :func:`_w4a16_gemv_kernel` for x1 [K] -> y1 [N] (both contiguous) with ``tile`` = (BN, BKW, num_warps,
     PIPE); a BKW of 0: the row in the spans of :func:`row_spans`, all loaded before the arithmetic (PIPE unused);
-    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait. ``hint``:
-    the kernel's HINT (cache hints of the weight loads; default ``HINT``)."""
+    ``pdl``: ``_pdl.pdl_launch``'s keywords (PDL, launch_pdl): the weights then read before the wait. ``stream``:
+    the kernel's STREAM (the weights past L1; default ``STREAM_WEIGHTS``)."""
     n, kw = weight_packed.shape
     bn, bkw, warps, pipe = tile
     bkw, pipe, spans = span_launch(kw, bkw, pipe)
     vec = not interpreted and x1.data_ptr() % 16 == 0
     _w4a16_gemv_kernel[(triton.cdiv(n, bn),)](
         x1, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BKW=bkw, PIPE=bool(pipe), VEC=vec,
-        INTERPRET=interpreted, HINT=HINT if hint is None else hint, num_warps=warps, **spans, **(pdl or {"PDL": False}))
+        INTERPRET=interpreted, STREAM=STREAM_WEIGHTS if stream is None else stream, num_warps=warps, **spans,
+        **(pdl or {"PDL": False}))

@@ -35,12 +35,12 @@ def _span_runs(OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, BN: tl
 
 @triton.jit
 def _span(w_rows, s_rows, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr,
-          BN: tl.constexpr, INTERPRET: tl.constexpr, HINT: tl.constexpr = 0):
+          BN: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr = False):
     """Words (4 int32 [BN, SIZE]) and fp32 scales [BN, SIZE] of runs OFF .. OFF + SIZE (scales 0 past the row).
-    HINT: 1 the scales without an L1 line, 2 the words too."""
+    STREAM: both without L1 lines (read once)."""
     run, ok = _span_runs(OFF, SIZE, RUNS, BN)
-    words = four_words(w_rows + 4 * run, INTERPRET, HINT >= 2)
-    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET, HINT >= 1)
+    words = four_words(w_rows + 4 * run, INTERPRET, STREAM)
+    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET, STREAM)
     if OFF + SIZE > RUNS:
         scales = tl.where(ok, scales, 0.0)
     return words, scales
@@ -60,7 +60,7 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
 def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                              K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                              PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, HINT: tl.constexpr = 0):
+                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, STREAM: tl.constexpr = False):
     # p: x's pairs (int32, pair order), ps: its run scales (fp32 [K/32]), w [N, K/8] int32, s [N, K/GROUP], y [N].
     # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
     # SPAN1 > 0: the row as spans of BR, SPAN1 and SPAN2 runs (powers of two, only the last one past the row), all
@@ -74,10 +74,10 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     if SPAN1 > 0:
-        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, HINT)
-        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET, HINT)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
+        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET, STREAM)
         if SPAN2 > 0:
-            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET, HINT)
+            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET, STREAM)
         if PDL:
             gdc_wait()
         y = tl.sum(_span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET), axis=1)
@@ -86,9 +86,9 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET), axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, HINT)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, HINT)
+            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
         if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
             gdc_wait()
         acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET)
@@ -96,9 +96,9 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             if PIPE:
                 words, scales = ahead, ahead_scales
                 if c + 1 < CHUNKS:
-                    ahead, ahead_scales = _span(w_rows, s_rows, (c + 1) * BR, BR, RUNS, GROUP, BN, INTERPRET, HINT)
+                    ahead, ahead_scales = _span(w_rows, s_rows, (c + 1) * BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
             else:
-                words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET, HINT)
+                words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
             acc += _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET)
         tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
@@ -114,10 +114,10 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
 # - 64 runs (K = 2048): 32 rows, 32-run chunks, 8 warps 5.1 µs at 7168 rows (the rows GEMV 3.6).
 # Only the two long rows are faster than the fp32 rows GEMV: w4a16_gemm's gemv="auto" takes this GEMV above
 # HALF2_MIN_ROW_WORDS.
-# The weight loads without L1 lines (HINT 2: words and scales; 1: the scales only). H100, sweep --forms half2hints
-# (session 33, the rule tiles after the pair-order launch, PDL): 7168 x 18432 31.2 µs against 31.9 with plain loads,
-# 6144 x 12288 18.6 / 19.8; the scales alone 31.9 / 19.7.
-HINT = 2
+# The weights stream past L1 (the kernel's STREAM: words and scales without L1 lines). H100, sweep --forms stream /
+# half2hints (session 33, the rule tiles after the pair-order launch, PDL): 7168 x 18432 31.2 µs against 31.9 with
+# plain loads, 6144 x 12288 18.6 / 19.8; the scales alone (commit 900e38f) 31.9 / 19.7.
+STREAM_WEIGHTS = True
 INTERPRETER_TILE = (8, 4, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
 
@@ -139,17 +139,16 @@ def half2_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int
 
 
 def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size: int, tile: tuple,
-                 pdl: dict | None = None, interpreted: bool = False, hint: int | None = None) -> None:
+                 pdl: dict | None = None, interpreted: bool = False, stream: bool | None = None) -> None:
     """Launch :func:`_w4a16_gemv_half2_kernel` for x in pair order (``pairs`` int32 / ``pair_scales`` fp32: one row
     of ``_half2_gemv.pair_order``) -> y1 [N] (contiguous) with ``tile`` = (BN, BR, num_warps, PIPE); ``pdl``:
     ``_pdl.pdl_launch``'s keywords (the weights then read before the wait). A BR of 0: the row's runs in the spans
-    of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused). ``hint``: the kernel's HINT (L1
-    allocation of the weight loads; default ``HINT``; 0: plain ``ld.global.nc``)."""
+    of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused). ``stream``: the kernel's STREAM
+    (the weights past L1; default ``STREAM_WEIGHTS``)."""
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
     br, pipe, spans = span_launch(kw // 4, br, pipe)
-    _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](pairs, pair_scales, weight_packed, weight_scale, y1, n,
-                                                    K=8 * kw, GROUP=group_size, BN=bn, BR=br, PIPE=bool(pipe),
-                                                    INTERPRET=interpreted, HINT=HINT if hint is None else hint,
-                                                    num_warps=warps, **spans,
-                                                    **(pdl or {"PDL": False}))
+    _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](
+        pairs, pair_scales, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BR=br,
+        PIPE=bool(pipe), INTERPRET=interpreted, STREAM=STREAM_WEIGHTS if stream is None else stream, num_warps=warps,
+        **spans, **(pdl or {"PDL": False}))
