@@ -225,8 +225,9 @@ def half2_tile_rule(n: int, k: int) -> tuple:
     return half2_tile(n, k)
 
 
-def _write(args, runs: list) -> None:
-    """The results so far: the whole file, or (``--label``) one key of the file (the other keys kept)."""
+def _write(args, runs: list, about: str | None = None) -> None:
+    """The results so far: the whole file (headed ``about``, default this sweep's), or (``--label``) one key of the
+    file (the other keys kept)."""
     if args.label:
         doc = {}
         if os.path.exists(args.out):
@@ -234,7 +235,7 @@ def _write(args, runs: list) -> None:
                 doc = json.load(f)
         doc[args.label] = {"meta": meta(Context()), "runs": runs}
     else:
-        doc = {"about": __doc__.splitlines()[0], "meta": meta(Context()), "runs": runs}
+        doc = {"about": about or __doc__.splitlines()[0], "meta": meta(Context()), "runs": runs}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
 

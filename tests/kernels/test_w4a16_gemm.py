@@ -1062,6 +1062,24 @@ def test_gpu_gemv_streamed_weights_are_bitwise_equal(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 4, 9, 16])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048), (1000, 1536)])
+def test_gpu_fragments_streamed_weights_are_bitwise_equal(m, n, k):
+    """The fragment kernel (2-16 tokens) with its weights' words and scales past L1 (``stream``) gives the bits of
+    plain loads, and the reference at bf16 level."""
+    from mla_quant.kernels.w4a16_gemm import _frag_launch
+
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = w4a16_gemm_reference(x.float(), packed, scale, 32).float()
+    plain, streamed = (poisoned_empty((m, n), torch.bfloat16, "cuda") for _ in range(2))
+    _frag_launch(x, packed, scale, plain, 32, None, False, stream=False)
+    _frag_launch(x, packed, scale, streamed, 32, None, False, stream=True)
+    assert_rel_close(plain.float(), ref, 1e-2, "fragments")
+    assert_bitwise_equal(streamed, plain, "fragments streamed")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (6144, 12288),
                                  (1000, 1536)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -113,9 +113,11 @@ def _takes_frag(fragments, m: int, x2: torch.Tensor, weight_packed: torch.Tensor
     return True
 
 
-def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):
+def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted, stream=None):
     """Launch ``fragments._w4a16_frag_kernel`` (the tile of ``fragments.frag_tile`` for the token count; one fixed
-    small tile under the interpreter) for x2 [M <= FRAG_MAX_M, K] into y [M, N]."""
+    small tile under the interpreter) for x2 [M <= FRAG_MAX_M, K] into y [M, N]; ``stream``: the kernel's STREAM
+    (the weights past L1; default ``fragments.STREAM_WEIGHTS``)."""
+    from . import fragments
     from .fragments import _w4a16_frag_kernel, frag_plan
 
     (m, k), n = x2.shape, y.shape[1]
@@ -126,7 +128,8 @@ def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
         x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
         GROUP=group_size, MT=mt, NT=cdiv(m, 8), BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0,
         X_VEC=x2.data_ptr() % 16 == 0 and (m == 1 or (x2.stride(0) * x2.element_size()) % 16 == 0),
-        INTERPRET=interpreted, W=warps, num_warps=warps)
+        INTERPRET=interpreted, W=warps, STREAM=fragments.STREAM_WEIGHTS if stream is None else stream,
+        num_warps=warps)
     return y
 
 

@@ -38,7 +38,7 @@ the bit tricks and the PTX. docs/moe.md "W4A16 at 2-16 tokens: MMA fragments in 
 import triton
 import triton.language as tl
 
-from .._gemm_utils import four_words, ld4, store_split_k
+from .._gemm_utils import _load_in_place, four_words, ld4, store_split_k
 from .kernel import planes1_split
 
 # split-K of the fragment kernel: the one-launch GEMV's rule (double while every split keeps a K block and the grid
@@ -54,6 +54,9 @@ frag_split = planes1_split
 # warp, eight warps or a loop that issues every load of a BK 256 / 512 iteration first were no faster (sessions 14-15)
 FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)))
 FRAG_INTERPRETER_TILE = (1, 128, 2, 4)  # small, and two warps: the CPU tests cover the warp index too
+# The weights' words and scales without L1 lines (each is read once), as the one-token GEMVs load theirs since session
+# 33 (gemv.STREAM_WEIGHTS: 5-7 % there on an H100); a sweep setting (sweep_w4a16_frag), off until timed.
+STREAM_WEIGHTS = False
 
 
 def frag_tile(m: int) -> tuple[int, int, int, int]:
@@ -178,11 +181,21 @@ def _scale_pair(s, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _group_scale(ptrs, INTERPRET: tl.constexpr, STREAM: tl.constexpr):
+    """One group scale per lane, in its own dtype; STREAM: loaded without an L1 line (read once)."""
+    if STREAM and not INTERPRET:
+        return _load_in_place(ptrs, None, True, INTERPRET, True).to(ptrs.dtype.element_ty)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP: tl.constexpr, NT: tl.constexpr, TILES: tl.constexpr,
-                BK: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr):
+                BK: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr,
+                STREAM: tl.constexpr = False):
     """Every load of K iteration ``it`` (BK / 128 blocks), raw: per block (activation words per token tile n and
     word q at 4 n + q; per row tile t (top words, bottom words, top scale, bottom scale)). Addresses past K are
-    clamped to the last 32 K (always valid; masked in ``_frag_math``)."""
+    clamped to the last 32 K (always valid; masked in ``_frag_math``). STREAM: the weights' words and scales
+    without L1 lines (each is read once; the activation rows keep L1)."""
     c = tl.arange(0, 32 * W) % 4
     loads = ()
     for blk in tl.static_range(BK // 128):
@@ -193,9 +206,10 @@ def _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP: tl.constexpr, NT: tl.const
                 xw = xw + (_x_words(x_rows[n] + kc + 8 * q, X_VEC, INTERPRET),)
         ws = ()
         for t in tl.static_range(TILES):
-            ws = ws + ((four_words(w_rows[2 * t] + kc // 8, INTERPRET),
-                        four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET),
-                        tl.load(s_rows[2 * t] + kc // GROUP), tl.load(s_rows[2 * t + 1] + kc // GROUP)),)
+            ws = ws + ((four_words(w_rows[2 * t] + kc // 8, INTERPRET, STREAM),
+                        four_words(w_rows[2 * t + 1] + kc // 8, INTERPRET, STREAM),
+                        _group_scale(s_rows[2 * t] + kc // GROUP, INTERPRET, STREAM),
+                        _group_scale(s_rows[2 * t + 1] + kc // GROUP, INTERPRET, STREAM)),)
         loads = loads + ((xw, ws),)
     return loads
 
@@ -229,24 +243,26 @@ def _frag_math(loads, it, K, accs, NT: tl.constexpr, TILES: tl.constexpr, BK: tl
 @triton.jit
 def frag_accumulate(x_rows, w_rows, s_rows, it_lo, it_hi, K, GROUP: tl.constexpr, NT: tl.constexpr,
                     TILES: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, X_VEC: tl.constexpr,
-                    INTERPRET: tl.constexpr, DT: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr = False):
+                    INTERPRET: tl.constexpr, DT: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr = False,
+                    STREAM: tl.constexpr = False):
     """The K loop of a fragment GEMM over K blocks [it_lo, it_hi) of BK: for TILES 16-row tiles and NT token tiles,
     the 4 · TILES · NT accumulators (tile t, token tile n at 4 (t NT + n); module doc). ``x_rows[n]``: each lane's
     pointer to its token row of tile n (x's dtype DT); ``w_rows[2t]`` / ``w_rows[2t + 1]``: to the first int32 word of
     its rows r / r + 8 of tile t; ``s_rows`` likewise to their first group scale (DT). PREFETCH: the next
-    iteration's loads are issued before this iteration's MMAs (a register double buffer)."""
+    iteration's loads are issued before this iteration's MMAs (a register double buffer). STREAM: the weights
+    past L1 (``_frag_loads``)."""
     accs = ()
     for t in tl.static_range(4 * TILES * NT):
         accs = accs + (tl.zeros((32 * W,), dtype=tl.float32),)
     if PREFETCH:
-        nxt = _frag_loads(x_rows, w_rows, s_rows, it_lo, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W)
+        nxt = _frag_loads(x_rows, w_rows, s_rows, it_lo, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W, STREAM)
         for it in range(it_lo, it_hi):
             cur = nxt
-            nxt = _frag_loads(x_rows, w_rows, s_rows, it + 1, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W)
+            nxt = _frag_loads(x_rows, w_rows, s_rows, it + 1, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W, STREAM)
             accs = _frag_math(cur, it, K, accs, NT, TILES, BK, EVEN_K, INTERPRET, DT, W)
     else:
         for it in range(it_lo, it_hi):
-            loads = _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W)
+            loads = _frag_loads(x_rows, w_rows, s_rows, it, K, GROUP, NT, TILES, BK, X_VEC, INTERPRET, W, STREAM)
             accs = _frag_math(loads, it, K, accs, NT, TILES, BK, EVEN_K, INTERPRET, DT, W)
     return accs
 
@@ -256,7 +272,7 @@ def _w4a16_frag_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
     GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr,
+    EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr, STREAM: tl.constexpr = False,
 ):
     """y [M <= 8 NT, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
     program takes BN = 16 · MT · W rows (each warp MT tiles of 16) and a K range of whole BK blocks (split-K).
@@ -288,7 +304,7 @@ def _w4a16_frag_kernel(
             w_rows = w_rows + (w_ptr + row * (K // 8),)
             s_rows = s_rows + (s_ptr + row * (K // GROUP),)
     accs = frag_accumulate(x_rows, w_rows, s_rows, it_lo, it_hi, K, GROUP, NT, MT, BK, EVEN_K, X_VEC, INTERPRET, DT,
-                           W)
+                           W, False, STREAM)
 
     # lane (r, c) of tiles (t, n) holds rows (r, r, r + 8, r + 8) x tokens 8n + (2c, 2c + 1, 2c, 2c + 1)
     offs = ()     # into the workspace [SPLIT_K, M, N]
