@@ -46,7 +46,9 @@ WEIGHTS_BEFORE_WAIT = ("gate_up", "down")
 # launch runs between the GEMVs; a sweep setting.
 PAIRS_IN_GATE_UP = True
 # half2 GEMVs: the experts' words and scales loaded without L1 lines (read once), as the dense one-token GEMVs do
-# since session 33 (gemv_half2.STREAM_WEIGHTS: 2-6 % faster there on an H100); a sweep setting, not yet timed here.
+# since session 33 (gemv_half2.STREAM_WEIGHTS: 4-7 % faster there); a sweep setting, off: H200, Kimi experts,
+# sweep_moe_half2 --stream-weights (session 34), half2_prefetch's tiles: 1 token 62.1 µs against 59.9 without, 4 tokens
+# 210.0 / 208.8, 16 tokens 759.5 / 767.0.
 HALF2_STREAM_WEIGHTS = False
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile

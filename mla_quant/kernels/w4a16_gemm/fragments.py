@@ -55,7 +55,9 @@ frag_split = planes1_split
 FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)))
 FRAG_INTERPRETER_TILE = (1, 128, 2, 4)  # small, and two warps: the CPU tests cover the warp index too
 # The weights' words and scales without L1 lines (each is read once), as the one-token GEMVs load theirs since session
-# 33 (gemv.STREAM_WEIGHTS: 5-7 % there on an H100); a sweep setting (sweep_w4a16_frag), off until timed.
+# 33 (gemv.STREAM_WEIGHTS: 4-7 % there); a sweep setting, off: H200, sweep_w4a16_frag (session 34, kept counters,
+# 2-16 tokens), streamed / plain time 1.002-1.022 at 4096 x 7168, 0.986-0.999 at 2048 x 7168, 0.976-0.995 at
+# 7168 x 2048.
 STREAM_WEIGHTS = False
 
 

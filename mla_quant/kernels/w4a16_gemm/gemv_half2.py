@@ -116,7 +116,8 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
 # HALF2_MIN_ROW_WORDS.
 # The weights stream past L1 (the kernel's STREAM: words and scales without L1 lines). H100, sweep --forms stream /
 # half2hints (session 33, the rule tiles after the pair-order launch, PDL): 7168 x 18432 31.2 µs against 31.9 with
-# plain loads, 6144 x 12288 18.6 / 19.8; the scales alone (commit 900e38f) 31.9 / 19.7.
+# plain loads, 6144 x 12288 18.6 / 19.8; the scales alone (commit 900e38f) 31.9 / 19.7. H200 (session 34): 24.1 /
+# 24.9 and 14.95 / 16.0 (2.0x and 2.06x tinygemm).
 STREAM_WEIGHTS = True
 INTERPRETER_TILE = (8, 4, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
