@@ -925,6 +925,20 @@ def test_fragment_kernel_matches_reference(triton_backend, m, n, k, group, dtype
     assert torch.equal(y, w4a16_gemm(x, packed, scale, group, fragments=True)), "deterministic"
 
 
+def test_fragment_kernel_streamed_weights_change_no_bit(triton_backend, monkeypatch):
+    """``fragments.STREAM_WEIGHTS`` (the weights' words and scales loaded without L1 lines: load hints, interpreted
+    as plain loads) leaves every output bit as it was. 9 tokens (two token tiles), ragged N and K."""
+    from mla_quant.kernels.w4a16_gemm import fragments
+
+    dev = triton_backend
+    packed, scale = _weights(72, 7 * 32, 32, dev, seed=3)
+    x = torch.randn(9, 7 * 32, device=dev).to(torch.bfloat16)
+    plain = w4a16_gemm(x, packed, scale, 32, out=poisoned_empty((9, 72), torch.bfloat16, dev), fragments=True)
+    monkeypatch.setattr(fragments, "STREAM_WEIGHTS", True)
+    streamed = w4a16_gemm(x, packed, scale, 32, out=poisoned_empty((9, 72), torch.bfloat16, dev), fragments=True)
+    assert_bitwise_equal(streamed, plain, "fragment kernel, streamed weights")
+
+
 def test_fragment_kernel_is_exact_for_every_nibble(triton_backend):
     """Every nibble value at every position of every lane's words: with power-of-two scales and small-integer
     activations every weight, product and sum is exact, so the kernel equals the reference bit for bit (fp16: the
