@@ -22,6 +22,7 @@ launch pinned to different tiles (each pair of ``PAIR_GATE_UP`` × ``PAIR_DOWN``
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -66,11 +67,20 @@ def _tuner(form):
         moe_kernel.moe_gemv_half2_autotuned
 
 
+@contextlib.contextmanager
 def _pinned(cfg, form="half2"):
-    """Restrict the autotuner of ``form`` to ``cfg`` (its cache cleared: the next call compiles that tile)."""
+    """Within the block the autotuner of ``form`` holds only ``cfg`` (its cache cleared: the next call compiles that
+    tile); after it, its configs and cache are as before, so a later autotuned setting runs the tiles it chose."""
     tuner = _tuner(form)
+    configs, cache = tuner.configs, dict(tuner.cache)
     tuner.configs = [cfg]
     tuner.cache.clear()
+    try:
+        yield
+    finally:
+        tuner.configs = configs
+        tuner.cache.clear()
+        tuner.cache.update(cache)
 
 
 def _rows_config(bn, bk, w):
@@ -78,17 +88,26 @@ def _rows_config(bn, bk, w):
                          num_warps=w, num_stages=1)
 
 
+@contextlib.contextmanager
 def _pinned_pair(gate_up, down, call):
-    """Pin half2_prefetch's gate-up launch to ``gate_up`` and its down launch to ``down`` (configs), by writing its
-    autotuner's cache per key (GATED is in the key); ``call()`` first if the cache holds no key yet (an eager call:
-    never inside a graph capture, which follows an eager call of the same setting)."""
+    """Within the block half2_prefetch's gate-up launch runs ``gate_up`` and its down launch ``down`` (configs), by
+    writing its autotuner's cache per key (GATED is in the key); ``call()`` first if the cache holds no key yet (an
+    eager call: never inside a graph capture, which follows an eager call of the same setting). Restored after, as
+    :func:`_pinned`."""
     tuner = _tuner("half2_prefetch")
+    configs, cache = tuner.configs, dict(tuner.cache)
     tuner.configs = [gate_up, down]  # more than one: the autotuner consults its cache
-    if not tuner.cache:
-        call()
-    gated = tuner.keys.index("GATED")
-    for key in list(tuner.cache):
-        tuner.cache[key] = gate_up if key[gated] else down
+    try:
+        if not tuner.cache:
+            call()
+        gated = tuner.keys.index("GATED")
+        for key in list(tuner.cache):
+            tuner.cache[key] = gate_up if key[gated] else down
+        yield
+    finally:
+        tuner.configs = configs
+        tuner.cache.clear()
+        tuner.cache.update(cache)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,39 +140,27 @@ def main(argv: list[str] | None = None) -> int:
 
             def setting(name, cfgs=None, **form):
                 def fn():
-                    if cfgs is not None:
-                        _pinned(cfgs, form["gemv"])
-                    return routed(name, **form)
+                    if cfgs is None:
+                        return routed(name, **form)
+                    with _pinned(cfgs, form["gemv"]):
+                        return routed(name, **form)
                 return fn
-
-            tuned = {}  # half2_prefetch's autotuner cache once its autotuned setting has run
-
-            def autotuned_half2_prefetch():
-                """half2_prefetch as the autotuner chooses (its full config list), the choice kept in ``tuned`` so
-                the settings that vary something else run the same tiles, whatever was pinned in between."""
-                tuner = _tuner("half2_prefetch")
-                tuner.configs = all_configs["half2_prefetch"]
-                tuner.cache.clear()
-                tuner.cache.update(tuned)
-                out = routed("int4_g32", block_m=1, gemv="half2_prefetch")
-                tuned.update(tuner.cache)
-                return out
 
             def no_pair_pdl():  # pair_order launched plainly (the launch before session 23)
                 with module_attrs(H, {"PAIR_ORDER_PDL": False}):
-                    return autotuned_half2_prefetch()
+                    return routed("int4_g32", block_m=1, gemv="half2_prefetch")
 
             def early(launches, pairs):  # fused_moe.WEIGHTS_BEFORE_WAIT and PAIRS_IN_GATE_UP at capture
                 def fn():
                     with module_attrs(F, {"WEIGHTS_BEFORE_WAIT": launches, "PAIRS_IN_GATE_UP": pairs}):
-                        return autotuned_half2_prefetch()
+                        return routed("int4_g32", block_m=1, gemv="half2_prefetch")
                 return fn
 
             fns = {"prefetch": setting("int4_g32", block_m=1, gemv="prefetch"),
                    "half2_prefetch_plain_pair_order": no_pair_pdl,
                    "planes": setting("int4_g32", block_m=1, gemv="planes"),
                    "half2": setting("int4_g32", None, block_m=1, gemv="half2"),
-                   "half2_prefetch": autotuned_half2_prefetch}
+                   "half2_prefetch": setting("int4_g32", None, block_m=1, gemv="half2_prefetch")}
             for form, cfgs in all_configs.items():
                 for cfg in (cfgs if form in args.pin.split(",") else ()):
                     fns[_tile_name(cfg, form)] = setting("int4_g32", cfg, block_m=1, gemv=form)
@@ -168,39 +175,33 @@ def main(argv: list[str] | None = None) -> int:
             if args.stream_weights:  # fused_moe.HALF2_STREAM_WEIGHTS at capture
                 def stream():
                     with module_attrs(F, {"HALF2_STREAM_WEIGHTS": True}):
-                        return autotuned_half2_prefetch()
+                        return routed("int4_g32", block_m=1, gemv="half2_prefetch")
                 fns["half2_prefetch_stream"] = stream
             if args.pairs and t == 1:
                 for g in PAIR_GATE_UP:
                     for d in PAIR_DOWN:
                         def pair(cg=_rows_config(*g), cd=_rows_config(*d)):
                             call = lambda: routed("int4_g32", block_m=1, gemv="half2_prefetch")  # noqa: E731
-                            _pinned_pair(cg, cd, call)
-                            return call()
+                            with _pinned_pair(cg, cd, call):
+                                return call()
                         fns["half2_prefetch_{}x{}w{}_down_{}x{}w{}".format(*g, *d)] = pair
             if t == 1:
                 fns["bf16"] = setting("bf16")
                 fns["fp8_block"] = setting("fp8_block")
-            # "half2" (autotuned) is captured before any pin; restore the full list for the error checks after
             rounds = interleaved_graph_us(fns, reps=SETS, rounds=5)
-            for form, cfgs in all_configs.items():
-                _tuner(form).configs = cfgs
-                _tuner(form).cache.clear()
             x0, (w0, ids0) = xs[0], routings[0]
             p = experts["int4_g32"]
             ref = fused_moe_reference(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group")
             errs, same = {}, {}
             for cfg in rows_cfgs:  # each row-orientation tile against the reference
-                _pinned(cfg, "half2_prefetch")
                 try:
-                    a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
-                                  block_m=1, gemv="half2_prefetch")
+                    with _pinned(cfg, "half2_prefetch"):
+                        a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
+                                      block_m=1, gemv="half2_prefetch")
                     errs[_tile_name(cfg, "half2_prefetch")] = float((a.float() - ref.float()).abs().max()
                                                                     / ref.float().abs().max())
                 except Exception as e:  # noqa: BLE001 - a tile that fails is a finding
                     errs[_tile_name(cfg, "half2_prefetch")] = f"{type(e).__name__}: {e}"[:200]
-            _tuner("half2_prefetch").configs = all_configs["half2_prefetch"]
-            _tuner("half2_prefetch").cache.clear()
             for form in ("prefetch", "planes", "half2", "half2_prefetch"):
                 kw = {"gemv": form}
                 a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",

@@ -20,7 +20,7 @@ import torch
 from mla_quant.kernels.w4a16_gemm import _frag_launch, w4a16_gemm_reference
 
 from .common import interleaved_graph_us, sweep_args
-from .sweep_w4a16_gemv import GROUP, NKS, _rel_err, _sets, _shape_list, _write
+from .sweep_w4a16_gemv import GROUP, NKS, _rel_err, _sets, _shape_list, _write, timing_rows
 
 
 def _extra(ap) -> None:
@@ -51,15 +51,9 @@ def main(argv=None) -> None:
                 errors[name] = _rel_err(y, ref)
                 fns[name] = lambda stream=stream: [_frag_launch(x, s["p4"], s["s4"], y, GROUP, counters, False,
                                                                 stream=stream) for s in sets]
-            rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
-            med = {name: sorted(r)[len(r) // 2] for name, r in rounds.items() if isinstance(r, list)}
-            rows = [{"setting": name, "rounds_us": r if isinstance(r, list) else None,
-                     "error": r if isinstance(r, str) else None, "rel_err": errors.get(name),
-                     "median_us": round(med[name], 3) if name in med else None,
-                     "vs_tinygemm": round(med["tinygemm"] / med[name], 3) if name in med and "tinygemm" in med
-                     else None} for name, r in rounds.items()]
-            print(f"{m} x {n} x {k}: " + "  ".join(f"{r['setting']} {r['median_us']} µs (x{r['vs_tinygemm']}, err "
-                                                   f"{r['rel_err']})" for r in rows), flush=True)
+            rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)
+            print(f"{m} x {n} x {k}: " + "  ".join(f"{r['setting']} {r.get('median_us')} µs (x{r.get('vs_tinygemm')}, "
+                                                   f"err {r['rel_err']})" for r in rows), flush=True)
             runs.append({"M": m, "N": n, "K": k, "sets": len(sets), "rows": rows})
         del sets
         torch.cuda.empty_cache()

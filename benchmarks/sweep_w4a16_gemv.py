@@ -193,21 +193,7 @@ def main(argv=None) -> None:
             for i, (name, tile) in enumerate(half2_settings):
                 if add(name, half2(tile)) and (i == 0 or tile == half2_tile_rule(n, k) or tile[2] == 1):
                     add(name + " gemv only", half2(tile, pairs=made))
-        rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
-        rows = []
-        tiny = rounds["tinygemm"]
-        tiny_us = sorted(tiny)[len(tiny) // 2] if isinstance(tiny, list) else None
-        for name, r in rounds.items():
-            row = {"setting": name, "rounds_us": r if isinstance(r, list) else None,
-                   "error": r if isinstance(r, str) else None, "rel_err": errors.get(name)}
-            if isinstance(r, list):
-                med = sorted(r)[len(r) // 2]
-                row["median_us"] = round(med, 3)
-                row["tbps"] = round((n * k // 2 + 2 * n * k // GROUP) / (med * 1e-6) / 1e12, 3)
-                if tiny_us:
-                    row["vs_tinygemm"] = round(tiny_us / med, 3)
-            rows.append(row)
-        rows.sort(key=lambda rw: rw.get("median_us", 1e9))
+        rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)
         print(f"\n{n} x {k}: {len(sets)} weight sets")
         for rw in rows[:16] + [rw for rw in rows[16:] if not rw["setting"].startswith(("rows ", "half2 "))]:
             print(f"  {rw['setting']:<36} {rw.get('median_us')} µs  {rw.get('tbps')} TB/s  "
@@ -217,6 +203,26 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
         _write(args, runs)
     print("wrote", args.out)
+
+
+def timing_rows(rounds: dict, errors: dict, n: int, k: int) -> list[dict]:
+    """One row per setting of ``interleaved_graph_us``'s ``rounds`` (an N x K weight): its rounds or its error, its
+    check against the reference (``errors``), median µs, weight bytes per second and the ratio to ``tinygemm`` timed
+    in the same rounds; fastest first."""
+    tiny = rounds.get("tinygemm")
+    tiny_us = sorted(tiny)[len(tiny) // 2] if isinstance(tiny, list) else None
+    rows = []
+    for name, r in rounds.items():
+        row = {"setting": name, "rounds_us": r if isinstance(r, list) else None,
+               "error": r if isinstance(r, str) else None, "rel_err": errors.get(name)}
+        if isinstance(r, list):
+            med = sorted(r)[len(r) // 2]
+            row["median_us"] = round(med, 3)
+            row["tbps"] = round((n * k // 2 + 2 * n * k // GROUP) / (med * 1e-6) / 1e12, 3)
+            if tiny_us:
+                row["vs_tinygemm"] = round(tiny_us / med, 3)
+        rows.append(row)
+    return sorted(rows, key=lambda rw: rw.get("median_us", 1e9))
 
 
 def half2_tile_rule(n: int, k: int) -> tuple:

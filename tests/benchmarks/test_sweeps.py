@@ -108,3 +108,49 @@ def test_interleaved_rounds_vary_each_settings_predecessor():
     predecessors = {n: {o[o.index(n) - 1] for o in orders if o.index(n)} for n in names}
     assert all(len(p) >= 2 for n, p in predecessors.items() if n != "bf16"), predecessors
     assert round_orders(names, 6) == orders
+
+
+def test_moe_half2_sweep_pins_are_undone():
+    """A pinned tile (or gate-up / down pair) holds only within its block: afterwards the autotuner has its configs
+    and the choices it had cached, even when the block raised, so a later autotuned setting runs its own tiles."""
+    import pytest
+
+    from benchmarks.sweep_moe_half2 import _pinned, _pinned_pair, _rows_config, _tuner
+
+    tuner = _tuner("half2_prefetch")
+    configs, cache = tuner.configs, dict(tuner.cache)
+    gated = tuner.keys.index("GATED")
+    key_up, key_down = (tuple(gate if i == gated else 0 for i in range(len(tuner.keys)))
+                        for gate in (True, False))
+    chosen = {key_up: configs[0], key_down: configs[-1]}
+    tuner.cache.update(chosen)
+    try:
+        pin, up, down = _rows_config(16, 256, 1), _rows_config(64, 512, 8), _rows_config(64, 256, 4)
+        with _pinned(pin, "half2_prefetch"):
+            assert tuner.configs == [pin] and not tuner.cache
+        assert tuner.configs is configs and tuner.cache == {**cache, **chosen}
+        with _pinned_pair(up, down, call=lambda: pytest.fail("the cache had keys: no call needed")):
+            assert tuner.cache[key_up] is up and tuner.cache[key_down] is down
+        assert tuner.configs is configs and tuner.cache == {**cache, **chosen}
+        with pytest.raises(RuntimeError), _pinned(pin, "half2_prefetch"):
+            raise RuntimeError("a tile that fails")
+        assert tuner.configs is configs and tuner.cache == {**cache, **chosen}
+    finally:
+        tuner.configs = configs
+        tuner.cache.clear()
+        tuner.cache.update(cache)
+
+
+def test_w4a16_sweeps_timing_rows():
+    """The W4A16 sweeps' rows: median of each setting's rounds, its ratio to tinygemm of the same rounds and its
+    weight bytes per second, a setting that failed kept with its error; fastest first."""
+    from benchmarks.sweep_w4a16_gemv import GROUP, timing_rows
+
+    n, k = 64, 256
+    rounds = {"tinygemm": [4.0, 9.0, 5.0], "stream": [2.0, 2.5, 3.0], "broken": "CompileTimeAssertionFailure: x"}
+    rows = timing_rows(rounds, {"stream": 1e-3, "broken": None}, n, k)
+    assert [r["setting"] for r in rows] == ["stream", "tinygemm", "broken"]
+    stream = rows[0]
+    assert stream["median_us"] == 2.5 and stream["vs_tinygemm"] == 2.0 and stream["rel_err"] == 1e-3
+    assert stream["tbps"] == round((n * k // 2 + 2 * n * k // GROUP) / 2.5e-6 / 1e12, 3)
+    assert rows[2]["error"].startswith("CompileTimeAssertionFailure") and "median_us" not in rows[2]
