@@ -159,16 +159,19 @@ def int4_plane_dot(words, a_ptrs, a_mask, EVEN: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def ld4(ptrs, NO_L1: tl.constexpr = False):
+def ld4(ptrs, NO_L1: tl.constexpr = False, CONSTANT: tl.constexpr = True):
     """16 bytes at each pointer (16-byte aligned) as four int32, one 128-bit load, in the pointers' layout (an
     inline-asm load gets no layout of its own: see :func:`_load_in_place`). ``NO_L1``: no L1 line allocated (bytes
-    read once, streamed)."""
-    if NO_L1:
-        return tl.inline_asm_elementwise("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                         "=r,=r,=r,=r,l", [ptrs], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                         is_pure=True, pack=1)
-    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    read once, streamed).
+
+    ``CONSTANT`` (the default): a non-coherent ``ld.global.nc`` load, for bytes that no kernel writes while this one
+    may run (weights, their scales). ptxas takes such bytes as constant for the kernel's life and moves their loads
+    freely, also above a PDL ``griddepcontrol.wait`` (sm_90 SASS of the rows GEMV: its activation loads, made this
+    way, ran before the wait). ``CONSTANT=False``: a coherent load with side effects, which neither LLVM nor ptxas
+    moves above the wait — for activations and anything else the kernel before may still be writing."""
+    LD: tl.constexpr = ("ld.global.nc" if CONSTANT else "ld.global") + (".L1::no_allocate" if NO_L1 else "")
+    return tl.inline_asm_elementwise(LD + ".v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=CONSTANT, pack=1)
 
 
 @triton.jit
@@ -181,20 +184,22 @@ def four_words(ptrs, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False):
 
 
 @triton.jit
-def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False):
+def _load_in_place(ptrs, mask, EVEN: tl.constexpr, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False,
+                   CONSTANT: tl.constexpr = True):
     """``ptrs`` loaded as fp32 in the layout the pointers already have: an inline-asm load is not a tl.load,
     so Triton's coalescing does not give it a layout of its own (which here would cost a shared-memory
     conversion per K block). Masked (ragged K) and interpreted: a plain load. ``NO_L1``: no L1 line allocated
-    (weight scales, read once: in the one-token GEMVs their scalar loads' L1 lines cost 5-7 %, docs/moe.md)."""
+    (weight scales, read once: in the one-token GEMVs their scalar loads' L1 lines cost 5-7 %, docs/moe.md).
+    ``CONSTANT``: as in :func:`ld4` (False for bytes the kernel before may still be writing: activation scales)."""
     DT: tl.constexpr = ptrs.dtype.element_ty
-    LD: tl.constexpr = "ld.global.nc.L1::no_allocate" if NO_L1 else "ld.global.nc"
+    LD: tl.constexpr = ("ld.global.nc" if CONSTANT else "ld.global") + (".L1::no_allocate" if NO_L1 else "")
     if INTERPRET or not EVEN:
         v = tl.load(ptrs, mask=mask, other=0.0)
     elif DT == tl.float32:
-        v = tl.inline_asm_elementwise(LD + ".b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+        v = tl.inline_asm_elementwise(LD + ".b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=CONSTANT,
                                       pack=1).to(tl.float32, bitcast=True)
     else:  # bf16 / fp16
-        v = tl.inline_asm_elementwise(LD + ".b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.int16, is_pure=True,
+        v = tl.inline_asm_elementwise(LD + ".b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.int16, is_pure=CONSTANT,
                                       pack=1).to(DT, bitcast=True)
     return v.to(tl.float32)
 

@@ -178,10 +178,10 @@ def load_pairs(ptrs, INTERPRET: tl.constexpr):
         p2 = (tl.load(ptrs + 64), tl.load(ptrs + 65), tl.load(ptrs + 66), tl.load(ptrs + 67))
         p3 = (tl.load(ptrs + 96), tl.load(ptrs + 97), tl.load(ptrs + 98), tl.load(ptrs + 99))
     else:
-        p0 = ld4(ptrs)
-        p1 = ld4(ptrs + 32)
-        p2 = ld4(ptrs + 64)
-        p3 = ld4(ptrs + 96)
+        p0 = ld4(ptrs, CONSTANT=False)
+        p1 = ld4(ptrs + 32, CONSTANT=False)
+        p2 = ld4(ptrs + 64, CONSTANT=False)
+        p3 = ld4(ptrs + 96, CONSTANT=False)
     return p0 + p1 + p2 + p3
 
 

@@ -188,3 +188,88 @@ def test_fused_moe_reads_weights_before_its_wait_only_when_safe(monkeypatch, tok
     for _ in range(2):
         reset()
         assert torch.equal(replayed(graph, out), want), "graph replay"
+
+
+def _int4_weights(n, k, seed=0):
+    from mla_quant.kernels.int4_quant import int4_quantize_reference
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    packed, scale = int4_quantize_reference(w, 32, torch.bfloat16)
+    return packed.cuda(), scale.cuda()
+
+
+def _late_pair_order(real):
+    """pair_order whose outputs are written ~50 µs late by PDL kernels that let the next kernel start at once,
+    over buffers poisoned with NaN (fp16 pairs 0xFFFF, fp32 scales NaN): a GEMV that reads its pairs before its
+    wait reads NaN."""
+    def late(a, hold_next=False):
+        pairs, scales = real(a, hold_next)
+        late_pairs = torch.full_like(pairs, -1)
+        late_scales = torch.full_like(scales, float("nan"))
+        _write_late(pairs, late_pairs)
+        _write_late(scales, late_scales)
+        return late_pairs, late_scales
+    return late
+
+
+@pytest.mark.parametrize("gemv,dtype", [("rows", torch.bfloat16), ("rows", torch.float32),
+                                        ("rows_half2", torch.bfloat16)])
+@pytest.mark.parametrize("n", [2048, 4096])
+def test_one_token_gemv_reads_x_after_its_wait(monkeypatch, gemv, dtype, n):
+    """w4a16_gemm(prefetch_weights=True) reads its weights before its PDL wait but x only after it. Here the
+    kernel just before writes x ~50 µs after letting the GEMV start: the result must be that of the new x. (Until
+    session 35 the rows GEMV read x with ``ld.global.nc`` loads, which ptxas hoisted above the wait, together with
+    most of the arithmetic.)"""
+    if not _pdl.pdl_launch(torch.device("cuda"), "w4a16_gemv").get("launch_pdl"):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
+    from mla_quant.kernels.w4a16_gemm import w4a16_gemm
+    packed, scale = _int4_weights(n, 7168)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for i in range(3):
+        x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
+        new_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
+        want = plain(lambda: w4a16_gemm(new_x, packed, scale, 32, gemv=gemv), monkeypatch)
+        assert not torch.equal(want, plain(lambda: w4a16_gemm(x, packed, scale, 32, gemv=gemv), monkeypatch))
+        _write_late(new_x, x)
+        got = w4a16_gemm(x, packed, scale, 32, gemv=gemv, prefetch_weights=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"call {i}: the GEMV read x before the kernel before had written it"
+
+
+@pytest.mark.parametrize("n", [2048, 4096])
+def test_half2_gemv_reads_pairs_after_its_wait(monkeypatch, n):
+    """The half2 rows GEMV with prefetch_weights, its activation pairs and their scales written late (poisoned
+    until then) by the kernels just before it: it must read them only after its wait."""
+    if not _pdl.pdl_launch(torch.device("cuda"), "w4a16_gemv").get("launch_pdl"):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
+    from mla_quant.kernels import _half2_gemv
+    from mla_quant.kernels.w4a16_gemm import w4a16_gemm
+    packed, scale = _int4_weights(n, 7168)
+    x = torch.randn(1, 7168, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").bfloat16()
+    want = plain(lambda: w4a16_gemm(x, packed, scale, 32, gemv="rows_half2"), monkeypatch)
+    monkeypatch.setattr(_half2_gemv, "pair_order", _late_pair_order(_half2_gemv.pair_order))
+    for i in range(3):
+        got = w4a16_gemm(x, packed, scale, 32, gemv="rows_half2", prefetch_weights=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"call {i}: the GEMV read its pairs before its wait"
+
+
+@pytest.mark.parametrize("gemv", ["half2", "half2_prefetch"])
+def test_fused_moe_half2_reads_pairs_after_its_wait(monkeypatch, gemv):
+    """fused_moe's one-token half2 GEMVs with their activation pairs (x's, and h's where pair_order makes them)
+    written late and poisoned until then: the result equals plain launches."""
+    if not _pdl.pdl_launch(torch.device("cuda"), "fused_moe").get("launch_pdl"):
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
+    from mla_quant.kernels import _half2_gemv
+    gate, up, down = experts("int4_group", 16, 1024, 512, seed=3, device="cuda")
+    weights, ids = routing(1, 16, 4, seed=4, device="cuda")
+    x = torch.randn(1, 1024, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").bfloat16()
+
+    def step():
+        return fused_moe(x, weights, ids, gate, up, down, kind="int4_group", block_m=1, gemv=gemv)
+
+    want = plain(step, monkeypatch)
+    monkeypatch.setattr(_half2_gemv, "pair_order", _late_pair_order(_half2_gemv.pair_order))
+    for i in range(3):
+        got = step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"call {i}"

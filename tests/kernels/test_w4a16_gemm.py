@@ -1112,20 +1112,3 @@ def test_gpu_rows_half2_gemv_real_shapes(n, k, dtype):
     xe, pe, se = _every_nibble_case(4, "cuda")
     xe = xe.to(dtype)
     assert torch.equal(w4a16_gemm(xe, pe, se, 32, gemv="rows_half2"), w4a16_gemm_reference(xe, pe, se, 32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gemv", ["rows", "rows_half2"])
-def test_gpu_rows_gemv_prefetch_reads_x_after_the_kernel_before(gemv):
-    """With prefetch_weights the GEMV reads its weights early but x only after the kernel before has finished: each
-    call's x is written in place by the kernel just before it, so a read of x before the wait would see the
-    previous values."""
-    packed, scale = _weights(4096, 7168, 32, "cuda")
-    x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
-    outs, xs = [], []
-    for i in range(6):
-        x.mul_(1.5 if i % 2 else -0.5)   # the kernel right before the GEMV writes its x
-        outs.append(w4a16_gemm(x, packed, scale, 32, gemv=gemv, prefetch_weights=True))
-        xs.append(x.clone())
-    for i, (o, xi) in enumerate(zip(outs, xs)):
-        assert_bitwise_equal(o, w4a16_gemm(xi, packed, scale, 32, gemv=gemv), f"call {i}")

@@ -202,7 +202,7 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
         if not EVEN_K:  # runs past K read the first run, zeroed
             run = tl.where(ok, run, 0)
         x = load_pairs(a_ptr + pair_offsets(run), INTERPRET)
-        xs = _load_in_place(as_ptr + run, ok, True, INTERPRET)
+        xs = _load_in_place(as_ptr + run, ok, True, INTERPRET, CONSTANT=False)
         w_off, s_off = 4 * run, 32 * run // GROUP
         if PREFETCH:  # this block's words were loaded one block ago; start the next block's
             w1e, w1o, w3e, w3o = n1e, n1o, n3e, n3o

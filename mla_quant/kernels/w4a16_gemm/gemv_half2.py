@@ -52,7 +52,7 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
     """Run sums × group scale × the run's activation scale, fp32 [BN, SIZE] (summed over runs at the row's end)."""
     run, ok = _span_runs(OFF, SIZE, RUNS, BN)
     x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
-    xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET)
+    xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET, CONSTANT=False)
     return run_dot(words, x, INTERPRET) * (scales * xs)
 
 

@@ -69,9 +69,9 @@ def int4_x_plane_dot(words, x_ptrs, x_mask, EVEN: tl.constexpr, INTERPRET: tl.co
     hi = words >> 20
     if VEC and EVEN and not INTERPRET:
         DT: tl.constexpr = x_ptrs.dtype.element_ty
-        v0, v1, v2, v3 = ld4(x_ptrs)
+        v0, v1, v2, v3 = ld4(x_ptrs, CONSTANT=False)
         if DT == tl.float32:
-            v4, v5, v6, v7 = ld4(x_ptrs + 4)
+            v4, v5, v6, v7 = ld4(x_ptrs + 4, CONSTANT=False)
             acc = _x_products(words, hi, v0.to(tl.float32, bitcast=True), 0, INTERPRET)
             acc += _x_products(words, hi, v1.to(tl.float32, bitcast=True), 1, INTERPRET)
             acc += _x_products(words, hi, v2.to(tl.float32, bitcast=True), 2, INTERPRET)
