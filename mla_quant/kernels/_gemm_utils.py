@@ -167,20 +167,23 @@ def ld4(ptrs, NO_L1: tl.constexpr = False, CONSTANT: tl.constexpr = True):
     ``CONSTANT`` (the default): a non-coherent ``ld.global.nc`` load, for bytes that no kernel writes while this one
     may run (weights, their scales). ptxas takes such bytes as constant for the kernel's life and moves their loads
     freely, also above a PDL ``griddepcontrol.wait`` (sm_90 SASS of the rows GEMV: its activation loads, made this
-    way, ran before the wait). ``CONSTANT=False``: a coherent load with side effects, which neither LLVM nor ptxas
-    moves above the wait — for activations and anything else the kernel before may still be writing."""
+    way, ran before the wait) — and below it: weights loaded before the wait to prefetch them were read after it
+    (``benchmarks.pdl_sass``). ``CONSTANT=False``: a coherent load with side effects, which neither LLVM nor ptxas
+    moves across the wait either way — for activations and anything else the kernel before may still be writing,
+    and for the weights a PDL kernel loads before its wait (ptxas still sinks a load whose address waits on a load
+    just before it, as fused_moe's first weights wait on the routing's expert id)."""
     LD: tl.constexpr = ("ld.global.nc" if CONSTANT else "ld.global") + (".L1::no_allocate" if NO_L1 else "")
     return tl.inline_asm_elementwise(LD + ".v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptrs],
                                      dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=CONSTANT, pack=1)
 
 
 @triton.jit
-def four_words(ptrs, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False):
+def four_words(ptrs, INTERPRET: tl.constexpr, NO_L1: tl.constexpr = False, CONSTANT: tl.constexpr = True):
     """The 4 int32 words at each (16-byte aligned) pointer: one 128-bit load (four loads under the interpreter);
-    ``NO_L1``: :func:`ld4`'s."""
+    ``NO_L1``, ``CONSTANT``: :func:`ld4`'s."""
     if INTERPRET:
         return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
-    return ld4(ptrs, NO_L1)
+    return ld4(ptrs, NO_L1, CONSTANT)
 
 
 @triton.jit

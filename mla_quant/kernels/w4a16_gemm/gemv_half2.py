@@ -35,12 +35,13 @@ def _span_runs(OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, BN: tl
 
 @triton.jit
 def _span(w_rows, s_rows, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr, GROUP: tl.constexpr,
-          BN: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr = False):
+          BN: tl.constexpr, INTERPRET: tl.constexpr, STREAM: tl.constexpr = False, EARLY: tl.constexpr = False):
     """Words (4 int32 [BN, SIZE]) and fp32 scales [BN, SIZE] of runs OFF .. OFF + SIZE (scales 0 past the row).
-    STREAM: both without L1 lines (read once)."""
+    STREAM: both without L1 lines (read once). EARLY: loaded before the PDL wait, so coherently (``ld4``'s
+    CONSTANT=False): ptxas moves ``.nc`` loads below the wait."""
     run, ok = _span_runs(OFF, SIZE, RUNS, BN)
-    words = four_words(w_rows + 4 * run, INTERPRET, STREAM)
-    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET, STREAM)
+    words = four_words(w_rows + 4 * run, INTERPRET, STREAM, not EARLY)
+    scales = _load_in_place(s_rows + (32 * run) // GROUP, ok, True, INTERPRET, STREAM, not EARLY)
     if OFF + SIZE > RUNS:
         scales = tl.where(ok, scales, 0.0)
     return words, scales
@@ -74,10 +75,10 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     if PDL:
         gdc_launch_dependents()
     if SPAN1 > 0:
-        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
-        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET, STREAM)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
+        words1, scales1 = _span(w_rows, s_rows, BR, SPAN1, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if SPAN2 > 0:
-            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET, STREAM)
+            words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PDL:
             gdc_wait()
         y = tl.sum(_span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET), axis=1)
@@ -86,9 +87,9 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET), axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
-        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
+        words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PIPE and CHUNKS > 1:
-            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
+            ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
             gdc_wait()
         acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET)
