@@ -167,3 +167,25 @@ def test_fp8_gemm_ws_pairs_keep_one_wgmma_in_flight_on_sm90():
         assert 1 in rows[form]["depbar"] and "C7514" not in rows[form]["ptxas"], rows[form]
     for form in ("128x128", "KSPLIT"):
         assert set(rows[form]["depbar"]) == {0}, rows[form]
+
+
+def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_path):
+    """Compiled for sm_90 (fake Hopper, a subprocess; ``benchmarks.pdl_sass``): with prefetch_weights the rows and the
+    half2 GEMV put no float arithmetic before their ``griddepcontrol.wait`` (nothing on x can run before the kernel
+    before has written it; with x read by ``ld.global.nc`` ptxas had hoisted 663-860 float ops and 20-39 loads above
+    the wait), the rows GEMV has no ``.nc`` load after the wait in its PTX (x is read coherently), and the half2
+    GEMV loads its first weights before the wait (as ``.nc`` loads ptxas had sunk them all below it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "pdl.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pdl_sass", "w4a16_gemm", "-k", "prefetch=True", "--json",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in json.loads(out.read_text()) if r.get("kernel", "").startswith("_w4a16_gemv")]
+    assert {r["kernel"] for r in rows} == {"_w4a16_gemv_kernel", "_w4a16_gemv_half2_kernel"}, rows
+    for r in rows:
+        assert r["fma_before"] <= 2 and r["wait_at"] < 0.15 * r["instructions"], r
+        if r["kernel"] == "_w4a16_gemv_kernel":
+            assert r["ptx_nc_after_wait"] == 0, r
+        else:
+            assert r["coherent_before"] >= 8, r
+    assert not [r for r in json.loads(out.read_text()) if "error" in r]
