@@ -13,7 +13,7 @@ and 663-860 float ops ran before its wait; and the half2 GEMV's prefetched weigh
 (``_gemm_utils.ld4``'s ``CONSTANT``).
 
 Compiles, through ``compile_check``'s fake Hopper (every op with PDL), each op's cases, and reports per kernel the
-position of the wait and what comes before it: coherent and ``.CONSTANT`` global loads and float arithmetic (which
+position of the (last) wait and what comes before it: coherent and ``.CONSTANT`` global loads and float arithmetic (which
 can only work on bytes read before the wait), with the PTX ``.nc`` loads placed after the wait (those ptxas may
 hoist; weights there are fine). By default one line per kernel with the largest counts over its compiled variants
 (autotuned configs, cases); ``--all`` one line per variant. Static only: whether a load before the wait reads
@@ -35,15 +35,17 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 
 
 def loads_around_wait(sass: str, ptx: str) -> dict | None:
-    """Global loads of one kernel before its first ``ACQBULK`` (None: the kernel has no wait), and its PTX's ``.nc``
-    global loads after ``griddepcontrol.wait``."""
+    """What one kernel's SASS places before its last ``ACQBULK`` in address order (None: the kernel has no wait) —
+    the main path's wait where an early-exit branch has its own before it (fused_moe's dropped experts) — and its
+    PTX's ``.nc`` global loads after the last ``griddepcontrol.wait``. Before the last wait also counts the code
+    of branches that end before it: an upper bound."""
     instrs = [text.split()[0] if not text.startswith("@") else text.split()[1] for _, text in _INSTR.findall(sass)]
     if "ACQBULK" not in instrs:
         return None
-    wait = instrs.index("ACQBULK")
+    wait = len(instrs) - 1 - instrs[::-1].index("ACQBULK")
     before = [op for op in instrs[:wait] if op.startswith("LDG")]
-    after_wait_ptx = ptx.split("griddepcontrol.wait", 1)[1]
-    return {"wait_at": wait, "instructions": len(instrs),
+    after_wait_ptx = ptx.rsplit("griddepcontrol.wait", 1)[1]
+    return {"wait_at": wait, "instructions": len(instrs), "waits": instrs.count("ACQBULK"),
             "fma_before": sum(op.split(".")[0] in _FMA for op in instrs[:wait]),
             "ldg_before": len(before), "constant_before": sum(".CONSTANT" in op for op in before),
             "coherent_before": sum(".CONSTANT" not in op for op in before),

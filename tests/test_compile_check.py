@@ -174,7 +174,8 @@ def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_pat
     half2 GEMV put no float arithmetic before their ``griddepcontrol.wait`` (nothing on x can run before the kernel
     before has written it; with x read by ``ld.global.nc`` ptxas had hoisted 663-860 float ops and 20-39 loads above
     the wait), the rows GEMV has no ``.nc`` load after the wait in its PTX (x is read coherently), and the half2
-    GEMV loads its first weights before the wait (as ``.nc`` loads ptxas had sunk them all below it)."""
+    GEMVs — dense and fused_moe's — load their first weights before the wait (as ``.nc`` loads ptxas had sunk them
+    below it: the gate-up prefetched nothing)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "pdl.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.pdl_sass", "w4a16_gemm", "-k", "prefetch=True", "--json",
@@ -189,3 +190,14 @@ def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_pat
         else:
             assert r["coherent_before"] >= 8, r
     assert not [r for r in json.loads(out.read_text()) if "error" in r]
+    # fused_moe's one-token half2_prefetch launches (WEIGHTS_FIRST): the gate-up's first K block of words (8 loads,
+    # gate and up, even and odd columns) before its main wait, and nothing on the activation pairs
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pdl_sass", "fused_moe", "-k",
+                           "act_quant=False T=1 x=bfloat16", "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [r for r in json.loads(out.read_text()) if r.get("config", {}).get("WEIGHTS_FIRST")]
+    assert {r["config"]["GATED"] for r in rows} == {True, False}, rows
+    for r in rows:
+        assert r["coherent_before"] >= (9 if r["config"]["GATED"] else 5) and r["constant_before"] == 0, r
+        assert r["fma_before"] <= 6, r

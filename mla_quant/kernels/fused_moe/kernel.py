@@ -194,7 +194,7 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     acc3o = tl.zeros(rr.shape, dtype=tl.float32)
     if PREFETCH:  # the first K block's words (runs past K: the first run)
         n1e, n1o, n3e, n3o = _column_words(w1_ptr, w3_ptr, even, odd, 4 * tl.where(rr < K // 32, rr, 0), GATED,
-                                           INTERPRET, STREAM)
+                                           INTERPRET, STREAM, WAIT > 0)
     grid_dependency_sync(WAIT)
     for k0 in range(0, K, BLOCK_K):
         run = k0 // 32 + rr
@@ -222,14 +222,15 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
 
 @triton.jit
 def _column_words(w1_ptr, w3_ptr, even, odd, w_off, GATED: tl.constexpr, INTERPRET: tl.constexpr,
-                  STREAM: tl.constexpr = False):
+                  STREAM: tl.constexpr = False, EARLY: tl.constexpr = False):
     """The half2 tile's words at word offset ``w_off`` (``four_words`` each): gate even / odd columns, then up even /
-    odd (without GATED the gate's again, unread: no load)."""
-    w1e = four_words(w1_ptr + even + w_off, INTERPRET, STREAM)
-    w1o = four_words(w1_ptr + odd + w_off, INTERPRET, STREAM)
+    odd (without GATED the gate's again, unread: no load). EARLY: loaded before the PDL wait, so coherently
+    (``ld4``'s CONSTANT=False: ptxas moves ``.nc`` loads below the wait)."""
+    w1e = four_words(w1_ptr + even + w_off, INTERPRET, STREAM, not EARLY)
+    w1o = four_words(w1_ptr + odd + w_off, INTERPRET, STREAM, not EARLY)
     if GATED:
-        w3e = four_words(w3_ptr + even + w_off, INTERPRET, STREAM)
-        w3o = four_words(w3_ptr + odd + w_off, INTERPRET, STREAM)
+        w3e = four_words(w3_ptr + even + w_off, INTERPRET, STREAM, not EARLY)
+        w3o = four_words(w3_ptr + odd + w_off, INTERPRET, STREAM, not EARLY)
     else:
         w3e, w3o = w1e, w1o
     return w1e, w1o, w3e, w3o
