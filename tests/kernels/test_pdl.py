@@ -190,6 +190,12 @@ def test_fused_moe_reads_weights_before_its_wait_only_when_safe(monkeypatch, tok
         assert torch.equal(replayed(graph, out), want), "graph replay"
 
 
+# The late writers of the tests below spin this long: longer than the host takes to launch the next call eagerly
+# (w4a16_gemm's and fused_moe's Python paths), so that call's kernels are scheduled while the write is pending. With
+# 50 µs the write was done before the GEMV started, and the tests passed on the racy kernels of 2e3a7a4 too.
+LATE_US = 2000
+
+
 def _int4_weights(n, k, seed=0):
     from mla_quant.kernels.int4_quant import int4_quantize_reference
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
@@ -205,8 +211,8 @@ def _late_pair_order(real):
         pairs, scales = real(a, hold_next)
         late_pairs = torch.full_like(pairs, -1)
         late_scales = torch.full_like(scales, float("nan"))
-        _write_late(pairs, late_pairs)
-        _write_late(scales, late_scales)
+        _write_late(pairs, late_pairs, LATE_US)
+        _write_late(scales, late_scales, LATE_US)
         return late_pairs, late_scales
     return late
 
@@ -229,7 +235,7 @@ def test_one_token_gemv_reads_x_after_its_wait(monkeypatch, gemv, dtype, n):
         new_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
         want = plain(lambda: w4a16_gemm(new_x, packed, scale, 32, gemv=gemv), monkeypatch)
         assert not torch.equal(want, plain(lambda: w4a16_gemm(x, packed, scale, 32, gemv=gemv), monkeypatch))
-        _write_late(new_x, x)
+        _write_late(new_x, x, LATE_US)
         got = w4a16_gemm(x, packed, scale, 32, gemv=gemv, prefetch_weights=True)
         torch.cuda.synchronize()
         assert torch.equal(got, want), f"call {i}: the GEMV read x before the kernel before had written it"
