@@ -45,7 +45,9 @@ OPS = ("mla_decode", "mla_decode_merge", "indexer_scores", "topk", "sparse_mla_d
 #   at M = 1 with kept counters read 7.90 / 12.05 µs against 7.55 / 10.69 plain (2048 / 4096 x 7168; each call after
 #   the previous one's GEMV), 8.81 / 11.99 against 8.61 / 11.76 for a bare call: it waited before its first load, so
 #   nothing overlapped. The whole-row GEMV (w4a16_gemv, session 25) loads its weights before the wait: 3.56 / 7.01 µs
-#   against 6.70 / 9.28 plain (bench gemm of a5009ca).
+#   against 6.70 / 9.28 plain (bench gemm of a5009ca). Those PDL figures, and later ones until session 36, were of a
+#   racy kernel: ptxas had hoisted its x loads (ld.global.nc) and most of its arithmetic above the wait (docs/moe.md
+#   "activations only after the PDL wait"); without the race (H100, session 36) 5.49 / 10.01 µs.
 SKIP = frozenset({"mla_decode", "mla_decode_merge", "indexer_scores", "sparse_mla_decode", "sparse_mla_decode_wide"})
 # Each program lets the next kernel be scheduled before (True) or after (False) its own wait; before, a chain's
 # kernels are scheduled up to two ahead (MLA_QUANT_PDL_EARLY=0: after). Run of 29275a0: the DSA step at 8 heads

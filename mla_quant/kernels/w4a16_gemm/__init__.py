@@ -19,7 +19,8 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # at 2048 / 4096 x 7168 launched plainly, 3.6 / 7.1 with prefetch_weights, against 7.5 / 13.0 for planes1 with kept
 # counters; one warp per program since session 32: 3.45 / 6.60 with prefetch_weights), the same grid in fp16x2
 # arithmetic (gemv_half2.py), the split-K plane GEMV in one launch, nibble planes after a plane_order launch, or the
-# first form
+# first form. The prefetch_weights figures here and in gemv.py / gemv_half2.py were of racy kernels until session 36
+# (x read before the PDL wait; docs/moe.md "activations only after the PDL wait")
 GEMV_FORMS = ("auto", "rows", "rows_half2", "planes1", "planes", "tile")
 # gemv="auto" (the default): the half2 rows GEMV (gemv_half2.py) for bf16 / fp16 x with rows of more than this many
 # words, the fp32 rows GEMV otherwise. H200, sweep_w4a16_gemv (session 27, interleaved rounds with the PDL launches

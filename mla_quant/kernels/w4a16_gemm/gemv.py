@@ -121,7 +121,10 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N,
 # against 7.34 with plain loads, 2048 x 7168 3.67 / 3.86, 7168 x 2048 3.54 / 3.73, 7168 x 18432 (8 x 512 chunks)
 # 34.6 / 36.8; the words evict-first alone 7.22 / 3.79 / 3.77 / 37.0, the scales alone 7.36 / 3.87 / 3.74, .cg
 # 7.35 / 3.86 / 3.73 / 36.8 (those variants: commit 900e38f). H200, sweep --forms stream (session 34): 4096 x 7168
-# 6.31 µs against 6.60, 2048 x 7168 3.31 / 3.46, 7168 x 2048 3.30 / 3.43.
+# 6.31 µs against 6.60, 2048 x 7168 3.31 / 3.46, 7168 x 2048 3.30 / 3.43. All those PDL timings let ptxas run most of
+# the arithmetic before the wait, on an x read too early (fixed in session 36; docs/moe.md "activations only after the
+# PDL wait"): H100 without the race, streamed / plain loads: 4096 x 7168 10.01 / 10.17 µs, 2048 x 7168 5.49 / 5.73,
+# 7168 x 2048 6.67 / 6.77, 7168 x 18432 36.5 / 38.7.
 STREAM_WEIGHTS = True
 LONG_ROW_WORDS = 1024
 WORDS_PER_THREAD = 64  # one warp's rows: BN = 32 * WORDS_PER_THREAD / (the row's words rounded up)
