@@ -192,7 +192,8 @@ def test_fused_moe_reads_weights_before_its_wait_only_when_safe(monkeypatch, tok
 
 # The late writers of the tests below spin this long: longer than the host takes to launch the next call eagerly
 # (w4a16_gemm's and fused_moe's Python paths), so that call's kernels are scheduled while the write is pending. With
-# 50 µs the write was done before the GEMV started, and the tests passed on the racy kernels of 2e3a7a4 too.
+# 50 µs the write was done before the GEMV started, and the tests passed on the racy kernels of 2e3a7a4 too. Each test
+# also replays its step from a CUDA graph, where the launches follow each other without the host in between.
 LATE_US = 2000
 
 
@@ -204,7 +205,7 @@ def _int4_weights(n, k, seed=0):
 
 
 def _late_pair_order(real):
-    """pair_order whose outputs are written ~50 µs late by PDL kernels that let the next kernel start at once,
+    """pair_order whose outputs are written LATE_US late by PDL kernels that let the next kernel start at once,
     over buffers poisoned with NaN (fp16 pairs 0xFFFF, fp32 scales NaN): a GEMV that reads its pairs before its
     wait reads NaN."""
     def late(a, hold_next=False):
@@ -217,28 +218,46 @@ def _late_pair_order(real):
     return late
 
 
+def _eager_and_replayed(step, want, reset=lambda: None):
+    """step() twice eagerly and twice replayed from a CUDA graph (reset() before each) equals ``want`` bit for bit."""
+    for i in range(2):
+        reset()
+        torch.cuda.synchronize()
+        got = step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"eager call {i}"
+    reset()
+    graph, out = captured(step)
+    for i in range(2):
+        reset()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed(graph, out), want), f"graph replay {i}"
+
+
 @pytest.mark.parametrize("gemv,dtype", [("rows", torch.bfloat16), ("rows", torch.float32),
                                         ("rows_half2", torch.bfloat16)])
 @pytest.mark.parametrize("n", [2048, 4096])
 def test_one_token_gemv_reads_x_after_its_wait(monkeypatch, gemv, dtype, n):
     """w4a16_gemm(prefetch_weights=True) reads its weights before its PDL wait but x only after it. Here the
-    kernel just before writes x ~50 µs after letting the GEMV start: the result must be that of the new x. (Until
-    session 35 the rows GEMV read x with ``ld.global.nc`` loads, which ptxas hoisted above the wait, together with
+    kernel just before writes x LATE_US after letting the GEMV start: the result must be that of the new x. (Until
+    session 36 the rows GEMV read x with ``ld.global.nc`` loads, which ptxas hoisted above the wait, together with
     most of the arithmetic.)"""
     if not _pdl.pdl_launch(torch.device("cuda"), "w4a16_gemv").get("launch_pdl"):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
     from mla_quant.kernels.w4a16_gemm import w4a16_gemm
     packed, scale = _int4_weights(n, 7168)
     g = torch.Generator(device="cuda").manual_seed(2)
-    for i in range(3):
-        x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
-        new_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
-        want = plain(lambda: w4a16_gemm(new_x, packed, scale, 32, gemv=gemv), monkeypatch)
-        assert not torch.equal(want, plain(lambda: w4a16_gemm(x, packed, scale, 32, gemv=gemv), monkeypatch))
+    old_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
+    new_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
+    x = old_x.clone()
+    want = plain(lambda: w4a16_gemm(new_x, packed, scale, 32, gemv=gemv), monkeypatch)
+    assert not torch.equal(want, plain(lambda: w4a16_gemm(old_x, packed, scale, 32, gemv=gemv), monkeypatch))
+
+    def step():
         _write_late(new_x, x, LATE_US)
-        got = w4a16_gemm(x, packed, scale, 32, gemv=gemv, prefetch_weights=True)
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), f"call {i}: the GEMV read x before the kernel before had written it"
+        return w4a16_gemm(x, packed, scale, 32, gemv=gemv, prefetch_weights=True)
+
+    _eager_and_replayed(step, want, reset=lambda: x.copy_(old_x))
 
 
 @pytest.mark.parametrize("n", [2048, 4096])
@@ -253,10 +272,7 @@ def test_half2_gemv_reads_pairs_after_its_wait(monkeypatch, n):
     x = torch.randn(1, 7168, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").bfloat16()
     want = plain(lambda: w4a16_gemm(x, packed, scale, 32, gemv="rows_half2"), monkeypatch)
     monkeypatch.setattr(_half2_gemv, "pair_order", _late_pair_order(_half2_gemv.pair_order))
-    for i in range(3):
-        got = w4a16_gemm(x, packed, scale, 32, gemv="rows_half2", prefetch_weights=True)
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), f"call {i}: the GEMV read its pairs before its wait"
+    _eager_and_replayed(lambda: w4a16_gemm(x, packed, scale, 32, gemv="rows_half2", prefetch_weights=True), want)
 
 
 @pytest.mark.parametrize("gemv", ["half2", "half2_prefetch"])
@@ -275,7 +291,4 @@ def test_fused_moe_half2_reads_pairs_after_its_wait(monkeypatch, gemv):
 
     want = plain(step, monkeypatch)
     monkeypatch.setattr(_half2_gemv, "pair_order", _late_pair_order(_half2_gemv.pair_order))
-    for i in range(3):
-        got = step()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), f"call {i}"
+    _eager_and_replayed(step, want)
