@@ -26,7 +26,7 @@ import json
 import re
 
 from benchmarks import compile_check as cc
-from benchmarks.sass_tools import disassemble
+from benchmarks.sass_tools import collect_compiled, disassemble
 
 PDL_OPS = ("w4a16_gemm", "fused_moe", "topk", "indexer_scores", "sparse_mla_decode", "mla_decode")
 _FMA = {"FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2"}  # float arithmetic: before the wait, it can only be on
@@ -56,23 +56,9 @@ def loads_around_wait(sass: str, ptx: str) -> dict | None:
 def audit(ops: list[str], only: str | None = None) -> list[dict]:
     """Compile ``ops`` on the fake Hopper (``only``: the cases whose label contains it); one row per distinct kernel
     with a PDL wait."""
-    log = cc.CompileLog()
-    cc.install_fake_hopper(log, ptxas=False)  # first: it also turns the interpreter off
-    from triton.runtime import jit
-
-    compiled, patched = [], jit.JITFunction.run
-
-    def run(self, *a, **kw):
-        kernel = patched(self, *a, **kw)
-        if kernel is not None:
-            compiled.append((self.__name__, {k: v for k, v in kw.items() if k.isupper()}, kernel))
-        return kernel
-
-    jit.JITFunction.run = run
     rows, seen = [], set()
-    try:
+    with collect_compiled(None, ptxas=False) as (_, compiled):
         for op in ops:
-            start = len(compiled)
             for label, call in cc.OPS[op]():
                 if only and only not in label:
                     continue
@@ -81,16 +67,16 @@ def audit(ops: list[str], only: str | None = None) -> list[dict]:
                     call()
                 except Exception as e:  # noqa: BLE001 - report and go on
                     rows.append({"op": op, "case": label, "error": f"{type(e).__name__}: {e}"[:300]})
-                for name, config, kernel in compiled[n:]:
+                for name, kw, kernel in compiled[n:]:
                     if kernel.metadata.hash in seen:
                         continue
                     seen.add(kernel.metadata.hash)
                     found = loads_around_wait(disassemble(kernel), kernel.asm["ptx"])
                     if found is not None:
-                        rows.append({"op": op, "case": label, "kernel": name, "config": {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in config.items()}, **found})
-            del compiled[start:]
-    finally:
-        jit.JITFunction.run = patched
+                        config = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                                  for k, v in kw.items() if k.isupper()}
+                        rows.append({"op": op, "case": label, "kernel": name, "config": config, **found})
+                del compiled[n:]
     return rows
 
 

@@ -17,12 +17,13 @@ REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 233472, 64
 
 
 @contextlib.contextmanager
-def collect_compiled(kernel_names: tuple[str, ...]) -> Iterator[tuple[cc.CompileLog, list]]:
-    """Install the fake Hopper (ptxas stats on) and, inside the block, append ``(name, launch kwargs, compiled
-    kernel)`` for every launch of a @triton.jit function named in ``kernel_names``. Yields (log, that list).
-    Import the launchers inside the block (after the fake Hopper is in place)."""
+def collect_compiled(kernel_names: tuple[str, ...] | None,
+                     ptxas: bool = True) -> Iterator[tuple[cc.CompileLog, list]]:
+    """Install the fake Hopper (``ptxas``: with ptxas stats) and, inside the block, append ``(name, launch kwargs,
+    compiled kernel)`` for every launch of a @triton.jit function named in ``kernel_names`` (None: of every one).
+    Yields (log, that list). Import the launchers inside the block (after the fake Hopper is in place)."""
     log = cc.CompileLog()
-    cc.install_fake_hopper(log, ptxas=True)
+    cc.install_fake_hopper(log, ptxas=ptxas)
     from triton.runtime import jit
 
     compiled = []
@@ -30,7 +31,7 @@ def collect_compiled(kernel_names: tuple[str, ...]) -> Iterator[tuple[cc.Compile
 
     def run(self, *a, **kw):
         kernel = patched(self, *a, **kw)
-        if kernel is not None and self.__name__ in kernel_names:
+        if kernel is not None and (kernel_names is None or self.__name__ in kernel_names):
             compiled.append((self.__name__, kw, kernel))
         return kernel
 

@@ -169,6 +169,17 @@ def test_fp8_gemm_ws_pairs_keep_one_wgmma_in_flight_on_sm90():
         assert set(rows[form]["depbar"]) == {0}, rows[form]
 
 
+def _pdl_audit(op: str, case: str, out: Path) -> list[dict]:
+    """``benchmarks.pdl_sass op -k case`` in a subprocess (fake Hopper, sm_90): its rows, none an error."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pdl_sass", op, "-k", case, "--json", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())
+    assert not [r for r in rows if "error" in r], rows
+    return rows
+
+
 def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_path):
     """Compiled for sm_90 (fake Hopper, a subprocess; ``benchmarks.pdl_sass``): with prefetch_weights the rows and the
     half2 GEMV put no float arithmetic before their ``griddepcontrol.wait`` (nothing on x can run before the kernel
@@ -176,12 +187,8 @@ def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_pat
     the wait), the rows GEMV has no ``.nc`` load after the wait in its PTX (x is read coherently), and the half2
     GEMVs — dense and fused_moe's — load their first weights before the wait (as ``.nc`` loads ptxas had sunk them
     below it: the gate-up prefetched nothing)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = tmp_path / "pdl.json"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.pdl_sass", "w4a16_gemm", "-k", "prefetch=True", "--json",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [r for r in json.loads(out.read_text()) if r.get("kernel", "").startswith("_w4a16_gemv")]
+    rows = [r for r in _pdl_audit("w4a16_gemm", "prefetch=True", tmp_path / "gemv.json")
+            if r["kernel"].startswith("_w4a16_gemv")]
     assert {r["kernel"] for r in rows} == {"_w4a16_gemv_kernel", "_w4a16_gemv_half2_kernel"}, rows
     for r in rows:
         assert r["fma_before"] <= 2 and r["wait_at"] < 0.15 * r["instructions"], r
@@ -189,14 +196,10 @@ def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_pat
             assert r["ptx_nc_after_wait"] == 0, r
         else:
             assert r["coherent_before"] >= 8, r
-    assert not [r for r in json.loads(out.read_text()) if "error" in r]
     # fused_moe's one-token half2_prefetch launches (WEIGHTS_FIRST): the gate-up's first K block of words (8 loads,
     # gate and up, even and odd columns) before its main wait, and nothing on the activation pairs
-    done = subprocess.run([sys.executable, "-m", "benchmarks.pdl_sass", "fused_moe", "-k",
-                           "act_quant=False T=1 x=bfloat16", "--json", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [r for r in json.loads(out.read_text()) if r.get("config", {}).get("WEIGHTS_FIRST")]
+    rows = [r for r in _pdl_audit("fused_moe", "act_quant=False T=1 x=bfloat16", tmp_path / "moe.json")
+            if r["config"].get("WEIGHTS_FIRST")]
     assert {r["config"]["GATED"] for r in rows} == {True, False}, rows
     for r in rows:
         assert r["coherent_before"] >= (9 if r["config"]["GATED"] else 5) and r["constant_before"] == 0, r

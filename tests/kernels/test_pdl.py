@@ -14,6 +14,7 @@ from mla_quant.kernels.mla_decode import mla_decode
 from mla_quant.kernels.sparse_mla_decode import sparse_mla_decode
 from tests.kernels.test_fused_moe import experts, routing
 from tests.kernels.test_indexer_scores import FP8, decode_step
+from tests.kernels.test_w4a16_gemm import _weights as int4_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -197,13 +198,6 @@ def test_fused_moe_reads_weights_before_its_wait_only_when_safe(monkeypatch, tok
 LATE_US = 2000
 
 
-def _int4_weights(n, k, seed=0):
-    from mla_quant.kernels.int4_quant import int4_quantize_reference
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    packed, scale = int4_quantize_reference(w, 32, torch.bfloat16)
-    return packed.cuda(), scale.cuda()
-
-
 def _late_pair_order(real):
     """pair_order whose outputs are written LATE_US late by PDL kernels that let the next kernel start at once,
     over buffers poisoned with NaN (fp16 pairs 0xFFFF, fp32 scales NaN): a GEMV that reads its pairs before its
@@ -245,7 +239,7 @@ def test_one_token_gemv_reads_x_after_its_wait(monkeypatch, gemv, dtype, n):
     if not _pdl.pdl_launch(torch.device("cuda"), "w4a16_gemv").get("launch_pdl"):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
     from mla_quant.kernels.w4a16_gemm import w4a16_gemm
-    packed, scale = _int4_weights(n, 7168)
+    packed, scale = int4_weights(n, 7168, 32, "cuda")
     g = torch.Generator(device="cuda").manual_seed(2)
     old_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
     new_x = torch.randn(1, 7168, generator=g, device="cuda").to(dtype)
@@ -268,7 +262,7 @@ def test_half2_gemv_reads_pairs_after_its_wait(monkeypatch, n):
         pytest.skip("programmatic dependent launch needs an sm_90+ GPU (or MLA_QUANT_PDL=0 is set)")
     from mla_quant.kernels import _half2_gemv
     from mla_quant.kernels.w4a16_gemm import w4a16_gemm
-    packed, scale = _int4_weights(n, 7168)
+    packed, scale = int4_weights(n, 7168, 32, "cuda")
     x = torch.randn(1, 7168, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").bfloat16()
     want = plain(lambda: w4a16_gemm(x, packed, scale, 32, gemv="rows_half2"), monkeypatch)
     monkeypatch.setattr(_half2_gemv, "pair_order", _late_pair_order(_half2_gemv.pair_order))
