@@ -16,7 +16,7 @@ launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv on
 what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
 power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL; ``half2spans`` the half2 GEMV so
 (``HALF2_SPAN_TILES``, with and without the pair-order launch); ``stream`` both GEMVs' rule tiles with plain and with
-streamed weight loads (``stream=``: past L1), with PDL, and ``w4a16_gemm`` with each GEMV form pinned, plainly and
+streamed weight loads (``stream=``: past L1), with PDL (the half2 tile also as ``gemv only``), and ``w4a16_gemm`` with each GEMV form pinned, plainly and
 with ``prefetch_weights`` (session 33's ``hints`` / ``half2hints`` runs timed more
 variants: commit 900e38f). Writes every round's µs; with
 ``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
@@ -180,6 +180,7 @@ def main(argv=None) -> None:
             for stream in (False, True):
                 add(f"rows {tile} stream {stream} pdl", rows(tile, stream=stream))
                 add(f"half2 {tile2} stream {stream} pdl", half2(tile2, stream))
+            add(f"half2 {tile2} pdl gemv only", half2(tile2, pairs=pair_order(x)))  # no pair-order launch
             # both forms as a user calls them: plainly, and with prefetch_weights (PDL, weights before the wait)
             for form, prefetch in itertools.product(("rows", "rows_half2"), (False, True)):
                 add(f"w4a16_gemm {form}" + (" prefetch" if prefetch else ""),
