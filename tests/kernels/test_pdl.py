@@ -138,10 +138,12 @@ def _late_copy(src_ptr, dst_ptr, n, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _write_late(src: torch.Tensor, dst: torch.Tensor, spin_us: int = 50):
-    """dst.copy_(src) (same shape, 4-byte elements) by a PDL launch of _late_copy."""
-    n = dst.numel()
-    _late_copy[(triton.cdiv(n, 1024),)](src.view(torch.int32), dst.view(torch.int32), n, SPIN_NS=spin_us * 1000,
-                                        BLOCK=1024, launch_pdl=True)
+    """dst.copy_(src) (same shape and dtype, a whole number of 4-byte words) by a PDL launch of _late_copy, word by
+    word."""
+    assert src.shape == dst.shape and src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
+    src_words, dst_words = src.view(torch.int32), dst.view(torch.int32)
+    n = dst_words.numel()  # words, not elements: bf16 x has two per word
+    _late_copy[(triton.cdiv(n, 1024),)](src_words, dst_words, n, SPIN_NS=spin_us * 1000, BLOCK=1024, launch_pdl=True)
 
 
 @pytest.mark.parametrize("tokens", [1, 4])
