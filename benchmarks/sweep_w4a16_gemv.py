@@ -34,10 +34,11 @@ from mla_quant.kernels._half2_gemv import pair_order
 from mla_quant.kernels.int4_quant import int4_quantize
 from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
 from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
-from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch
+from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_launch_x
+from mla_quant.kernels import w4a16_gemm as W
 
 from .bench_gemm import _tinygemm_pack
-from .common import L2_BYTES, interleaved_graph_us, meta, Context, sweep_args
+from .common import L2_BYTES, interleaved_graph_us, meta, module_attrs, Context, sweep_args
 
 GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
@@ -158,10 +159,12 @@ def main(argv=None) -> None:
         def rows(tile, pdl=PDL, stream=None):
             return lambda s: gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, tile, pdl, stream=stream)
 
-        def half2(tile, stream=None, pairs=None):
-            """pair_order with PDL, then the GEMV (what prefetch_weights launches); ``pairs``: the GEMV alone, on
-            pairs made once."""
+        def half2(tile, stream=None, pairs=None, inline=False):
+            """pair_order with PDL, then the GEMV (what prefetch_weights launched until session 37); ``pairs``: the
+            GEMV alone, on pairs made once; ``inline``: the GEMV alone on x, which it puts in pair order itself."""
             def launch(s):
+                if inline:
+                    return half2_launch_x(x[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, stream=stream)
                 p, ps = pairs or pair_order(x)
                 return half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, stream=stream)
             return launch
@@ -181,11 +184,15 @@ def main(argv=None) -> None:
                 add(f"rows {tile} stream {stream} pdl", rows(tile, stream=stream))
                 add(f"half2 {tile2} stream {stream} pdl", half2(tile2, stream))
             add(f"half2 {tile2} pdl gemv only", half2(tile2, pairs=pair_order(x)))  # no pair-order launch
-            # both forms as a user calls them: plainly, and with prefetch_weights (PDL, weights before the wait)
-            for form, prefetch in itertools.product(("rows", "rows_half2"), (False, True)):
-                add(f"w4a16_gemm {form}" + (" prefetch" if prefetch else ""),
-                    lambda s, form=form, prefetch=prefetch: w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv=form,
-                                                                      prefetch_weights=prefetch))
+            add(f"half2 {tile2} pdl inline", half2(tile2, inline=True))  # x put in pair order by the GEMV
+            # both forms as a user calls them: plainly, and with prefetch_weights (PDL, weights before the wait);
+            # the half2 GEMV also with its pair_order launch (HALF2_INLINE_X off)
+            for form, prefetch in itertools.product(("rows", "rows_half2", "rows_half2 pair_order"), (False, True)):
+                def call(s, form=form, prefetch=prefetch):
+                    with module_attrs(W, {"HALF2_INLINE_X": not form.endswith("pair_order")}):
+                        return w4a16_gemm(x, s["p4"], s["s4"], GROUP, out=y, gemv=form.split()[0],
+                                          prefetch_weights=prefetch)
+                add(f"w4a16_gemm {form}" + (" prefetch" if prefetch else ""), call)
         half2_settings = []
         if "half2" in forms:
             half2_settings += [(f"half2 BN={bn} BR={br} w={warps}" + (" pipe" if pipe else "") + " pdl",
@@ -200,6 +207,7 @@ def main(argv=None) -> None:
             for i, (name, tile) in enumerate(half2_settings):
                 if add(name, half2(tile)) and (i == 0 or tile == half2_tile_rule(n, k) or tile[2] == 1):
                     add(name + " gemv only", half2(tile, pairs=made))
+                add(name + " inline", half2(tile, inline=True))
         rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)
         print(f"\n{n} x {k}: {len(sets)} weight sets")
         for rw in rows[:16] + [rw for rw in rows[16:] if not rw["setting"].startswith(("rows ", "half2 "))]:

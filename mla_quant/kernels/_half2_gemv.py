@@ -185,6 +185,80 @@ def load_pairs(ptrs, INTERPRET: tl.constexpr):
     return p0 + p1 + p2 + p3
 
 
+def _inline_pairs_asm(fp16: bool) -> str:
+    """PTX of :func:`inline_pairs` for one run: inputs $17-$32 the run's 32 activations as 16 words (two bf16 /
+    fp16 each, element 2j low in word j); outputs $0-$15 pair plane i of word u at 4i + u (as :func:`load_pairs`)
+    and $16 the run scale 2^e (fp32 bits), computed as :func:`pair_order` does: fp32 values, their largest
+    magnitude (``max.f32`` skips NaN, as ``tl.max``), e from its exponent, x · 2^-e rounded to fp16."""
+    lines = ["{", ".reg .b32 v<32>, m, a, e, t, dn, lo, hi;"] + ([".reg .b16 h0, h1;"] if fp16 else [])
+    for j in range(16):  # unpack: v[2j] = element 2j (low half of word j), v[2j + 1] = element 2j + 1
+        w = f"${17 + j}"
+        if fp16:
+            lines += [f"mov.b32 {{h0, h1}}, {w};", f"cvt.f32.f16 v{2 * j}, h0;", f"cvt.f32.f16 v{2 * j + 1}, h1;"]
+        else:
+            lines += [f"shl.b32 v{2 * j}, {w}, 16;", f"and.b32 v{2 * j + 1}, {w}, 0xFFFF0000;"]
+    lines.append("abs.f32 m, v0;")
+    for q in range(1, 32):
+        lines += [f"abs.f32 a, v{q};", "max.f32 m, m, a;"]
+    lines += ["bfe.u32 e, m, 23, 8;", "sub.s32 e, e, 134;", "max.s32 e, e, -126;", "min.s32 e, e, 121;",
+              "neg.s32 t, e;", "add.s32 t, t, 127;", "shl.b32 dn, t, 23;", "add.s32 t, e, 127;", "shl.b32 $16, t, 23;"]
+    for u in range(4):
+        for i in range(4):  # the pair (x[8u + i], x[8u + i + 4]) · 2^-e, low lane first
+            lines += [f"mul.f32 lo, v{8 * u + i}, dn;", f"mul.f32 hi, v{8 * u + i + 4}, dn;",
+                      f"cvt.rn.f16x2.f32 ${4 * i + u}, hi, lo;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+INLINE_PAIRS_BF16 = tl.constexpr(_inline_pairs_asm(False))
+INLINE_PAIRS_FP16 = tl.constexpr(_inline_pairs_asm(True))
+INLINE_PAIRS_CONSTRAINTS = tl.constexpr("=r," * 17 + ",".join(["r"] * 16))
+
+
+@triton.jit
+def _interpreted_pair(x, k, down, Q: tl.constexpr):
+    """Interpreter form of one pair of :func:`inline_pairs`: elements Q and Q + 4 of each run (``x`` fp32
+    [..., 32], ``k`` its last index) times ``down``, as fp16 lanes of an int32."""
+    lo = tl.sum(tl.where(k == Q, x, 0.0), axis=2) * down
+    hi = tl.sum(tl.where(k == Q + 4, x, 0.0), axis=2) * down
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def inline_pairs(x_ptr, run, INTERPRET: tl.constexpr):
+    """Run ``run`` of the activation row at ``x_ptr`` (bf16 / fp16, 16-byte aligned) in pair order, made in
+    registers: 17 tensors, the 16 pair planes of :func:`load_pairs` (index 4i + u) and at 16 the run scale 2^e
+    (fp32), bit for bit what :func:`pair_order` writes for that run — so a GEMV needs no pair-order launch.
+    The run's 64 bytes come in four coherent 128-bit loads (they are activations: read after any PDL wait)."""
+    if INTERPRET:
+        k = tl.arange(0, 32)[None, None, :]
+        x = tl.load(x_ptr + 32 * run[:, :, None] + k).to(tl.float32)
+        down, up = run_exponent(tl.max(tl.abs(x), axis=2))
+        pairs = (_interpreted_pair(x, k, down, 0), _interpreted_pair(x, k, down, 8),
+                 _interpreted_pair(x, k, down, 16), _interpreted_pair(x, k, down, 24),
+                 _interpreted_pair(x, k, down, 1), _interpreted_pair(x, k, down, 9),
+                 _interpreted_pair(x, k, down, 17), _interpreted_pair(x, k, down, 25),
+                 _interpreted_pair(x, k, down, 2), _interpreted_pair(x, k, down, 10),
+                 _interpreted_pair(x, k, down, 18), _interpreted_pair(x, k, down, 26),
+                 _interpreted_pair(x, k, down, 3), _interpreted_pair(x, k, down, 11),
+                 _interpreted_pair(x, k, down, 19), _interpreted_pair(x, k, down, 27), up)
+        return pairs
+    words = x_ptr.to(tl.pointer_type(tl.int32)) + 16 * run
+    w0 = ld4(words, CONSTANT=False)
+    w1 = ld4(words + 4, CONSTANT=False)
+    w2 = ld4(words + 8, CONSTANT=False)
+    w3 = ld4(words + 12, CONSTANT=False)
+    ASM: tl.constexpr = INLINE_PAIRS_FP16 if x_ptr.dtype.element_ty == tl.float16 else INLINE_PAIRS_BF16
+    return tl.inline_asm_elementwise(ASM, INLINE_PAIRS_CONSTRAINTS,
+                                     [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3],
+                                      w2[0], w2[1], w2[2], w2[3], w3[0], w3[1], w3[2], w3[3]],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                                            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                                            tl.int32, tl.int32, tl.float32), is_pure=True, pack=1)
+
+
 @triton.jit
 def _lane(p, HIGH: tl.constexpr):
     """fp16 lane of int32 pairs ``p`` as fp32 (interpreter path)."""

@@ -28,6 +28,10 @@ GEMV_FORMS = ("auto", "rows", "rows_half2", "planes1", "planes", "tile")
 # (1.92x, 30.8); at 7168 and 2048 K the fp32 rows GEMV is faster (7.0 against 8.7 µs at 4096 x 7168; 6.6 on one warp
 # since session 32)
 HALF2_MIN_ROW_WORDS = 1024
+# the half2 GEMV reads a 16-byte aligned bf16 / fp16 x as it is and puts it in pair order in registers
+# (``_half2_gemv.inline_pairs``), with no pair_order launch before it; False: always the pair_order launch (a sweep
+# setting)
+HALF2_INLINE_X = True
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
@@ -253,11 +257,15 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         pdl = pdl_launch(x.device, "w4a16_gemv") if prefetch_weights else {"PDL": False}
         if gemv == "rows_half2":
             from .._half2_gemv import pair_order
-            from .gemv_half2 import half2_launch, half2_tile
+            from .gemv_half2 import half2_launch, half2_launch_x, half2_tile, inline_x_ok
 
-            pairs, pair_scales = pair_order(x2)
-            half2_launch(pairs[0], pair_scales[0], weight_packed, weight_scale, y.view(n), group_size,
-                         half2_tile(n, k, interpreted), pdl, interpreted)
+            tile = half2_tile(n, k, interpreted)
+            if HALF2_INLINE_X and inline_x_ok(x2[0]):  # x put in pair order inside the GEMV
+                half2_launch_x(x2[0], weight_packed, weight_scale, y.view(n), group_size, tile, pdl, interpreted)
+            else:
+                pairs, pair_scales = pair_order(x2)
+                half2_launch(pairs[0], pair_scales[0], weight_packed, weight_scale, y.view(n), group_size, tile,
+                             pdl, interpreted)
         else:
             from .gemv import gemv_launch, gemv_tile
 

@@ -17,11 +17,12 @@ of BR) re-read the last run and have their scale zeroed (finite fp16 sums times 
 loads per thread, shared by the rows the thread holds of that run; they are read after the PDL wait (the pair-order
 launch writes them), the weights before it.
 """
+import torch
 import triton
 import triton.language as tl
 
 from .._gemm_utils import _load_in_place, four_words
-from .._half2_gemv import load_pairs, pair_offsets, run_dot
+from .._half2_gemv import inline_pairs, load_pairs, pair_offsets, run_dot
 from .._triton_utils import gdc_launch_dependents, gdc_wait
 from .gemv import span_launch
 
@@ -49,8 +50,12 @@ def _span(w_rows, s_rows, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.conste
 
 @triton.jit
 def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexpr, RUNS: tl.constexpr,
-              BN: tl.constexpr, INTERPRET: tl.constexpr):
-    """Run sums × group scale × the run's activation scale, fp32 [BN, SIZE] (summed over runs at the row's end)."""
+              BN: tl.constexpr, INTERPRET: tl.constexpr, INLINE_X: tl.constexpr = False):
+    """Run sums × group scale × the run's activation scale, fp32 [BN, SIZE] (summed over runs at the row's end).
+    INLINE_X: ``p_ptr`` is x itself, put in pair order here, once per run for all BN rows (``inline_pairs``)."""
+    if INLINE_X:
+        x = inline_pairs(p_ptr, tl.minimum(OFF + tl.arange(0, SIZE), RUNS - 1)[None, :], INTERPRET)
+        return run_dot(words, x, INTERPRET) * (scales * x[16])
     run, ok = _span_runs(OFF, SIZE, RUNS, BN)
     x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
     xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET, CONSTANT=False)
@@ -61,8 +66,10 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
 def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                              K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                              PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, STREAM: tl.constexpr = False):
+                             SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, STREAM: tl.constexpr = False,
+                             INLINE_X: tl.constexpr = False):
     # p: x's pairs (int32, pair order), ps: its run scales (fp32 [K/32]), w [N, K/8] int32, s [N, K/GROUP], y [N].
+    # INLINE_X: p is x itself (bf16 / fp16 [K], 16-byte aligned), put in pair order in registers; ps unused.
     # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
     # SPAN1 > 0: the row as spans of BR, SPAN1 and SPAN2 runs (powers of two, only the last one past the row), all
     # loaded first (gemv.row_spans).
@@ -81,10 +88,11 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             words2, scales2 = _span(w_rows, s_rows, BR + SPAN1, SPAN2, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PDL:
             gdc_wait()
-        y = tl.sum(_span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET), axis=1)
-        y += tl.sum(_span_dot(words1, scales1, p_ptr, ps_ptr, BR, SPAN1, RUNS, BN, INTERPRET), axis=1)
+        y = tl.sum(_span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET, INLINE_X), axis=1)
+        y += tl.sum(_span_dot(words1, scales1, p_ptr, ps_ptr, BR, SPAN1, RUNS, BN, INTERPRET, INLINE_X), axis=1)
         if SPAN2 > 0:
-            y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET), axis=1)
+            y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET,
+                                   INLINE_X), axis=1)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
     else:
         words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
@@ -92,7 +100,7 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
             gdc_wait()
-        acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET)
+        acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET, INLINE_X)
         for c in tl.static_range(1, CHUNKS):
             if PIPE:
                 words, scales = ahead, ahead_scales
@@ -100,7 +108,7 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                     ahead, ahead_scales = _span(w_rows, s_rows, (c + 1) * BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
             else:
                 words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
-            acc += _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET)
+            acc += _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET, INLINE_X)
         tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -147,10 +155,31 @@ def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size
     ``_pdl.pdl_launch``'s keywords (the weights then read before the wait). A BR of 0: the row's runs in the spans
     of :func:`gemv.row_spans`, all loaded before the arithmetic (PIPE unused). ``stream``: the kernel's STREAM
     (the weights past L1; default ``STREAM_WEIGHTS``)."""
+    _launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, False)
+
+
+def half2_launch_x(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
+                   interpreted: bool = False, stream: bool | None = None) -> None:
+    """:func:`half2_launch` on the activation row itself: x1 [K] bf16 / fp16, contiguous and 16-byte aligned
+    (:func:`inline_x_ok`), put in pair order inside the GEMV (``_half2_gemv.inline_pairs``: the same pairs, bit
+    for bit, without the pair-order launch before it)."""
+    if not inline_x_ok(x1):
+        raise ValueError(f"half2_launch_x: x must be a contiguous bf16 / fp16 row at a 16-byte aligned address, "
+                         f"got {x1.dtype}, stride {x1.stride()}, address {x1.data_ptr():#x}")
+    _launch(x1, x1, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, True)
+
+
+def inline_x_ok(x1) -> bool:
+    """Whether :func:`half2_launch_x` takes the activation row x1 (else: ``pair_order`` and :func:`half2_launch`)."""
+    return (x1.dtype in (torch.bfloat16, torch.float16) and x1.dim() == 1 and x1.stride(0) == 1
+            and x1.data_ptr() % 16 == 0 and x1.numel() % 32 == 0)
+
+
+def _launch(p, ps, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, inline_x):
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
     br, pipe, spans = span_launch(kw // 4, br, pipe)
     _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](
-        pairs, pair_scales, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BR=br,
+        p, ps, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BR=br,
         PIPE=bool(pipe), INTERPRET=interpreted, STREAM=STREAM_WEIGHTS if stream is None else stream, num_warps=warps,
-        **spans, **(pdl or {"PDL": False}))
+        INLINE_X=inline_x, **spans, **(pdl or {"PDL": False}))
