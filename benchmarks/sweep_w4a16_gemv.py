@@ -16,9 +16,11 @@ launch, both with PDL as ``prefetch_weights`` launches them (``half2 ... gemv on
 what a producer that wrote pair order would leave). ``spans`` settings time the rows kernel with each row in
 power-of-two spans (``gemv.row_spans``) at each of ``SPAN_TILES``, with PDL; ``half2spans`` the half2 GEMV so
 (``HALF2_SPAN_TILES``, with and without the pair-order launch); ``stream`` both GEMVs' rule tiles with plain and with
-streamed weight loads (``stream=``: past L1), with PDL (the half2 tile also as ``gemv only``), and ``w4a16_gemm`` with each GEMV form pinned, plainly and
-with ``prefetch_weights`` (session 33's ``hints`` / ``half2hints`` runs timed more
-variants: commit 900e38f). Writes every round's µs; with
+streamed weight loads (``stream=``: past L1), with PDL (the half2 tile also as ``gemv only`` and ``inline``), and
+``w4a16_gemm`` with each GEMV form pinned, plainly and with ``prefetch_weights`` (the half2 form also with its
+pair_order launch; session 33's ``hints`` / ``half2hints`` runs timed more variants: commit 900e38f). Since session 37
+each half2 tile is also timed ``inline`` (the GEMV on x itself, which it puts in pair order: ``half2_launch_x``, what
+``w4a16_gemm`` launches for an aligned x) with PDL and, unless ``--pdl-only``, plainly. Writes every round's µs; with
 ``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
@@ -159,12 +161,13 @@ def main(argv=None) -> None:
         def rows(tile, pdl=PDL, stream=None):
             return lambda s: gemv_launch(x[0], s["p4"], s["s4"], y[0], GROUP, tile, pdl, stream=stream)
 
-        def half2(tile, stream=None, pairs=None, inline=False):
+        def half2(tile, stream=None, pairs=None, inline=False, pdl=PDL):
             """pair_order with PDL, then the GEMV (what prefetch_weights launched until session 37); ``pairs``: the
-            GEMV alone, on pairs made once; ``inline``: the GEMV alone on x, which it puts in pair order itself."""
+            GEMV alone, on pairs made once; ``inline``: the GEMV alone on x, which it puts in pair order itself
+            (``pdl``: with PDL, or None: plainly)."""
             def launch(s):
                 if inline:
-                    return half2_launch_x(x[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, stream=stream)
+                    return half2_launch_x(x[0], s["p4"], s["s4"], y[0], GROUP, tile, pdl, stream=stream)
                 p, ps = pairs or pair_order(x)
                 return half2_launch(p[0], ps[0], s["p4"], s["s4"], y[0], GROUP, tile, PDL, stream=stream)
             return launch
@@ -208,6 +211,8 @@ def main(argv=None) -> None:
                 if add(name, half2(tile)) and (i == 0 or tile == half2_tile_rule(n, k) or tile[2] == 1):
                     add(name + " gemv only", half2(tile, pairs=made))
                 add(name + " inline", half2(tile, inline=True))
+                if not args.pdl_only:
+                    add(name.removesuffix(" pdl") + " inline plain", half2(tile, inline=True, pdl=None))
         rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)
         print(f"\n{n} x {k}: {len(sets)} weight sets")
         for rw in rows[:16] + [rw for rw in rows[16:] if not rw["setting"].startswith(("rows ", "half2 "))]:
