@@ -722,7 +722,7 @@ def test_rows_half2_gemv_is_exact_for_every_nibble_and_names_what_it_cannot_take
 
 def test_auto_gemv_takes_the_half2_rows_for_long_16_bit_rows(triton_backend, monkeypatch):
     """gemv="auto" (the default) runs the half2 rows GEMV (seen by its launch) for bf16 / fp16 x whose rows hold
-    more than HALF2_MIN_ROW_WORDS words, the fp32 rows GEMV otherwise and for fp32 x; each result equals the named
+    at least HALF2_MIN_ROW_WORDS words, the fp32 rows GEMV otherwise and for fp32 x; each result equals the named
     form's."""
     import mla_quant.kernels.w4a16_gemm as W
     import mla_quant.kernels.w4a16_gemm.gemv_half2 as G
@@ -731,8 +731,8 @@ def test_auto_gemv_takes_the_half2_rows_for_long_16_bit_rows(triton_backend, mon
     calls = []
     launch = G._launch
     monkeypatch.setattr(G, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
-    assert W.HALF2_MIN_ROW_WORDS == 1024
-    monkeypatch.setattr(W, "HALF2_MIN_ROW_WORDS", 32)
+    assert W.HALF2_MIN_ROW_WORDS == 256
+    monkeypatch.setattr(W, "HALF2_MIN_ROW_WORDS", 64)
     for k, dtype, form in ((512, torch.bfloat16, "rows_half2"), (512, torch.float16, "rows_half2"),
                            (256, torch.bfloat16, "rows"), (512, torch.float32, "rows")):
         packed, scale = _weights(24, k, 32, dev)
@@ -779,13 +779,17 @@ def test_rows_half2_puts_aligned_x_in_pair_order_itself(triton_backend, monkeypa
 
 
 def test_rows_half2_tile_rule():
-    """One chunk holds at most 256 runs; rows of more chunks pipeline them; the interpreter's tile pipelines."""
+    """One chunk holds at most 256 runs; rows of more chunks pipeline them; the interpreter's tile pipelines; the
+    measured picks."""
     from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_tile
 
     for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432), (6144, 12288), (64, 256)):
         bn, br, warps, pipe = half2_tile(n, k)
         assert br <= min(triton.next_power_of_2(k // 32), 256) and bn >= 1 and warps in (2, 4, 8)
         assert pipe or br >= k // 32
+    # session 37's picks (H100, the GEMV on x itself with PDL): 224-run rows split by N
+    assert half2_tile(2048, 7168) == (8, 256, 4, False) and half2_tile(4096, 7168) == (16, 32, 8, True)
+    assert half2_tile(7168, 2048) == (16, 32, 4, True) and half2_tile(7168, 18432) == (32, 32, 8, True)
     assert half2_tile(64, 2048, interpreted=True)[3]
 
 

@@ -22,12 +22,13 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # first form. The prefetch_weights figures here and in gemv.py / gemv_half2.py were of racy kernels until session 36
 # (x read before the PDL wait; docs/moe.md "activations only after the PDL wait")
 GEMV_FORMS = ("auto", "rows", "rows_half2", "planes1", "planes", "tile")
-# gemv="auto" (the default): the half2 rows GEMV (gemv_half2.py) for bf16 / fp16 x with rows of more than this many
-# words, the fp32 rows GEMV otherwise. H200, sweep_w4a16_gemv (session 27, interleaved rounds with the PDL launches
-# QuantLinear makes): 7168 x 18432 25.0 µs against 33.0 (1.92x tinygemm's 48.1), 6144 x 12288 16.0 against 18.7
-# (1.92x, 30.8); at 7168 and 2048 K the fp32 rows GEMV is faster (7.0 against 8.7 µs at 4096 x 7168; 6.6 on one warp
-# since session 32)
-HALF2_MIN_ROW_WORDS = 1024
+# gemv="auto" (the default): the half2 rows GEMV (gemv_half2.py) for bf16 / fp16 x with rows of at least this many
+# words (K >= 2048), the fp32 rows GEMV otherwise. Until session 36 only rows of more than 1024 words (session 27,
+# H200: 7168 x 18432 25.0 µs against 33.0 for the rows GEMV) — the rows GEMV's lead at K = 7168 and 2048 was its race
+# (docs/moe.md "activations only after the PDL wait"). H100, session 37, both with prefetch_weights and their best
+# tiles, the half2 GEMV on x itself: 2048 x 7168 4.47 µs against 5.02, 4096 x 7168 7.99 against 9.07, 7168 x 2048
+# 4.37 against 5.00, 7168 x 18432 30.7 against 32.5 (results/sweep_w4a16_gemv_h200.json session37_h100_*)
+HALF2_MIN_ROW_WORDS = 256
 # the half2 GEMV reads a 16-byte aligned bf16 / fp16 x as it is and puts it in pair order in registers
 # (``_half2_gemv.inline_pairs``), with no pair_order launch before it; False: always the pair_order launch (a sweep
 # setting)
@@ -184,11 +185,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     per weight) and its own autotuned configs, which also try the 16-row tile at one token (docs/recipes.md).
 
     ``gemv`` picks the one-token GEMV (M = 1, ``fast_dequant`` off, no pinned ``config``): ``"auto"`` (default:
-    ``"rows_half2"`` for bf16 / fp16 x with rows of more than ``HALF2_MIN_ROW_WORDS`` words, else ``"rows"``),
+    ``"rows_half2"`` for bf16 / fp16 x with rows of at least ``HALF2_MIN_ROW_WORDS`` words, else ``"rows"``),
     ``"rows"`` (``gemv.py``, whole rows per program, all of a row's words in flight, no split-K, fp32 sums; its tile
     by ``gemv.gemv_tile``; docs/moe.md "W4A16 at M = 1: whole rows"), ``"rows_half2"`` (bf16 / fp16 x only:
-    ``gemv_half2.py``, the same grid in fp16x2 arithmetic on x in pair order, one ``pair_order`` launch before it;
-    bf16-level sums; docs/moe.md "W4A16 at M = 1 in fp16x2"), ``"planes1"`` (the plane
+    ``gemv_half2.py``, the same grid in fp16x2 arithmetic on x in pair order, which it makes in registers from a
+    16-byte aligned x, else one ``pair_order`` launch before it; bf16-level sums; docs/moe.md "W4A16 at M = 1 in
+    fp16x2"), ``"planes1"`` (the plane
     GEMV in one launch: each program reads its activations from x itself, with its own configs and split-K,
     ``kernel.planes1_split``; docs/moe.md "W4A16 at M = 1 in one launch"), ``"planes"`` (x re-ordered into fp32
     nibble planes by one small launch, the core shared with ``fused_moe``; docs/moe.md "The INT4 plane GEMV")
@@ -212,7 +214,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
 
     ``prefetch_weights`` (the ``"rows"`` / ``"rows_half2"`` GEMVs on sm_90+, unless ``MLA_QUANT_PDL=0``): launch it
     with programmatic dependent launch and load the weights and scales *before* waiting for the kernel launched just
-    before (for ``"rows_half2"``: its ``pair_order`` launch, itself launched with PDL), so they
+    before (for ``"rows_half2"`` on an unaligned x: its ``pair_order`` launch, itself launched with PDL), so they
     stream during that kernel's tail and the launch gap. It is the caller's promise that ``weight_packed`` and
     ``weight_scale`` are not written by that kernel (true of a model's weights at decode: ``QuantLinear`` sets it);
     x is read only after the wait. Off by default.
@@ -248,7 +250,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
     if gemv == "auto":
-        gemv = "rows_half2" if x.dtype != torch.float32 and k // 8 > HALF2_MIN_ROW_WORDS else "rows"
+        gemv = "rows_half2" if x.dtype != torch.float32 and k // 8 >= HALF2_MIN_ROW_WORDS else "rows"
     if gemv == "rows_half2" and x.dtype == torch.float32:
         raise ValueError("gemv='rows_half2' takes bf16 / fp16 activations (fp16 pairs), x is float32")
     if m == 1 and gemv.startswith("rows") and config is None and not fast_dequant and not (frag or swap) and n:

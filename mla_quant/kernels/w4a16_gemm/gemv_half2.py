@@ -121,12 +121,20 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
 #   8 warps 21.2; the rows GEMV's default 18.7, its best tile 16.8; tinygemm 30.8);
 # - 224 runs (K = 7168): 4 rows, 128-run chunks, 4 warps 8.7 µs at 4096 rows, 6.4 at 2048 (the rows GEMV 7.0 / 3.6);
 # - 64 runs (K = 2048): 32 rows, 32-run chunks, 8 warps 5.1 µs at 7168 rows (the rows GEMV 3.6).
-# Only the two long rows are faster than the fp32 rows GEMV: w4a16_gemm's gemv="auto" takes this GEMV above
-# HALF2_MIN_ROW_WORDS.
+# Then only the two long rows were faster than the fp32 rows GEMV; since session 37 (x in pair order inside the GEMV,
+# the activations honestly after the PDL wait) this GEMV is the faster one at every measured shape: w4a16_gemm's
+# gemv="auto" takes it from HALF2_MIN_ROW_WORDS.
 # The weights stream past L1 (the kernel's STREAM: words and scales without L1 lines). H100, sweep --forms stream /
 # half2hints (session 33, the rule tiles after the pair-order launch, PDL): 7168 x 18432 31.2 µs against 31.9 with
 # plain loads, 6144 x 12288 18.6 / 19.8; the scales alone (commit 900e38f) 31.9 / 19.7. H200 (session 34): 24.1 /
 # 24.9 and 14.95 / 16.0 (2.0x and 2.06x tinygemm).
+# Session 37 (H100, sweep --forms stream,half2, the GEMV on x itself with PDL: x put in pair order in registers, no
+# pair_order launch; results/sweep_w4a16_gemv_h200.json session37_h100_inline): 7168 x 2048 16 rows in 32-run
+# chunks on 4 warps 4.37 µs (32 x 32 on 8 warps 4.66; tinygemm 8.27); at 224 runs the best tile depends on N:
+# 2048 x 7168 one 256-run chunk of 8 rows on 4 warps 4.47 µs (4 x 128 pipelined 5.34, 16 x 32 on 8 warps 6.72),
+# 4096 x 7168 16 x 32 on 8 warps 7.99 (8 x 256 10.04, 4 x 128 9.45; tinygemm 12.81); 7168 x 18432 32 x 32 on 8 warps
+# 30.7 (the best, 8 x 64 on 4 warps, 30.3). ONE_CHUNK_MAX_RUNS splits the 224-run rows by N x runs (2048 x 256).
+ONE_CHUNK_MAX_RUNS = 2048 * 256
 STREAM_WEIGHTS = True
 INTERPRETER_TILE = (8, 4, 4, 1)  # small chunks for the CPU interpreter: several chunks, pipelined
 
@@ -138,14 +146,14 @@ def half2_tile(n: int, k: int, interpreted: bool = False) -> tuple[int, int, int
         bn, br, warps, pipe = INTERPRETER_TILE
         return bn, min(br, runs), warps, pipe
     if runs <= 64:
-        bn, br, warps = 32, 32, 8
-    elif runs <= 256:
-        bn, br, warps = 4, 128, 4
+        bn, br, warps, pipe = 16, 32, 4, True
+    elif runs <= 256:  # one-chunk rows while the whole weight is about one register-resident wave, else short chunks
+        bn, br, warps, pipe = (8, runs, 4, False) if n * runs <= ONE_CHUNK_MAX_RUNS else (16, 32, 8, True)
     elif runs <= 512:
-        bn, br, warps = 4, 64, 2
+        bn, br, warps, pipe = 4, 64, 2, True
     else:
-        bn, br, warps = 32, 32, 8
-    return bn, min(br, runs), warps, True
+        bn, br, warps, pipe = 32, 32, 8, True
+    return bn, min(br, runs), warps, pipe
 
 
 def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size: int, tile: tuple,
