@@ -5,17 +5,19 @@ y[n] = Σ_k x[k] · s[n, k / GROUP] · (q[n, k] - 8) for one activation row x [K
 The rows GEMV of ``gemv.py`` (``BN`` output rows per program, no split-K, the weights of the first chunks loaded
 before the PDL wait) with the half2 GEMV's arithmetic (``_half2_gemv.run_dot``: per run of 32 K, 4 words against
 16 fp16 activation pairs, one LOP3 + one conversion + one HFMA2 per pair of weights; about 0.6x the plane GEMV's
-instructions per weight). x arrives in *pair order* (``_half2_gemv.pair_order``: one small launch before the GEMV,
-with PDL), each run's pairs scaled by a power of two into fp16's range; the GEMV multiplies each run's sum by that
-power of two and the run's group scale in fp32. Numerics are the half2 GEMV's (docs/moe.md "The half2 GEMV"):
+instructions per weight). The arithmetic takes x in *pair order*, each run's pairs scaled by a power of two into
+fp16's range; the GEMV multiplies each run's sum by that power of two and the run's group scale in fp32. Since
+session 37 the GEMV makes the pairs itself from a 16-byte aligned x (``INLINE_X``, ``half2_launch_x``:
+``_half2_gemv.inline_pairs``, the same bits); otherwise ``_half2_gemv.pair_order`` writes them in one small launch
+before it (``half2_launch``). Numerics are the half2 GEMV's (docs/moe.md "The half2 GEMV"):
 bf16-level, not the fp32 sums of ``gemv="rows"``.
 
 A program's tile is [BN rows, BR runs]: 4 words per element in one 128-bit load, a warp's lanes on consecutive runs
 of one row (512 contiguous bytes; lanes on the rows of one run, the first form, were slower at every width). A row of
 R = K/32 runs is walked in chunks of BR runs; runs past R (the last chunk of a row whose run count is not a multiple
 of BR) re-read the last run and have their scale zeroed (finite fp16 sums times 0). A run's 16 pairs are 4 128-bit
-loads per thread, shared by the rows the thread holds of that run; they are read after the PDL wait (the pair-order
-launch writes them), the weights before it.
+loads per thread (or, inline, the run's 64 bytes of x in 4), shared by the rows the thread holds of that run; they are
+read after the PDL wait (the kernel before writes them), the weights before it.
 """
 import torch
 import triton
