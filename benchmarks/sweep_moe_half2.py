@@ -2,7 +2,7 @@
 Kimi decode, in one GPU call.
 
     python -m benchmarks.sweep_moe_half2 [--out results/sweep_moe_half2_h200.json] [--tokens 1,4,16] [--pin FORMS]
-        [--rows] [--early] [--pairs] [--stream-weights] [--label NAME]
+        [--rows] [--early] [--pairs] [--stream-weights] [--inline-x] [--label NAME]
 
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings
 per CUDA graph; per token count, in interleaved rounds (``common.interleaved_graph_us``): the plane GEMV with
@@ -19,6 +19,8 @@ wait: none, the down only, both), with and without ``PAIRS_IN_GATE_UP`` (h in pa
 epilogue, no pair_order launch between the GEMVs). ``--pairs`` adds, at one token, ``half2_prefetch`` with the gate-up and the down
 launch pinned to different tiles (each pair of ``PAIR_GATE_UP`` × ``PAIR_DOWN``). ``--stream-weights`` adds
 ``half2_prefetch`` with ``fused_moe.HALF2_STREAM_WEIGHTS`` (the experts' words and scales without L1 lines).
+``--inline-x`` adds ``half2_prefetch`` and ``half2`` with ``fused_moe.HALF2_INLINE_X`` (the gate-up puts x in pair
+order itself: no pair_order launch, and no early routing read in the gate-up).
 """
 from __future__ import annotations
 
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                   ap.add_argument("--early", action="store_true"),
                                   ap.add_argument("--pairs", action="store_true"),
                                   ap.add_argument("--stream-weights", action="store_true"),
+                                  ap.add_argument("--inline-x", action="store_true"),
                                   ap.add_argument("--label")))
     if args is None:
         return 1
@@ -177,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                     with module_attrs(F, {"HALF2_STREAM_WEIGHTS": True}):
                         return routed("int4_g32", block_m=1, gemv="half2_prefetch")
                 fns["half2_prefetch_stream"] = stream
+            if args.inline_x:  # fused_moe.HALF2_INLINE_X at capture: no pair_order launch for x
+                def inline(form):
+                    def fn():
+                        with module_attrs(F, {"HALF2_INLINE_X": True}):
+                            return routed("int4_g32", block_m=1, gemv=form)
+                    return fn
+                fns["half2_prefetch_inline_x"] = inline("half2_prefetch")
+                fns["half2_inline_x"] = inline("half2")
             if args.pairs and t == 1:
                 for g in PAIR_GATE_UP:
                     for d in PAIR_DOWN:

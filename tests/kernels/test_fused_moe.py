@@ -809,8 +809,23 @@ def test_gpu_half2_run_dot_is_its_reference():
 @pytest.mark.parametrize("form", ["half2", "half2_prefetch"])
 def test_gpu_half2_gemv_real_widths(t, dtype, form):
     """The half2 forms compiled (the 128-bit loads, the fp16x2 PTX, h pair-ordered between the launches) at Kimi's
-    widths: against the reference, the plane GEMV (fp32 products), and itself (bitwise)."""
-    _assert_gpu_gemv_form(form, experts("int4_group", 24, 7168, 2048, seed=5, device="cuda"), t, dtype)
+    widths: against the reference, the plane GEMV (fp32 products), and itself (bitwise); with HALF2_INLINE_X (x put
+    in pair order inside the gate-up) the same bits as through pair_order."""
+    import mla_quant.kernels.fused_moe as F
+
+    params = experts("int4_group", 24, 7168, 2048, seed=5, device="cuda")
+    _assert_gpu_gemv_form(form, params, t, dtype)
+    x = torch.randn(t, 7168, device="cuda").to(dtype)
+    w, ids = routing(t, 24, 8, seed=6, device="cuda")
+    call = lambda: fused_moe(x, w, ids, params[0], params[1], params[2], kind="int4_group", block_m=1,  # noqa: E731
+                             gemv=form)
+    want = call()
+    F.HALF2_INLINE_X = True
+    try:
+        got = call()
+    finally:
+        F.HALF2_INLINE_X = False
+    assert_bitwise_equal(got, want, f"{form} t={t}: x in pair order inside the gate-up")
 
 
 @pytest.mark.parametrize("tokens,fusion", [(1, "auto"), (1, False), (3, "auto")])
@@ -818,7 +833,7 @@ def test_half2_prefetch_launch_settings_change_no_bit(triton_backend, monkeypatc
     """half2_prefetch's defaults — WEIGHTS_BEFORE_WAIT (routing and first weights read before the PDL wait, the
     counters zeroed after the gate-up's GEMV, a dropped slot waiting on its own path) and PAIRS_IN_GATE_UP (the
     gate-up's epilogue writes h in pair order: no pair_order launch between the GEMVs) and HALF2_STREAM_WEIGHTS (the
-    weights loaded without L1 lines) — give the bits of the launches without them, under poisoned allocations (h's
+    weights loaded without L1 lines) — and HALF2_INLINE_X (the gate-up puts x in pair order itself) give the bits of the launches without them, under poisoned allocations (h's
     pair padding is never read), on the decode path (dropped slots) and the aligned one. Interpreted the waits return
     at once: this checks the code order, test_pdl.py the ordering on the GPU."""
     import mla_quant.kernels._half2_gemv as H
@@ -840,28 +855,34 @@ def test_half2_prefetch_launch_settings_change_no_bit(triton_backend, monkeypatc
         class Spy:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    seen.append((kw["WEIGHTS_FIRST"], kw.get("PAIRS_OUT", False), kw["STREAM"]))
+                    seen.append((kw["WEIGHTS_FIRST"], kw.get("PAIRS_OUT", False), kw["STREAM"],
+                                 kw.get("INLINE_X", False)))
                     return launch[grid](*args, **kw)
                 return run
         monkeypatch.setattr(K, "_moe_gemm_kernel", Spy())
     _poison_allocations(monkeypatch)
     outs = {}
-    for early, pairs, stream in ((("gate_up", "down"), True, False), (("down",), True, False), ((), True, False),
-                                 (("gate_up", "down"), False, False), ((), False, False),
-                                 (("gate_up", "down"), True, True)):
+    for early, pairs, stream, inline in ((("gate_up", "down"), True, False, False), (("down",), True, False, False),
+                                         ((), True, False, False), (("gate_up", "down"), False, False, False),
+                                         ((), False, False, False), (("gate_up", "down"), True, True, False),
+                                         (("gate_up", "down"), True, False, True), ((), False, False, True)):
         monkeypatch.setattr(F, "WEIGHTS_BEFORE_WAIT", early)
         monkeypatch.setattr(F, "PAIRS_IN_GATE_UP", pairs)
         monkeypatch.setattr(F, "HALF2_STREAM_WEIGHTS", stream)
+        monkeypatch.setattr(F, "HALF2_INLINE_X", inline)
         seen.clear(), pair_orders.clear()
-        outs[early, pairs, stream] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
-                                               gemv="half2_prefetch", decode_fusion=fusion, shared_out=shared_out,
-                                               out=poisoned_empty(x.shape, x.dtype, dev))
-        assert len(pair_orders) == (1 if pairs else 2), (early, pairs)
-        if dev == "cpu":
-            assert seen == [("gate_up" in early, pairs, stream), ("down" in early, False, stream)], (early, pairs)
-    plain = outs[(), False, False]
+        outs[early, pairs, stream, inline] = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=1,
+                                                       gemv="half2_prefetch", decode_fusion=fusion,
+                                                       shared_out=shared_out, out=poisoned_empty(x.shape, x.dtype, dev))
+        # x's pair_order launch unless the gate-up reads x itself; h's unless the gate-up writes h in pair order
+        assert len(pair_orders) == (not inline) + (not pairs), (early, pairs, inline)
+        if dev == "cpu":  # reading x itself, the gate-up reads its routing only after its wait
+            assert seen == [("gate_up" in early and not inline, pairs, stream, inline),
+                            ("down" in early, False, stream, False)], (early, pairs, inline)
+    plain = outs[(), False, False, False]
     for setting, got in outs.items():
-        assert_bitwise_equal(got, plain, f"(WEIGHTS_BEFORE_WAIT, PAIRS_IN_GATE_UP, HALF2_STREAM_WEIGHTS) = {setting}")
+        assert_bitwise_equal(got, plain, "(WEIGHTS_BEFORE_WAIT, PAIRS_IN_GATE_UP, HALF2_STREAM_WEIGHTS, "
+                                         f"HALF2_INLINE_X) = {setting}")
     cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
     ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
                               shared_out=shared_out.cpu())

@@ -50,6 +50,11 @@ PAIRS_IN_GATE_UP = True
 # sweep_moe_half2 --stream-weights (session 34), half2_prefetch's tiles: 1 token 62.1 µs against 59.9 without, 4 tokens
 # 210.0 / 208.8, 16 tokens 759.5 / 767.0.
 HALF2_STREAM_WEIGHTS = False
+# half2 GEMVs on bf16 / fp16 x with 16-byte aligned rows: the gate-up puts x in pair order in its registers
+# (_half2_gemv.inline_pairs, the bits pair_order writes), so no pair_order launch runs before it. Its routing and
+# first weights are then read after its wait (the pair_order launch with hold_next was what made reading them early
+# safe): "gate_up" leaves WEIGHTS_BEFORE_WAIT. A sweep setting (sweep_moe_half2 --inline-x).
+HALF2_INLINE_X = False
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
 INT4_TILE_FORMS = ("planes", "dequant")
@@ -155,6 +160,13 @@ def _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, b
     tensors.update({f"{p}['{s}']": t for p, w in (("gate", gate), ("up", up), ("down", down)) for s, t in w.items()})
     check_same_device(**tensors)
     return e, inter
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    """bf16 / fp16 rows the half2 gate-up can read in 128-bit loads as they are (``HALF2_INLINE_X``): contiguous,
+    16-byte aligned, K a multiple of 32."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and (x.stride(0) * x.element_size()) % 16 == 0 and x.shape[-1] % 32 == 0)
 
 
 def fused_moe(
@@ -265,10 +277,13 @@ def fused_moe(
     half2 = kind == "int4_group" and bm == 1 and gemv.startswith("half2")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     pairs_out = half2 and gemv == "half2_prefetch" and PAIRS_IN_GATE_UP
+    inline_x = half2 and HALF2_INLINE_X and _rows_aligned(x)
     gate_up_pdl = down_pdl = pdl
     # interpreted (no PDL): the same code order, with waits that return at once
     early = WEIGHTS_BEFORE_WAIT if (pdl["PDL"] or triton_interpreted()) and half2 and gemv == "half2_prefetch" \
         else ()
+    if inline_x:  # no pair_order launch with hold_next before the gate-up: it reads the routing after its wait
+        early = tuple(launch for launch in early if launch != "gate_up")
     if early:
         # The order that makes the early reads safe. The gate-up signals the down's pair_order launch only after
         # its own wait (PDL mode 1), so once the down launch runs, x's pair_order and every kernel before this
@@ -331,6 +346,8 @@ def fused_moe(
         xa, xa_scale = quant(x, act_group, ue8m0)
     elif planes:
         xa = xa_scale = plane_order(x)  # once per call, shared by every expert
+    elif inline_x:  # the gate-up reads x itself
+        xa, xa_scale = x, x
     elif half2:
         xa, xa_scale = pair_order(x, hold_next="gate_up" in early)
     elif plane_tile:
@@ -347,6 +364,8 @@ def fused_moe(
     else:
         h = torch.empty((num_assignments, inter), dtype=x.dtype, device=x.device)
     h_out = dict(dst_scale=h_scale, PAIRS_OUT=True, H_DT=_TL_DTYPES[x.dtype]) if pairs_out else {}
+    if inline_x:
+        h_out["INLINE_X"] = True
     weights_flat = topk_weights.contiguous()
     y = torch.empty((num_assignments, hidden), dtype=torch.float32, device=x.device)
     shared = shared_out if shared_out is not None else result

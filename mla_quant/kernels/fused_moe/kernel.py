@@ -53,7 +53,7 @@ import triton.language as tl
 
 from .._gemm_utils import (PLANE_WORDS, _load_in_place, autotune_bench, four_words, int4_codes, int4_plane_gemv_step,
                            load_k, plane_offsets, plane_scale, reduce_arrivals)
-from .._half2_gemv import PAIR_BLOCK, f16_pairs, load_pairs, pair_offsets, run_dot, run_exponent
+from .._half2_gemv import PAIR_BLOCK, f16_pairs, inline_pairs, load_pairs, pair_offsets, run_dot, run_exponent
 from .._triton_utils import grid_dependency_sync
 
 KIND_DENSE, KIND_FP8, KIND_INT4 = 0, 1, 2
@@ -164,7 +164,8 @@ def _int4_plane_gemv(a_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, rn, N, K, str
 def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N, K, stride_at, stride_ast,
                      stride_wn, stride_sn, GATED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
-                     ROWS: tl.constexpr = False, WAIT: tl.constexpr = 0, STREAM: tl.constexpr = False):
+                     ROWS: tl.constexpr = False, WAIT: tl.constexpr = 0, STREAM: tl.constexpr = False,
+                     INLINE_X: tl.constexpr = False):
     """The half2 GEMV of one assignment (``HALF2``; ``a_row``: its row of ``a``, pairs from
     ``_half2_gemv.pair_order``, run scales at ``as_ptr``) against columns n0..n0+BLOCK_N of one expert: fp32
     [1, BLOCK_N] sums (gate, and up when GATED). Tiles are [BLOCK_K/32, BLOCK_N/2] runs (4 words each), the even
@@ -175,7 +176,9 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     read again). ROWS: the tiles are [BLOCK_N/2, BLOCK_K/32] instead, so a warp's lanes take consecutive runs of
     one weight row (coalesced 16-byte word loads) rather than the columns of one run. WAIT (a PDL mode, with
     PREFETCH): the PDL wait comes after the first K block's words are loaded, before any activation is read.
-    STREAM: the weights' words and scales are loaded without L1 lines (read once; see gemv_half2.STREAM_WEIGHTS)."""
+    STREAM: the weights' words and scales are loaded without L1 lines (read once; see gemv_half2.STREAM_WEIGHTS).
+    INLINE_X: ``a_ptr`` is the activation row itself (bf16 / fp16, 16-byte aligned rows), put in pair order here, once
+    per run for all the tile's columns (``_half2_gemv.inline_pairs``: the bits ``pair_order`` writes)."""
     if ROWS:
         rr = tl.arange(0, BLOCK_K // 32)[None, :] + tl.zeros((BLOCK_N // 2, 1), dtype=tl.int32)  # full tile shape
         c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[:, None]
@@ -201,8 +204,13 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
         ok = run < K // 32
         if not EVEN_K:  # runs past K read the first run, zeroed
             run = tl.where(ok, run, 0)
-        x = load_pairs(a_ptr + pair_offsets(run), INTERPRET)
-        xs = _load_in_place(as_ptr + run, ok, True, INTERPRET, CONSTANT=False)
+        if INLINE_X:  # one run index per run of the tile, broadcast over its columns
+            rx = k0 // 32 + (tl.arange(0, BLOCK_K // 32)[None, :] if ROWS else tl.arange(0, BLOCK_K // 32)[:, None])
+            x = inline_pairs(a_ptr, tl.where(rx < K // 32, rx, 0), INTERPRET)
+            xs = x[16]
+        else:
+            x = load_pairs(a_ptr + pair_offsets(run), INTERPRET)
+            xs = _load_in_place(as_ptr + run, ok, True, INTERPRET, CONSTANT=False)
         w_off, s_off = 4 * run, 32 * run // GROUP
         if PREFETCH:  # this block's words were loaded one block ago; start the next block's
             w1e, w1o, w3e, w3o = n1e, n1o, n3e, n3o
@@ -360,7 +368,8 @@ def _moe_gemm_kernel(
         PREFETCH: tl.constexpr = False, PLANE_TILE: tl.constexpr = False, HALF2: tl.constexpr = False,
         DIRECT: tl.constexpr = False, COUNTERS: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
         HAS_SHARED: tl.constexpr = False, PDL: tl.constexpr = False, HALF2_ROWS: tl.constexpr = False,
-        WEIGHTS_FIRST: tl.constexpr = False, PAIRS_OUT: tl.constexpr = False, STREAM: tl.constexpr = False):
+        WEIGHTS_FIRST: tl.constexpr = False, PAIRS_OUT: tl.constexpr = False, STREAM: tl.constexpr = False,
+        INLINE_X: tl.constexpr = False):
     # a: [*, K] activations, row of assignment r = r // a_div (tokens for gate-up, assignments for down).
     # w1 (and w3 when GATED): [E, N, K] stacked weights; out: [A, N]. HALF2: a in pair order, as_ptr its run
     # scales.
@@ -373,6 +382,8 @@ def _moe_gemm_kernel(
     # STREAM (HALF2): the expert weights' words and scales are loaded without L1 lines (fused_moe.HALF2_STREAM_WEIGHTS).
     # PAIRS_OUT (the half2 gate-up): h leaves in pair order, out_ptr its pairs and hs_ptr its run scales, exactly
     # what _half2_gemv.pair_order makes of h rounded to H_DT (_store_pairs), so no pair_order launch follows.
+    # INLINE_X (the half2 gate-up): a is x itself (bf16 / fp16), put in pair order in registers; as_ptr unread.
+    tl.static_assert(not INLINE_X or (HALF2 and not WEIGHTS_FIRST), "INLINE_X: half2, x read after the wait")
     tl.static_assert(not PAIRS_OUT or (HALF2 and GATED and BLOCK_N % 32 == 0), "PAIRS_OUT: half2 gate-up, whole runs")
     tl.static_assert(not WEIGHTS_FIRST or (HALF2 and PREFETCH), "WEIGHTS_FIRST is a half2_prefetch GEMV mode")
     pid_m = tl.program_id(0)
@@ -408,7 +419,7 @@ def _moe_gemm_kernel(
         acc1, acc3 = _int4_half2_gemv(a_ptr, as_ptr, tl.sum(tl.where(row_ok, a_rows, 0)), w1_ptr, s1_ptr, w3_ptr,
                                       s3_ptr, pid_n * BLOCK_N, N, K, stride_at, stride_ast, stride_wn, stride_sn,
                                       GATED, GROUP, BLOCK_N, BLOCK_K, EVEN_K, INTERPRET, PREFETCH, HALF2_ROWS,
-                                      PDL if WEIGHTS_FIRST else 0, STREAM)
+                                      PDL if WEIGHTS_FIRST else 0, STREAM, INLINE_X)
         if WEIGHTS_FIRST:
             _zero_counters(count_ptr, pid_m, pid_n, num_counters, COUNTERS)
     elif PLANES:  # INT4 plane GEMV (BLOCK_M == 1): a separate loop, see _int4_plane_gemv
