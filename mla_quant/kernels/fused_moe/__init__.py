@@ -55,8 +55,8 @@ HALF2_STREAM_WEIGHTS = False
 # first weights are then read after its wait (the pair_order launch with hold_next was what made reading them early
 # safe): "gate_up" leaves WEIGHTS_BEFORE_WAIT. A sweep setting (sweep_moe_half2 --inline-x), off: H100, Kimi experts
 # (session 37, 0573667, run session37_h100_inline): one token 84.4 µs against 76.2 with the pair_order launch, 4 tokens
-# 273.7 / 273.3. Each gate-up program converts the whole x row for its 16 column pairs (the dense GEMV converts only
-# the runs its rows take), and the gate-up's early reads go.
+# 273.7 / 273.3 (why is not profiled: the gate-up also loses its early reads, and every one of its programs converts
+# all of x's 224 runs).
 HALF2_INLINE_X = False
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
