@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -356,16 +357,18 @@ def cases_w4a16_gemm() -> Iterator[Case]:
     for x_dtype in (BF16, torch.float32):
         yield f"M=1 gemv=planes1 {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(1, k, dtype=x_dtype),
                                                                    packed, scale, 32, gemv="planes1")
-    # M = 1, the whole-row GEMV (the default): each tile of gemv.gemv_tile, plain and with prefetch_weights (PDL)
-    for n, k in ((2048, 7168), (7168, 2048), (7168, 18432)):
+    # M = 1, the whole-row GEMVs: each tile of gemv.gemv_tile and gemv_half2.half2_tile (x in pair order inside the
+    # GEMV), plain and with prefetch_weights (PDL)
+    for n, k in ((2048, 7168), (4096, 7168), (7168, 2048), (7168, 18432)):
         packed, scale = _zero_int4(n, k)
-        for early in (False, True):
-            yield f"M=1 gemv=rows {n}x{k} prefetch={early}", partial(w4a16_gemm, torch.randn(1, k, dtype=BF16),
-                                                                      packed, scale, 32, prefetch_weights=early)
-    # x not 16-byte aligned: the rows GEMV's scalar activation loads (VEC off), which only this case compiles
-    for x_dtype in (BF16, torch.float32):
-        yield f"M=1 gemv=rows unaligned x={_dt(x_dtype)}", partial(
-            w4a16_gemm, torch.randn(1, 2049, dtype=x_dtype)[:, 1:], *_zero_int4(40, 2048), 32, gemv="rows")
+        for form, early in itertools.product(("rows", "rows_half2"), (False, True)):
+            yield f"M=1 gemv={form} {n}x{k} prefetch={early}", partial(
+                w4a16_gemm, torch.randn(1, k, dtype=BF16), packed, scale, 32, gemv=form, prefetch_weights=early)
+    # x not 16-byte aligned: the rows GEMV's scalar activation loads (VEC off), and the half2 GEMV on pairs from a
+    # pair_order launch, which only these cases compile
+    for x_dtype, form in ((BF16, "rows"), (torch.float32, "rows"), (BF16, "rows_half2")):
+        yield f"M=1 gemv={form} unaligned x={_dt(x_dtype)}", partial(
+            w4a16_gemm, torch.randn(1, 2049, dtype=x_dtype)[:, 1:], *_zero_int4(40, 2048), 32, gemv=form)
 
 
 def cases_moe_align() -> Iterator[Case]:

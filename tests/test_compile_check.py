@@ -57,12 +57,13 @@ def test_compiles_topk_and_kv_append_for_sm90():
 def test_rows_gemv_with_unaligned_activations_compiles_for_sm90():
     """The one-token rows GEMV with x not 16-byte aligned (its scalar activation loads, ``load_k`` with no mask)
     compiles for sm_90 (fake Hopper, a subprocess): the CPU interpreter runs it either way, and before session 30
-    this path failed only on the GPU ("`other` cannot be provided without `mask`")."""
+    this path failed only on the GPU ("`other` cannot be provided without `mask`"). So does the half2 GEMV's path for
+    such an x (a pair_order launch, then the GEMV on pairs)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "w4a16_gemm", "-k", "unaligned",
                            "--no-ptxas"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "OK   w4a16_gemm: 2 cases, 2 kernels" in done.stdout, done.stdout
+    assert "OK   w4a16_gemm: 3 cases, 4 kernels" in done.stdout, done.stdout
 
 
 def test_mla_decode_tiles_get_num_stages_minus_one_buffers_on_sm90():
@@ -190,10 +191,10 @@ def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_pat
     rows = [r for r in _pdl_audit("w4a16_gemm", "prefetch=True", tmp_path / "gemv.json")
             if r["kernel"].startswith("_w4a16_gemv")]
     assert {r["kernel"] for r in rows} == {"_w4a16_gemv_kernel", "_w4a16_gemv_half2_kernel"}, rows
-    for r in rows:
-        assert r["fma_before"] <= 2 and r["wait_at"] < 0.15 * r["instructions"], r
-        if r["kernel"] == "_w4a16_gemv_kernel":
-            assert r["ptx_nc_after_wait"] == 0, r
+    for r in rows:  # before the wait: addresses and weight loads (a one-chunk half2 tile: 32 loads, ~15 %)
+        assert r["fma_before"] <= 2 and r["wait_at"] < 0.25 * r["instructions"], r
+        if r["kernel"] == "_w4a16_gemv_kernel" and not r["config"].get("PIPE"):
+            assert r["ptx_nc_after_wait"] == 0, r  # (pipelined chunks load their later scales after it: weights)
         else:
             assert r["coherent_before"] >= 8, r
     # fused_moe's one-token half2_prefetch launches (WEIGHTS_FIRST): the gate-up's first K block of words (8 loads,
