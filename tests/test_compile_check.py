@@ -193,10 +193,9 @@ def test_one_token_gemvs_read_only_weights_before_their_pdl_wait_on_sm90(tmp_pat
     assert {r["kernel"] for r in rows} == {"_w4a16_gemv_kernel", "_w4a16_gemv_half2_kernel"}, rows
     for r in rows:  # before the wait: addresses and weight loads (a one-chunk half2 tile: 32 loads, ~15 %)
         assert r["fma_before"] <= 2 and r["wait_at"] < 0.25 * r["instructions"], r
+        assert r["coherent_before"] >= 8, r  # the prefetched weights, both GEMVs
         if r["kernel"] == "_w4a16_gemv_kernel" and not r["config"].get("PIPE"):
             assert r["ptx_nc_after_wait"] == 0, r  # (pipelined chunks load their later scales after it: weights)
-        else:
-            assert r["coherent_before"] >= 8, r
     # fused_moe's one-token half2_prefetch launches (WEIGHTS_FIRST): the gate-up's first K block of words (8 loads,
     # gate and up, even and odd columns) before its main wait, and nothing on the activation pairs
     rows = [r for r in _pdl_audit("fused_moe", "act_quant=False T=1 x=bfloat16", tmp_path / "moe.json")

@@ -226,6 +226,13 @@ def _interpreted_pair(x, k, down, Q: tl.constexpr):
     return lo16 | (hi16 << 16)
 
 
+def inline_pairs_ok(a: torch.Tensor) -> bool:
+    """Whether :func:`inline_pairs` can read the rows of ``a`` [R, K] as they are: bf16 / fp16, last dim contiguous,
+    every row at a 16-byte aligned address, K a multiple of 32 (whole runs). Otherwise :func:`pair_order` first."""
+    return (a.dtype in (torch.bfloat16, torch.float16) and a.dim() == 2 and a.stride(1) == 1
+            and a.data_ptr() % 16 == 0 and (a.stride(0) * a.element_size()) % 16 == 0 and a.shape[1] % RUN_K == 0)
+
+
 @triton.jit
 def inline_pairs(x_ptr, run, INTERPRET: tl.constexpr):
     """Run ``run`` of the activation row at ``x_ptr`` (bf16 / fp16, 16-byte aligned) in pair order, made in

@@ -720,17 +720,23 @@ def test_rows_half2_gemv_is_exact_for_every_nibble_and_names_what_it_cannot_take
         w4a16_gemm(x, packed, scale, 32, gemv="rows_half2")
 
 
+def _half2_launches(monkeypatch) -> list:
+    """A list that records, for each half2 GEMV launch from here on, whether it read x itself (INLINE_X)."""
+    import mla_quant.kernels.w4a16_gemm.gemv_half2 as G
+
+    calls, launch = [], G._launch
+    monkeypatch.setattr(G, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
+    return calls
+
+
 def test_auto_gemv_takes_the_half2_rows_for_long_16_bit_rows(triton_backend, monkeypatch):
     """gemv="auto" (the default) runs the half2 rows GEMV (seen by its launch) for bf16 / fp16 x whose rows hold
     at least HALF2_MIN_ROW_WORDS words, the fp32 rows GEMV otherwise and for fp32 x; each result equals the named
     form's."""
     import mla_quant.kernels.w4a16_gemm as W
-    import mla_quant.kernels.w4a16_gemm.gemv_half2 as G
 
     dev = triton_backend
-    calls = []
-    launch = G._launch
-    monkeypatch.setattr(G, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
+    calls = _half2_launches(monkeypatch)
     assert W.HALF2_MIN_ROW_WORDS == 256
     monkeypatch.setattr(W, "HALF2_MIN_ROW_WORDS", 64)
     for k, dtype, form in ((512, torch.bfloat16, "rows_half2"), (512, torch.float16, "rows_half2"),
@@ -752,9 +758,7 @@ def test_rows_half2_puts_aligned_x_in_pair_order_itself(triton_backend, monkeypa
     import mla_quant.kernels.w4a16_gemm.gemv_half2 as G
 
     dev = triton_backend
-    calls = []
-    launch = G._launch
-    monkeypatch.setattr(G, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
+    calls = _half2_launches(monkeypatch)
     n, k = 20, 320
     packed, scale = _weights(n, k, 32, dev)
     for dtype, special in itertools.product((torch.bfloat16, torch.float16), (None, "inf", "nan")):

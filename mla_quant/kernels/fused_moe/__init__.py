@@ -165,13 +165,6 @@ def _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, b
     return e, inter
 
 
-def _rows_aligned(x: torch.Tensor) -> bool:
-    """bf16 / fp16 rows the half2 gate-up can read in 128-bit loads as they are (``HALF2_INLINE_X``): contiguous,
-    16-byte aligned, K a multiple of 32."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and (x.stride(0) * x.element_size()) % 16 == 0 and x.shape[-1] % 32 == 0)
-
-
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -251,7 +244,7 @@ def fused_moe(
             raise ValueError(f"gemv='fragments': {problem}")
         return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
-    from .._half2_gemv import pair_order
+    from .._half2_gemv import inline_pairs_ok, pair_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
                          moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_half2_autotuned,
                          moe_gemv_half2_prefetch_autotuned,
@@ -280,7 +273,7 @@ def fused_moe(
     half2 = kind == "int4_group" and bm == 1 and gemv.startswith("half2")
     plane_tile = kind == "int4_group" and bm > 1 and int4_tile == "planes"
     pairs_out = half2 and gemv == "half2_prefetch" and PAIRS_IN_GATE_UP
-    inline_x = half2 and HALF2_INLINE_X and _rows_aligned(x)
+    inline_x = half2 and HALF2_INLINE_X and inline_pairs_ok(x)
     gate_up_pdl = down_pdl = pdl
     # interpreted (no PDL): the same code order, with waits that return at once
     early = WEIGHTS_BEFORE_WAIT if (pdl["PDL"] or triton_interpreted()) and half2 and gemv == "half2_prefetch" \

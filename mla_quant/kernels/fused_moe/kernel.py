@@ -180,10 +180,12 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
     INLINE_X: ``a_ptr`` is the activation row itself (bf16 / fp16, 16-byte aligned rows), put in pair order here, once
     per run for all the tile's columns (``_half2_gemv.inline_pairs``: the bits ``pair_order`` writes)."""
     if ROWS:
-        rr = tl.arange(0, BLOCK_K // 32)[None, :] + tl.zeros((BLOCK_N // 2, 1), dtype=tl.int32)  # full tile shape
+        r1 = tl.arange(0, BLOCK_K // 32)[None, :]  # the tile's runs, broadcast over its columns
+        rr = r1 + tl.zeros((BLOCK_N // 2, 1), dtype=tl.int32)  # full tile shape
         c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[:, None]
     else:
-        rr = tl.arange(0, BLOCK_K // 32)[:, None] + tl.zeros((1, BLOCK_N // 2), dtype=tl.int32)
+        r1 = tl.arange(0, BLOCK_K // 32)[:, None]
+        rr = r1 + tl.zeros((1, BLOCK_N // 2), dtype=tl.int32)
         c = n0 + 2 * tl.arange(0, BLOCK_N // 2)[None, :]
     even = tl.minimum(c, N - 1).to(tl.int64) * stride_wn
     odd = tl.minimum(c + 1, N - 1).to(tl.int64) * stride_wn
@@ -204,9 +206,9 @@ def _int4_half2_gemv(a_ptr, as_ptr, a_row, w1_ptr, s1_ptr, w3_ptr, s3_ptr, n0, N
         ok = run < K // 32
         if not EVEN_K:  # runs past K read the first run, zeroed
             run = tl.where(ok, run, 0)
-        if INLINE_X:  # one run index per run of the tile, broadcast over its columns
-            rx = k0 // 32 + (tl.arange(0, BLOCK_K // 32)[None, :] if ROWS else tl.arange(0, BLOCK_K // 32)[:, None])
-            x = inline_pairs(a_ptr, tl.where(rx < K // 32, rx, 0), INTERPRET)
+        if INLINE_X:  # once per run of the tile, not per column (runs past K: the first run, as above)
+            rx = k0 // 32 + r1
+            x = inline_pairs(a_ptr, rx if EVEN_K else tl.where(rx < K // 32, rx, 0), INTERPRET)
             xs = x[16]
         else:
             x = load_pairs(a_ptr + pair_offsets(run), INTERPRET)

@@ -258,11 +258,11 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         interpreted = triton_interpreted()
         pdl = pdl_launch(x.device, "w4a16_gemv") if prefetch_weights else {"PDL": False}
         if gemv == "rows_half2":
-            from .._half2_gemv import pair_order
-            from .gemv_half2 import half2_launch, half2_launch_x, half2_tile, inline_x_ok
+            from .._half2_gemv import inline_pairs_ok, pair_order
+            from .gemv_half2 import half2_launch, half2_launch_x, half2_tile
 
             tile = half2_tile(n, k, interpreted)
-            if HALF2_INLINE_X and inline_x_ok(x2[0]):  # x put in pair order inside the GEMV
+            if HALF2_INLINE_X and inline_pairs_ok(x2):  # x put in pair order inside the GEMV
                 half2_launch_x(x2[0], weight_packed, weight_scale, y.view(n), group_size, tile, pdl, interpreted)
             else:
                 pairs, pair_scales = pair_order(x2)

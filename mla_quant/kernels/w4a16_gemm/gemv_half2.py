@@ -19,12 +19,11 @@ of BR) re-read the last run and have their scale zeroed (finite fp16 sums times 
 loads per thread (or, inline, the run's 64 bytes of x in 4), shared by the rows the thread holds of that run; they are
 read after the PDL wait (the kernel before writes them), the weights before it.
 """
-import torch
 import triton
 import triton.language as tl
 
 from .._gemm_utils import _load_in_place, four_words
-from .._half2_gemv import inline_pairs, load_pairs, pair_offsets, run_dot
+from .._half2_gemv import inline_pairs, inline_pairs_ok, load_pairs, pair_offsets, run_dot
 from .._triton_utils import gdc_launch_dependents, gdc_wait
 from .gemv import span_launch
 
@@ -56,7 +55,7 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
     """Run sums × group scale × the run's activation scale, fp32 [BN, SIZE] (summed over runs at the row's end).
     INLINE_X: ``p_ptr`` is x itself, put in pair order here, once per run for all BN rows (``inline_pairs``)."""
     if INLINE_X:
-        x = inline_pairs(p_ptr, tl.minimum(OFF + tl.arange(0, SIZE), RUNS - 1)[None, :], INTERPRET)
+        x = inline_pairs(p_ptr, _span_runs(OFF, SIZE, RUNS, 1)[0], INTERPRET)
         return run_dot(words, x, INTERPRET) * (scales * x[16])
     run, ok = _span_runs(OFF, SIZE, RUNS, BN)
     x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
@@ -100,7 +99,7 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
         words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PIPE and CHUNKS > 1:
             ahead, ahead_scales = _span(w_rows, s_rows, BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
-        if PDL:  # the weights above may be read early; the pairs (and y) only after the pair-order launch has finished
+        if PDL:  # the weights above may be read early; x or its pairs (and y) only after the kernel before has finished
             gdc_wait()
         acc = _span_dot(words, scales, p_ptr, ps_ptr, 0, BR, RUNS, BN, INTERPRET, INLINE_X)
         for c in tl.static_range(1, CHUNKS):
@@ -171,18 +170,12 @@ def half2_launch(pairs, pair_scales, weight_packed, weight_scale, y1, group_size
 def half2_launch_x(x1, weight_packed, weight_scale, y1, group_size: int, tile: tuple, pdl: dict | None = None,
                    interpreted: bool = False, stream: bool | None = None) -> None:
     """:func:`half2_launch` on the activation row itself: x1 [K] bf16 / fp16, contiguous and 16-byte aligned
-    (:func:`inline_x_ok`), put in pair order inside the GEMV (``_half2_gemv.inline_pairs``: the same pairs, bit
-    for bit, without the pair-order launch before it)."""
-    if not inline_x_ok(x1):
+    (``_half2_gemv.inline_pairs_ok``), put in pair order inside the GEMV (``_half2_gemv.inline_pairs``: the same
+    pairs, bit for bit, without the pair-order launch before it)."""
+    if x1.dim() != 1 or not inline_pairs_ok(x1[None]):
         raise ValueError(f"half2_launch_x: x must be a contiguous bf16 / fp16 row at a 16-byte aligned address, "
                          f"got {x1.dtype}, stride {x1.stride()}, address {x1.data_ptr():#x}")
     _launch(x1, x1, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, True)
-
-
-def inline_x_ok(x1) -> bool:
-    """Whether :func:`half2_launch_x` takes the activation row x1 (else: ``pair_order`` and :func:`half2_launch`)."""
-    return (x1.dtype in (torch.bfloat16, torch.float16) and x1.dim() == 1 and x1.stride(0) == 1
-            and x1.data_ptr() % 16 == 0 and x1.numel() % 32 == 0)
 
 
 def _launch(p, ps, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, inline_x):
