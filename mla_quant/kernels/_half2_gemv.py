@@ -216,11 +216,12 @@ INLINE_PAIRS_CONSTRAINTS = tl.constexpr("=r," * 17 + ",".join(["r"] * 16))
 
 
 @triton.jit
-def _interpreted_pair(x, k, down, Q: tl.constexpr):
-    """Interpreter form of one pair of :func:`inline_pairs`: elements Q and Q + 4 of each run (``x`` fp32
-    [..., 32], ``k`` its last index) times ``down``, as fp16 lanes of an int32."""
-    lo = tl.sum(tl.where(k == Q, x, 0.0), axis=2) * down
-    hi = tl.sum(tl.where(k == Q + 4, x, 0.0), axis=2) * down
+def _interpreted_pair(bits, k, down, Q: tl.constexpr):
+    """Interpreter form of one pair of :func:`inline_pairs`: elements Q and Q + 4 of each run (``bits``: the fp32
+    values' bits [..., 32], ``k`` its last index; picked by an integer sum, which keeps -0 and NaN as they are) times
+    ``down``, as fp16 lanes of an int32."""
+    lo = tl.sum(tl.where(k == Q, bits, 0), axis=2).to(tl.float32, bitcast=True) * down
+    hi = tl.sum(tl.where(k == Q + 4, bits, 0), axis=2).to(tl.float32, bitcast=True) * down
     lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return lo16 | (hi16 << 16)
@@ -243,6 +244,7 @@ def inline_pairs(x_ptr, run, INTERPRET: tl.constexpr):
         k = tl.arange(0, 32)[None, None, :]
         x = tl.load(x_ptr + 32 * run[:, :, None] + k).to(tl.float32)
         down, up = run_exponent(tl.max(tl.abs(x), axis=2))
+        x = x.to(tl.int32, bitcast=True)
         pairs = (_interpreted_pair(x, k, down, 0), _interpreted_pair(x, k, down, 8),
                  _interpreted_pair(x, k, down, 16), _interpreted_pair(x, k, down, 24),
                  _interpreted_pair(x, k, down, 1), _interpreted_pair(x, k, down, 9),

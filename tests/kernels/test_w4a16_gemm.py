@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mla_quant.kernels import int4_quant as I
 from mla_quant.kernels._backend import triton_interpreted
 from mla_quant.kernels._gemm_utils import int4_codes
+from mla_quant.kernels._half2_gemv import inline_pairs, pair_order
 from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
 from mla_quant.kernels.w4a16_gemm.kernel import _half
 from mla_quant.testing import assert_bitwise_equal, assert_rel_close, odd_sizes, poisoned_empty, tensors
@@ -780,6 +781,57 @@ def test_rows_half2_puts_aligned_x_in_pair_order_itself(triton_backend, monkeypa
             assert got.isfinite().all() == (special is None), (dtype, special)
     with pytest.raises(ValueError, match="16-byte aligned"):
         G.half2_launch_x(unaligned, packed, scale, torch.empty(n, dtype=torch.float16, device=dev), 32, (4, 4, 2, True))
+
+
+@triton.jit
+def _inline_pairs_probe(x_ptr, out_ptr, R: tl.constexpr, INTERPRET: tl.constexpr):
+    """inline_pairs of runs 0..R-1 of x -> out int32 [R, 17] (16 pairs, then the scale's bits)."""
+    run = tl.arange(0, R)[None, :]
+    made = inline_pairs(x_ptr, run, INTERPRET)
+    for j in tl.static_range(16):
+        tl.store(out_ptr + 17 * run + j, made[j])
+    tl.store(out_ptr + 17 * run + 16, made[16].to(tl.int32, bitcast=True))
+
+
+def _pair_order_runs(dtype: torch.dtype, runs: int) -> torch.Tensor:
+    """[runs, 32] activations that walk the corners of the run scale: zeros and -0, subnormals of the dtype, runs
+    spanning 2^100 (fp16 subnormals and zeros after the scale), the dtype's largest values, inf, NaN."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(runs, 32, generator=g, dtype=torch.float64)
+    x *= 2.0 ** (torch.randint(-60, 60, (runs, 1), generator=g) if dtype == torch.bfloat16 else
+                 torch.randint(-20, 10, (runs, 1), generator=g))  # a scale per run
+    x[1], x[2] = 0.0, -0.0
+    tiny, big = (1e-39, 1e37) if dtype == torch.bfloat16 else (2e-7, 1e4)  # subnormal; near the largest finite
+    x[3] = torch.randn(32, generator=g, dtype=torch.float64) * tiny
+    x[4] = torch.randn(32, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-100 if dtype == torch.bfloat16
+                                                                                      else -30, 1, (32,), generator=g)
+    x[5] = torch.randn(32, generator=g, dtype=torch.float64) * big
+    x[6, 7], x[7, 3], x[7, 9] = float("inf"), float("-inf"), float("inf")
+    x[8, 5], x[9] = float("nan"), float("nan")
+    x[10, :31] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_inline_pairs_is_pair_order(triton_backend, dtype):
+    """The block that puts a run of x in pair order in registers (inline_pairs; on the GPU one PTX block) makes the
+    same pairs and run scale as the pair_order launch, bit for bit, over the corners of the scale (NaN lanes: NaN in
+    both)."""
+    dev = triton_backend
+    runs = 64
+    x = _pair_order_runs(dtype, runs).to(dev)
+    out = torch.full((runs, 17), -1, dtype=torch.int32, device=dev)
+    _inline_pairs_probe[(1,)](x, out, R=runs, INTERPRET=triton_interpreted(), num_warps=4)
+    pairs, scales = pair_order(x.view(1, -1))
+    r, j = torch.arange(runs, device=dev)[:, None], torch.arange(16, device=dev)
+    want = torch.cat([pairs[0, 128 * (r // 8) + 4 * (r % 8) + 32 * (j // 4) + j % 4],
+                      scales[0, :runs, None].view(torch.int32)], dim=1)
+    nan = x.isnan().any(dim=1).cpu()
+    assert nan.sum() == 2
+    assert_bitwise_equal(out.cpu()[~nan], want.cpu()[~nan], f"inline_pairs {dtype}")
+    got16, want16 = (t.cpu()[nan, :16].contiguous().view(torch.float16) for t in (out, want))
+    torch.testing.assert_close(got16, want16, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(out.cpu()[nan, 16], want.cpu()[nan, 16])
 
 
 def test_rows_half2_tile_rule():
