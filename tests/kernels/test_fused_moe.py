@@ -807,14 +807,19 @@ def test_gpu_half2_run_dot_is_its_reference():
 @pytest.mark.parametrize("t", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["half2", "half2_prefetch"])
-def test_gpu_half2_gemv_real_widths(t, dtype, form):
+def test_gpu_half2_gemv_real_widths(t, dtype, form, monkeypatch):
     """The half2 forms compiled (the 128-bit loads, the fp16x2 PTX, h pair-ordered between the launches) at Kimi's
     widths: against the reference, the plane GEMV (fp32 products), and itself (bitwise); with HALF2_INLINE_X (x put
-    in pair order inside the gate-up) the same bits as through pair_order."""
+    in pair order inside the gate-up) the same bits as through pair_order, at the same tile: the autotuner keys on
+    the argument dtypes, so x itself (not its int32 pairs) is tuned afresh, and another K tile sums the runs in
+    another order."""
     import mla_quant.kernels.fused_moe as F
+    from mla_quant.kernels.fused_moe import kernel as K
 
     params = experts("int4_group", 24, 7168, 2048, seed=5, device="cuda")
     _assert_gpu_gemv_form(form, params, t, dtype)
+    tuned = K.moe_gemv_half2_prefetch_autotuned if form == "half2_prefetch" else K.moe_gemv_half2_autotuned
+    monkeypatch.setattr(tuned, "configs", tuned.configs[:1])  # one tile for both calls (the tuner then times none)
     x = torch.randn(t, 7168, device="cuda").to(dtype)
     w, ids = routing(t, 24, 8, seed=6, device="cuda")
     call = lambda: fused_moe(x, w, ids, params[0], params[1], params[2], kind="int4_group", block_m=1,  # noqa: E731
