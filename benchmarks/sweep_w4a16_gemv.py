@@ -40,7 +40,7 @@ from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_launch_x
 from mla_quant.kernels import w4a16_gemm as W
 
 from .bench_gemm import _tinygemm_pack
-from .common import L2_BYTES, interleaved_graph_us, meta, module_attrs, Context, sweep_args
+from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
 
 GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
@@ -123,6 +123,9 @@ def main(argv=None) -> None:
     if args is None:
         sys.exit(1)
     dev = "cuda"
+    ctx = Context(device=dev)
+    measure_ceilings(ctx)  # the copy rate of this card, this run: the weights' bytes per second as its fraction
+    print(f"copy {ctx.copy_tbps:.3f} TB/s")
     forms = set(args.forms.split(","))
     runs = []
     for n, k in _shape_list(args.shapes):
@@ -213,22 +216,24 @@ def main(argv=None) -> None:
                 add(name + " inline", half2(tile, inline=True))
                 if not args.pdl_only:
                     add(name.removesuffix(" pdl") + " inline plain", half2(tile, inline=True, pdl=None))
-        rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)
+        rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k,
+                           ctx.copy_tbps)
         print(f"\n{n} x {k}: {len(sets)} weight sets")
         for rw in rows[:16] + [rw for rw in rows[16:] if not rw["setting"].startswith(("rows ", "half2 "))]:
-            print(f"  {rw['setting']:<36} {rw.get('median_us')} µs  {rw.get('tbps')} TB/s  "
-                  f"x{rw.get('vs_tinygemm')} tinygemm  err {rw.get('rel_err')}")
+            print(f"  {rw['setting']:<36} {rw.get('median_us')} µs  {rw.get('tbps')} TB/s "
+                  f"({rw.get('frac_of_copy')} of copy)  x{rw.get('vs_tinygemm')} tinygemm  err {rw.get('rel_err')}")
         runs.append({"N": n, "K": k, "sets": len(sets), "rows": rows})
         del sets
         torch.cuda.empty_cache()
-        _write(args, runs)
+        _write(args, runs, ctx=ctx)
     print("wrote", args.out)
 
 
-def timing_rows(rounds: dict, errors: dict, n: int, k: int) -> list[dict]:
+def timing_rows(rounds: dict, errors: dict, n: int, k: int, copy_tbps: float = 0.0) -> list[dict]:
     """One row per setting of ``interleaved_graph_us``'s ``rounds`` (an N x K weight): its rounds or its error, its
-    check against the reference (``errors``), median µs, weight bytes per second and the ratio to ``tinygemm`` timed
-    in the same rounds; fastest first."""
+    check against the reference (``errors``), median µs, weight bytes per second (with ``copy_tbps``, the copy rate
+    measured in the same run, also as its fraction) and the ratio to ``tinygemm`` timed in the same rounds; fastest
+    first."""
     tiny = rounds.get("tinygemm")
     tiny_us = sorted(tiny)[len(tiny) // 2] if isinstance(tiny, list) else None
     rows = []
@@ -239,6 +244,8 @@ def timing_rows(rounds: dict, errors: dict, n: int, k: int) -> list[dict]:
             med = sorted(r)[len(r) // 2]
             row["median_us"] = round(med, 3)
             row["tbps"] = round((n * k // 2 + 2 * n * k // GROUP) / (med * 1e-6) / 1e12, 3)
+            if copy_tbps:
+                row["frac_of_copy"] = round(row["tbps"] / copy_tbps, 3)
             if tiny_us:
                 row["vs_tinygemm"] = round(tiny_us / med, 3)
         rows.append(row)
@@ -251,17 +258,18 @@ def half2_tile_rule(n: int, k: int) -> tuple:
     return half2_tile(n, k)
 
 
-def _write(args, runs: list, about: str | None = None) -> None:
+def _write(args, runs: list, about: str | None = None, ctx: Context | None = None) -> None:
     """The results so far: the whole file (headed ``about``, default this sweep's), or (``--label``) one key of the
-    file (the other keys kept)."""
+    file (the other keys kept); ``ctx``: the run's measured ceilings for the meta."""
+    ctx = ctx or Context()
     if args.label:
         doc = {}
         if os.path.exists(args.out):
             with open(args.out) as f:
                 doc = json.load(f)
-        doc[args.label] = {"meta": meta(Context()), "runs": runs}
+        doc[args.label] = {"meta": meta(ctx), "runs": runs}
     else:
-        doc = {"about": about or __doc__.splitlines()[0], "meta": meta(Context()), "runs": runs}
+        doc = {"about": about or __doc__.splitlines()[0], "meta": meta(ctx), "runs": runs}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
 

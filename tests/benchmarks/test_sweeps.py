@@ -143,7 +143,8 @@ def test_moe_half2_sweep_pins_are_undone():
 
 def test_w4a16_sweeps_timing_rows():
     """The W4A16 sweeps' rows: median of each setting's rounds, its ratio to tinygemm of the same rounds and its
-    weight bytes per second, a setting that failed kept with its error; fastest first."""
+    weight bytes per second (and their fraction of the run's copy rate when one was measured), a setting that failed
+    kept with its error; fastest first."""
     from benchmarks.sweep_w4a16_gemv import GROUP, timing_rows
 
     n, k = 64, 256
@@ -154,3 +155,6 @@ def test_w4a16_sweeps_timing_rows():
     assert stream["median_us"] == 2.5 and stream["vs_tinygemm"] == 2.0 and stream["rel_err"] == 1e-3
     assert stream["tbps"] == round((n * k // 2 + 2 * n * k // GROUP) / 2.5e-6 / 1e12, 3)
     assert rows[2]["error"].startswith("CompileTimeAssertionFailure") and "median_us" not in rows[2]
+    assert "frac_of_copy" not in stream  # no copy rate measured: no fraction
+    with_copy = timing_rows(rounds, {}, n, k, copy_tbps=0.5)[0]
+    assert with_copy["frac_of_copy"] == round(stream["tbps"] / 0.5, 3)
