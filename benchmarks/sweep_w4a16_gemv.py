@@ -20,8 +20,10 @@ streamed weight loads (``stream=``: past L1), with PDL (the half2 tile also as `
 ``w4a16_gemm`` with each GEMV form pinned, plainly and with ``prefetch_weights`` (the half2 form also with its
 pair_order launch; session 33's ``hints`` / ``half2hints`` runs timed more variants: commit 900e38f). Since session 37
 each half2 tile is also timed ``inline`` (the GEMV on x itself, which it puts in pair order: ``half2_launch_x``, what
-``w4a16_gemm`` launches for an aligned x) with PDL and, unless ``--pdl-only``, plainly. Writes every round's µs; with
-``--label`` the shapes' runs go under that key of an existing results file (written after each shape).
+``w4a16_gemm`` launches for an aligned x) with PDL and, unless ``--pdl-only``, plainly. A ``--forms`` naming none of
+these times only tinygemm and ``default_prefetch`` (with ``--pdl-only``). Writes every round's µs, the weights' bytes
+per second and (since session 38) their fraction of the copy rate measured at the start of the run; with ``--label``
+the shapes' runs go under that key of an existing results file (written after each shape).
 """
 from __future__ import annotations
 
