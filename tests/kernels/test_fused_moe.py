@@ -825,12 +825,8 @@ def test_gpu_half2_gemv_real_widths(t, dtype, form, monkeypatch):
     call = lambda: fused_moe(x, w, ids, params[0], params[1], params[2], kind="int4_group", block_m=1,  # noqa: E731
                              gemv=form)
     want = call()
-    F.HALF2_INLINE_X = True
-    try:
-        got = call()
-    finally:
-        F.HALF2_INLINE_X = False
-    assert_bitwise_equal(got, want, f"{form} t={t}: x in pair order inside the gate-up")
+    monkeypatch.setattr(F, "HALF2_INLINE_X", True)
+    assert_bitwise_equal(call(), want, f"{form} t={t}: x in pair order inside the gate-up")
 
 
 @pytest.mark.parametrize("tokens,fusion", [(1, "auto"), (1, False), (3, "auto")])
@@ -838,9 +834,10 @@ def test_half2_prefetch_launch_settings_change_no_bit(triton_backend, monkeypatc
     """half2_prefetch's defaults — WEIGHTS_BEFORE_WAIT (routing and first weights read before the PDL wait, the
     counters zeroed after the gate-up's GEMV, a dropped slot waiting on its own path) and PAIRS_IN_GATE_UP (the
     gate-up's epilogue writes h in pair order: no pair_order launch between the GEMVs) and HALF2_STREAM_WEIGHTS (the
-    weights loaded without L1 lines) — and HALF2_INLINE_X (the gate-up puts x in pair order itself) give the bits of the launches without them, under poisoned allocations (h's
-    pair padding is never read), on the decode path (dropped slots) and the aligned one. Interpreted the waits return
-    at once: this checks the code order, test_pdl.py the ordering on the GPU."""
+    weights loaded without L1 lines) — and HALF2_INLINE_X (the gate-up puts x in pair order itself) give the bits of
+    the launches without them, under poisoned allocations (h's pair padding is never read), on the decode path
+    (dropped slots) and the aligned one. Interpreted the waits return at once: this checks the code order,
+    test_pdl.py the ordering on the GPU."""
     import mla_quant.kernels._half2_gemv as H
     import mla_quant.kernels.fused_moe as F
     from mla_quant.kernels.fused_moe import kernel as K

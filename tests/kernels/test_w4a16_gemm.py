@@ -16,6 +16,7 @@ from mla_quant.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
 from mla_quant.kernels.w4a16_gemm.kernel import _half
 from mla_quant.testing import assert_bitwise_equal, assert_rel_close, odd_sizes, poisoned_empty, tensors
 from tests.conftest import HAS_CUDA
+from tests.kernels.test_fused_moe import _run_lanes
 
 
 def _weights(n, k, group, device="cpu", seed=0):
@@ -651,7 +652,6 @@ def test_rows_gemv_tile_rule():
 def test_rows_half2_gemv_matches_reference_and_the_rows_gemv(triton_backend, n, k, group, tile, dtype):
     """The half2 GEMV on x in pair order matches the reference and the fp32 rows GEMV at bf16 level; on x itself
     (``half2_launch_x``: pair order made in registers) it equals the pair-order launch bit for bit."""
-    from mla_quant.kernels._half2_gemv import pair_order
     from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_launch_x
 
     dev = triton_backend
@@ -681,7 +681,6 @@ def test_rows_half2_gemv_over_shapes_and_activation_ranges(triton_backend, n, ru
     """Any N, any number of runs (K = 32 · runs, rounded up to the group), any tile, activations from 1e-3 to 300:
     the per-run power-of-two scales keep fp16 in range, so the result matches the reference at bf16 level; x put
     in pair order inside the GEMV gives the same bits as the pair-order launch."""
-    from mla_quant.kernels._half2_gemv import pair_order
     from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_launch_x
 
     dev = triton_backend
@@ -822,16 +821,15 @@ def test_inline_pairs_is_pair_order(triton_backend, dtype):
     x = _pair_order_runs(dtype, runs).to(dev)
     out = torch.full((runs, 17), -1, dtype=torch.int32, device=dev)
     _inline_pairs_probe[(1,)](x, out, R=runs, INTERPRET=triton_interpreted(), num_warps=4)
-    pairs, scales = pair_order(x.view(1, -1))
-    r, j = torch.arange(runs, device=dev)[:, None], torch.arange(16, device=dev)
-    want = torch.cat([pairs[0, 128 * (r // 8) + 4 * (r % 8) + 32 * (j // 4) + j % 4],
-                      scales[0, :runs, None].view(torch.int32)], dim=1)
+    pairs, scales = (t[0].cpu() for t in pair_order(x.view(1, -1)))
+    want = torch.cat([_run_lanes(pairs, runs), scales[:runs, None].view(torch.int32)], dim=1)
+    out = out.cpu()
     nan = x.isnan().any(dim=1).cpu()
     assert nan.sum() == 2
-    assert_bitwise_equal(out.cpu()[~nan], want.cpu()[~nan], f"inline_pairs {dtype}")
-    got16, want16 = (t.cpu()[nan, :16].contiguous().view(torch.float16) for t in (out, want))
+    assert_bitwise_equal(out[~nan], want[~nan], f"inline_pairs {dtype}")
+    got16, want16 = (t[nan, :16].contiguous().view(torch.float16) for t in (out, want))
     torch.testing.assert_close(got16, want16, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(out.cpu()[nan, 16], want.cpu()[nan, 16])
+    assert torch.equal(out[nan, 16], want[nan, 16])
 
 
 def test_rows_half2_tile_rule():
@@ -1168,7 +1166,6 @@ def test_gpu_rows_gemv_real_shapes(n, k, dtype):
 def test_gpu_gemv_streamed_weights_are_bitwise_equal(n, k):
     """The weights streamed past L1 (``stream``, the default of both one-token GEMVs) change where lines live, not
     the sums: each GEMV's output is bitwise the one with plain loads, and equals the reference at bf16 level."""
-    from mla_quant.kernels._half2_gemv import pair_order
     from mla_quant.kernels.w4a16_gemm.gemv import gemv_launch, gemv_tile
     from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_tile
 
