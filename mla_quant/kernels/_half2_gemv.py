@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._gemm_utils import PLANE_BLOCK_K, ld4, plane_width
 from ._pdl import pdl_launch
-from ._triton_utils import grid_dependency_sync
+from ._triton_utils import grid_dependency_sync, rounded_to
 
 PAIR_BLOCK = tl.constexpr(PLANE_BLOCK_K // 2)  # int32 pairs per block of 256 K (4 pair planes of 32 words)
 RUN_K = 32  # K per run: 4 words, the unit of one run sum and one activation scale
@@ -63,8 +63,10 @@ def f16_pairs(v):
 
 
 @triton.jit
-def _pair_order_kernel(src_ptr, dst_ptr, scale_ptr, K, stride_src, stride_dst, stride_scale, PDL: tl.constexpr):
-    # program (row, block b of 256 K): x as [run r, plane i, word u, lane l], k = 256b + 8(4r + u) + i + 4l
+def _pair_order_kernel(src_ptr, up_ptr, dst_ptr, scale_ptr, K, stride_src, stride_up, stride_dst, stride_scale,
+                       PDL: tl.constexpr, SWIGLU: tl.constexpr = False):
+    # program (row, block b of 256 K): x as [run r, plane i, word u, lane l], k = 256b + 8(4r + u) + i + 4l.
+    # SWIGLU: x = silu(src) * up in fp32, rounded once to src's dtype (the h of a SwiGLU MLP).
     grid_dependency_sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
@@ -74,6 +76,9 @@ def _pair_order_kernel(src_ptr, dst_ptr, scale_ptr, K, stride_src, stride_dst, s
     lane = tl.arange(0, 2)[None, None, None, :]
     k = b * 256 + 8 * (4 * r + u) + i + 4 * lane
     x = tl.load(src_ptr + row * stride_src + k, mask=k < K, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(up_ptr + row * stride_up + k, mask=k < K, other=0.0).to(tl.float32)
+        x = rounded_to(x * tl.sigmoid(x) * up, src_ptr.dtype.element_ty)
     m = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)  # [8]: each run's largest magnitude
     down, up = run_exponent(m)
     pairs = f16_pairs(x * down[:, None, None, None])  # [8, 4, 4] (r, i, u)
@@ -90,6 +95,20 @@ def pair_order(a: torch.Tensor, hold_next: bool = False) -> tuple[torch.Tensor, 
     ``hold_next``: its programs let the next kernel be scheduled only after their wait has returned, so that
     kernel starts after every kernel before this launch has finished (it may then read their outputs, e.g. the
     routing, before its own wait)."""
+    return _pair_order_launch(a, None, hold_next)
+
+
+def swiglu_pair_order(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pair_order(h)`` of a SwiGLU MLP's h = silu(gate) · up, in the same launch: gate, up [R, K] bf16 / fp16
+    (same shape and dtype, last dim contiguous); h is computed in fp32 and rounded once to gate's dtype, then put
+    in pair order (what the down projection's half2 GEMV reads). ``swiglu_pair_order_reference`` is its torch form."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu_pair_order: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} must have one shape and dtype")
+    return _pair_order_launch(gate, up, False)
+
+
+def _pair_order_launch(a: torch.Tensor, up: torch.Tensor | None, hold_next: bool):
     rows, k = a.shape
     width = plane_width(k)
     pairs = torch.empty((rows, width // 2), dtype=torch.int32, device=a.device)
@@ -98,9 +117,34 @@ def pair_order(a: torch.Tensor, hold_next: bool = False) -> tuple[torch.Tensor, 
         pdl = pdl_launch(a.device, "pair_order") if PAIR_ORDER_PDL else {"PDL": False}
         if hold_next and pdl["PDL"]:
             pdl = {**pdl, "PDL": 1}  # wait, then signal (_triton_utils.grid_dependency_sync)
-        _pair_order_kernel[(rows, width // PLANE_BLOCK_K)](a, pairs, scales, k, a.stride(0), pairs.stride(0),
-                                                           scales.stride(0), num_warps=2, **pdl)
+        src_up = a if up is None else up
+        _pair_order_kernel[(rows, width // PLANE_BLOCK_K)](a, src_up, pairs, scales, k, a.stride(0), src_up.stride(0),
+                                                           pairs.stride(0), scales.stride(0), num_warps=2,
+                                                           SWIGLU=up is not None, **pdl)
     return pairs, scales
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """h = silu(gate) · up in fp32, rounded once to gate's dtype (the h that ``swiglu_pair_order`` orders)."""
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+
+
+def swiglu_pair_order_reference(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch form of :func:`swiglu_pair_order` (for tests; the sigmoid's exp may differ from the kernel's in the
+    last fp32 bit, which moves an h value by one unit of its dtype where it rounds across a tie)."""
+    return pair_order_reference(swiglu_reference(gate, up))
+
+
+def pair_values(pairs: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 [R, K] values that ``(pairs, scales)`` hold (the inverse of :func:`pair_order_reference`, exact for
+    any x whose runs hold no fp16 subnormals after their scaling)."""
+    rows, width = pairs.shape[0], 2 * pairs.shape[1]
+    blocks = pairs.view(rows, width // PLANE_BLOCK_K, 4, 8, 4).permute(0, 1, 3, 4, 2)  # block, r, u, i
+    lanes = torch.stack([blocks & 0xFFFF, (blocks >> 16) & 0xFFFF], dim=-2)  # block, r, u, lane, i
+    half = (lanes - (lanes >> 15 << 16)).to(torch.int16).view(torch.float16).float()  # the lanes' fp16 bits
+    x = half.reshape(rows, width // RUN_K, 32) * scales[..., None]
+    return x.reshape(rows, width)[:, :k]
 
 
 def pair_order_reference(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

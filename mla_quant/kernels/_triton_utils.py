@@ -29,6 +29,18 @@ def rint(x):
 
 
 @triton.jit
+def rounded_to(x, DT: tl.constexpr):
+    """fp32 ``x`` rounded to ``DT`` (nearest, ties to even) and back to fp32. The interpreter casts fp32 -> bf16 by
+    truncation; there the bf16 rounding is done on the bits (NaN kept)."""
+    if INTERPRETED and DT == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
 def finite_abs(x):
     ax = tl.abs(x)
     return tl.where(ax <= FP32_MAX, ax, 0.0)  # False for inf and for NaN

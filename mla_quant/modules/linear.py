@@ -26,7 +26,7 @@ from ..formats import BF16, FP8Block, Int4Group, WeightFormat
 from ..kernels import fp8_quant
 from ..kernels._backend import use_triton
 from ..kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
-from ..kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference
+from ..kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference, w4a16_gemv_pairs
 
 
 def _fp8_w8a8(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.Tensor], reference: bool) -> torch.Tensor:
@@ -190,6 +190,18 @@ class QuantLinear(nn.Module):
         counters = self.split_k_counters(x.device) if int4 else None
         prefetch = int4 and self.weights_settled()
         return quant_linear(x, self.fmt, self.tensors, self.bias, counters, prefetch_weights=prefetch)
+
+    def forward_pairs(self, pairs: torch.Tensor, pair_scales: torch.Tensor) -> torch.Tensor:
+        """One token already in pair order (``w4a16_gemm.swiglu_pair_order``: pairs int32 [1, plane_width(in) / 2],
+        run scales fp32 [1, plane_width(in) / 32]) -> y [1, out] in this layer's dtype, by
+        ``w4a16_gemv_pairs``. ``Int4Group`` layers only; the weights are read before the PDL wait as in
+        :meth:`forward`."""
+        if not isinstance(self.fmt, Int4Group):
+            raise ValueError(f"QuantLinear.forward_pairs: takes an Int4Group weight (the half2 GEMV), not {self.fmt!r}")
+        t = self.tensors
+        y = w4a16_gemv_pairs(pairs, pair_scales, t["weight_packed"], t["weight_scale"], self.fmt.group_size,
+                             dtype=self.dtype, prefetch_weights=self.weights_settled())
+        return y if self.bias is None else y + self.bias
 
     def weights_settled(self) -> bool:
         """Whether this layer's weight tensors are those of its previous call, unwritten since (the same objects,

@@ -3,6 +3,12 @@
 ``y = down_proj(silu(gate_proj(x)) * up_proj(x))`` with three :class:`QuantLinear` projections named as
 in the checkpoints (``mlp.{gate,up,down}_proj``, ``mlp.shared_experts.{gate,up,down}_proj``), so each
 projection's format (BF16, FP8Block, Int4Group) is set by ``fmt`` or later by a plan.
+
+One token with an ``Int4Group`` down projection (bf16 / fp16, on the Triton backend, rows of at least
+``w4a16_gemm.HALF2_MIN_ROW_WORDS`` words): h = silu(gate) · up is made and put in pair order by one launch
+(``swiglu_pair_order``; h rounded once, where eager rounds after the SiLU and after the product) and the down
+projection's half2 GEMV reads those pairs (``QuantLinear.forward_pairs``), instead of two eager elementwise launches and
+a GEMV that makes the pairs itself. docs/moe.md "The down projection on pairs made by the SwiGLU".
 """
 from __future__ import annotations
 
@@ -10,8 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats import WeightFormat
+from ..formats import Int4Group, WeightFormat
+from ..kernels._backend import use_triton
+from ..kernels.w4a16_gemm import HALF2_MIN_ROW_WORDS, swiglu_pair_order
 from .linear import QuantLinear
+
+SWIGLU_PAIRS = True  # one token: h in pair order from swiglu_pair_order for an Int4Group down projection
 
 
 class MLP(nn.Module):
@@ -26,7 +36,17 @@ class MLP(nn.Module):
         self.down_proj = QuantLinear(intermediate_size, hidden_size, fmt=fmt, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self._takes_pairs(x):
+            pairs, scales = swiglu_pair_order(gate.reshape(1, -1), up.reshape(1, -1))
+            return self.down_proj.forward_pairs(pairs, scales).view(x.shape)
+        return self.down_proj(F.silu(gate) * up)
+
+    def _takes_pairs(self, x: torch.Tensor) -> bool:
+        down = self.down_proj
+        return (SWIGLU_PAIRS and x.numel() == self.hidden_size and isinstance(down.fmt, Int4Group)
+                and down.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and down.in_features // 8 >= HALF2_MIN_ROW_WORDS and use_triton(x))
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"

@@ -158,3 +158,21 @@ def test_w4a16_sweeps_timing_rows():
     assert "frac_of_copy" not in stream  # no copy rate measured: no fraction
     with_copy = timing_rows(rounds, {}, n, k, copy_tbps=0.5)[0]
     assert with_copy["frac_of_copy"] == round(stream["tbps"] / 0.5, 3)
+
+
+def test_mlp_decode_sweep_rows():
+    """Each setting against its same-round peer (the MLP forms against tinygemm's MLP, the down projections against
+    tinygemm's down); INT4 bytes per second over all three projections for the MLP rows, the down's for the down rows;
+    an error row keeps its message and no timing."""
+    from benchmarks.sweep_mlp_decode import _int4_bytes, _rows
+
+    rounds = {"int4_mlp": [10.0, 12.0, 11.0], "tinygemm_mlp": [22.0, 22.0, 22.0], "down_pairs": [4.0, 4.0, 4.0],
+              "down_tinygemm": [8.0, 8.0, 8.0], "swiglu_pairs": [2.0, 2.0, 2.0], "bf16_mlp": "RuntimeError: boom"}
+    rows = {r["setting"]: r for r in _rows(rounds, {"int4_mlp": 1e-3}, 7168, 2048, copy_tbps=3.0)}
+    mlp, down = rows["int4_mlp"], rows["down_pairs"]
+    assert mlp["median_us"] == 11.0 and mlp["vs_peer"] == 2.0 and mlp["rel_err"] == 1e-3
+    assert mlp["tbps"] == round(3 * _int4_bytes(7168, 2048) / 11e-6 / 1e12, 3)
+    assert mlp["frac_of_copy"] == round(mlp["tbps"] / 3.0, 3)
+    assert down["vs_peer"] == 2.0 and down["tbps"] == round(_int4_bytes(7168, 2048) / 4e-6 / 1e12, 3)
+    assert "tbps" not in rows["swiglu_pairs"] and "vs_peer" not in rows["swiglu_pairs"]
+    assert rows["bf16_mlp"]["error"].startswith("RuntimeError") and "median_us" not in rows["bf16_mlp"]

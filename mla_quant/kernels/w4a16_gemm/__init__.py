@@ -12,7 +12,8 @@ from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from .._host import cdiv
 from .._pdl import pdl_launch
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
-from .reference import w4a16_gemm_reference
+from .._half2_gemv import swiglu_pair_order_reference
+from .reference import w4a16_gemm_reference, w4a16_gemv_pairs_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the one-token GEMV: "auto" (below), whole rows per program (gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs
@@ -35,7 +36,8 @@ HALF2_MIN_ROW_WORDS = 256
 HALF2_INLINE_X = True
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
-__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
+__all__ = ["w4a16_gemm", "w4a16_gemm_reference", "w4a16_gemv_pairs", "w4a16_gemv_pairs_reference",
+           "swiglu_pair_order", "swiglu_pair_order_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
            "FRAG_MAX_M"]
 
 
@@ -333,6 +335,81 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         meta = {**cfg, "SPLIT_K": split, "EVEN_K": k % cfg["BK"] == 0}
         _w4a16_gemm_kernel[grid(meta)](*args, **common, **meta)
     return y.view(*lead, n)
+
+
+def swiglu_pair_order(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A SwiGLU MLP's h = silu(gate) · up, made and put in *pair order* in one launch, for the down projection's
+    :func:`w4a16_gemv_pairs` (the layout: ``_half2_gemv``'s module docstring).
+
+    gate, up: [R, K] bf16 / fp16, one shape and dtype, last dim contiguous. h is computed in fp32 and rounded once to
+    that dtype (eager ``F.silu(gate) * up`` rounds twice: after the SiLU and after the product). Returns ``(pairs,
+    scales)``: int32 [R, plane_width(K) / 2] and fp32 [R, plane_width(K) / 32], each run of 32 K scaled by a power of
+    two into fp16's range. On CUDA one Triton launch (with PDL on Hopper), else :func:`swiglu_pair_order_reference`."""
+    check_tensor("gate", gate, dtype=(torch.bfloat16, torch.float16), ndim=2)
+    check_tensor("up", up, dtype=gate.dtype, ndim=2)
+    check_same_device(gate=gate, up=up)
+    if gate.shape != up.shape:
+        raise ValueError(f"up: shape {tuple(up.shape)} != gate's {tuple(gate.shape)}")
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("gate, up: the last dimension must be contiguous")
+    if not use_triton(gate, up):
+        return swiglu_pair_order_reference(gate, up)
+    from .._half2_gemv import swiglu_pair_order as launch
+
+    return launch(gate, up)
+
+
+def w4a16_gemv_pairs(pairs: torch.Tensor, pair_scales: torch.Tensor, weight_packed: torch.Tensor,
+                     weight_scale: torch.Tensor, group_size: int = 32, *, dtype: torch.dtype = torch.bfloat16,
+                     out: torch.Tensor | None = None, prefetch_weights: bool = False) -> torch.Tensor:
+    """The one-token W4A16 GEMV on an activation row already in pair order: y = x @ W.T for the x that ``(pairs,
+    pair_scales)`` hold, by the half2 GEMV of ``w4a16_gemm(gemv="rows_half2")`` without making the pairs (the kernel
+    before it made them, e.g. :func:`swiglu_pair_order` for a down projection). docs/moe.md "The down projection on
+    pairs made by the SwiGLU".
+
+    pairs: int32 [1, plane_width(K) / 2]; pair_scales: fp32 [1, plane_width(K) / 32]; weight_packed, weight_scale,
+    group_size as in :func:`w4a16_gemm`. ``dtype`` (bf16 / fp16): the output's (and h's) dtype. Returns y: [1, N]
+    (into ``out`` if given: contiguous, that shape and dtype). ``prefetch_weights``: as in :func:`w4a16_gemm` (the
+    weights loaded before the PDL wait). The sums are the half2 GEMV's (bf16-level); on CPU
+    :func:`w4a16_gemv_pairs_reference`."""
+    from .._gemm_utils import plane_width
+
+    check_tensor("pairs", pairs, dtype=torch.int32, ndim=2, contiguous=True)
+    check_tensor("pair_scales", pair_scales, dtype=torch.float32, ndim=2, contiguous=True)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: {dtype}, expected bfloat16 or float16 (the half2 GEMV's activations)")
+    check_tensor("weight_packed", weight_packed, dtype=torch.int32, ndim=2, contiguous=True)
+    check_tensor("weight_scale", weight_scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
+    check_same_device(pairs=pairs, pair_scales=pair_scales, weight_packed=weight_packed, weight_scale=weight_scale)
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size} not supported, expected one of {GROUP_SIZES}")
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
+    check_divisible("K", k, group_size, "group_size")
+    if tuple(weight_scale.shape) != (n, k // group_size):
+        raise ValueError(f"weight_scale: shape {tuple(weight_scale.shape)}, expected {(n, k // group_size)}")
+    width = plane_width(k)
+    if pairs.shape[0] != 1:
+        raise ValueError(f"pairs: {pairs.shape[0]} rows; the pair-order GEMV takes one token")
+    if tuple(pairs.shape) != (1, width // 2) or tuple(pair_scales.shape) != (1, width // 32):
+        raise ValueError(f"pairs {tuple(pairs.shape)} / pair_scales {tuple(pair_scales.shape)}: expected "
+                         f"{(1, width // 2)} / {(1, width // 32)} for K = {k}")
+    if out is not None:
+        check_tensor("out", out, dtype=dtype, contiguous=True)
+        check_same_device(pairs=pairs, out=out)
+        if tuple(out.shape) != (1, n):
+            raise ValueError(f"out: shape {tuple(out.shape)}, expected {(1, n)}")
+    if not use_triton(pairs, weight_packed, weight_scale):
+        y = w4a16_gemv_pairs_reference(pairs, pair_scales, weight_packed, weight_scale, group_size, dtype=dtype)
+        return y if out is None else out.copy_(y)
+    from .gemv_half2 import half2_launch, half2_tile
+
+    y = torch.empty((1, n), dtype=dtype, device=pairs.device) if out is None else out
+    if n:
+        interpreted = triton_interpreted()
+        pdl = pdl_launch(pairs.device, "w4a16_gemv") if prefetch_weights else {"PDL": False}
+        half2_launch(pairs[0], pair_scales[0], weight_packed, weight_scale, y.view(n), group_size,
+                     half2_tile(n, k, interpreted), pdl, interpreted)
+    return y
 
 
 def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):

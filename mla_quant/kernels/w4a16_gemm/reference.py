@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._half2_gemv import pair_values
 from ..int4_quant.reference import int4_dequantize_reference
 
 
@@ -18,3 +19,15 @@ def w4a16_gemm_reference(x: torch.Tensor, weight_packed: torch.Tensor, weight_sc
     Returns y: [..., N] in x.dtype."""
     w = int4_dequantize_reference(weight_packed, weight_scale, group_size, x.dtype)  # [N, K]
     return (x.float() @ w.float().T).to(x.dtype)
+
+
+def w4a16_gemv_pairs_reference(pairs: torch.Tensor, pair_scales: torch.Tensor, weight_packed: torch.Tensor,
+                               weight_scale: torch.Tensor, group_size: int = 32, *,
+                               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The GEMV on one activation row in pair order: pairs int32 [1, plane_width(K) / 2], pair_scales fp32
+    [1, plane_width(K) / 32] (``swiglu_pair_order`` / ``_half2_gemv.pair_order``), the weight as in
+    :func:`w4a16_gemm_reference`. The values the pairs hold (fp16 lanes times their run's power of two) times the
+    weight dequantized in ``dtype``, summed in fp32. Returns y: [1, N] in ``dtype``."""
+    x = pair_values(pairs, pair_scales, 8 * weight_packed.shape[1])
+    w = int4_dequantize_reference(weight_packed, weight_scale, group_size, dtype)
+    return (x @ w.float().T).to(dtype)
