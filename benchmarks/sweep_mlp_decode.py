@@ -9,8 +9,8 @@ dense MLP (6144 x 12288). Group 32, bf16. Each graph holds one call per weight s
 Settings:
 
 - ``int4_mlp``: ``MLP.forward`` as a model calls it — gate and up GEMVs, then h = silu(gate) · up put in pair order
-  by ``swiglu_pair_order`` and the down GEMV on those pairs (``QuantLinear.forward_pairs``); weights read before each
-  GEMV's PDL wait (``prefetch_weights``, from a layer's second call).
+  by ``swiglu_pair_order`` and the down GEMV on those pairs (``QuantLinear`` on ``PairedActivations``); weights read
+  before each GEMV's PDL wait (``prefetch_weights``, from a layer's second call).
 - ``int4_mlp_eager_swiglu``: the same module with ``mlp.SWIGLU_PAIRS`` off (``F.silu(gate) * up`` in two eager
   launches, the down GEMV putting h in pair order itself), the path before session 39.
 - ``tinygemm_mlp``: ``torch._weight_int4pack_mm`` for the three projections with the eager SwiGLU (the peer).

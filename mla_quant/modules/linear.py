@@ -18,6 +18,8 @@ A format's ``kernel`` field set to ``"torch"`` forces the reference math on any 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,6 +104,15 @@ def _same_storage(a: WeightFormat, b: WeightFormat, n: int, k: int) -> bool:
         not isinstance(a, FP8Block) or a.block == b.block)
 
 
+class PairedActivations(NamedTuple):
+    """One activation row already in the half2 GEMV's *pair order* (``w4a16_gemm.swiglu_pair_order``): ``pairs``
+    int32 [1, plane_width(K) / 2], ``scales`` fp32 [1, plane_width(K) / 32]. An ``Int4Group`` :class:`QuantLinear`
+    called on it runs ``w4a16_gemv_pairs`` and returns [1, out]; the call goes through ``__call__``, so forward
+    hooks (tensor parallelism's all-reduce) see its output."""
+    pairs: torch.Tensor
+    scales: torch.Tensor
+
+
 class QuantLinear(nn.Module):
     """A linear layer whose weight lives in any :class:`WeightFormat`. ``x: [..., in] -> [..., out]``.
 
@@ -183,7 +194,9 @@ class QuantLinear(nn.Module):
         self.set_weight(w)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | PairedActivations") -> torch.Tensor:
+        if isinstance(x, PairedActivations):  # one token made in pair order by the kernel before (-> [1, out])
+            return self._forward_pairs(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear: input has {x.shape[-1]} features, expected {self.in_features}")
         int4 = isinstance(self.fmt, Int4Group)
@@ -191,15 +204,12 @@ class QuantLinear(nn.Module):
         prefetch = int4 and self.weights_settled()
         return quant_linear(x, self.fmt, self.tensors, self.bias, counters, prefetch_weights=prefetch)
 
-    def forward_pairs(self, pairs: torch.Tensor, pair_scales: torch.Tensor) -> torch.Tensor:
-        """One token already in pair order (``w4a16_gemm.swiglu_pair_order``: pairs int32 [1, plane_width(in) / 2],
-        run scales fp32 [1, plane_width(in) / 32]) -> y [1, out] in this layer's dtype, by
-        ``w4a16_gemv_pairs``. ``Int4Group`` layers only; the weights are read before the PDL wait as in
-        :meth:`forward`."""
+    def _forward_pairs(self, x: "PairedActivations") -> torch.Tensor:
         if not isinstance(self.fmt, Int4Group):
-            raise ValueError(f"QuantLinear.forward_pairs: takes an Int4Group weight (the half2 GEMV), not {self.fmt!r}")
+            raise ValueError(f"QuantLinear: activations in pair order take an Int4Group weight (the half2 GEMV), "
+                             f"not {self.fmt!r}")
         t = self.tensors
-        y = w4a16_gemv_pairs(pairs, pair_scales, t["weight_packed"], t["weight_scale"], self.fmt.group_size,
+        y = w4a16_gemv_pairs(x.pairs, x.scales, t["weight_packed"], t["weight_scale"], self.fmt.group_size,
                              dtype=self.dtype, prefetch_weights=self.weights_settled())
         return y if self.bias is None else y + self.bias
 

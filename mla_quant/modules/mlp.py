@@ -7,7 +7,7 @@ projection's format (BF16, FP8Block, Int4Group) is set by ``fmt`` or later by a 
 One token with an ``Int4Group`` down projection (bf16 / fp16, on the Triton backend, rows of at least
 ``w4a16_gemm.HALF2_MIN_ROW_WORDS`` words): h = silu(gate) · up is made and put in pair order by one launch
 (``swiglu_pair_order``; h rounded once, where eager rounds after the SiLU and after the product) and the down
-projection's half2 GEMV reads those pairs (``QuantLinear.forward_pairs``), instead of two eager elementwise launches and
+projection's half2 GEMV reads those pairs (a :class:`QuantLinear` called on :class:`PairedActivations`), instead of two eager elementwise launches and
 a GEMV that makes the pairs itself. docs/moe.md "The down projection on pairs made by the SwiGLU".
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from ..formats import Int4Group, WeightFormat
 from ..kernels._backend import use_triton
 from ..kernels.w4a16_gemm import HALF2_MIN_ROW_WORDS, swiglu_pair_order
-from .linear import QuantLinear
+from .linear import PairedActivations, QuantLinear
 
 SWIGLU_PAIRS = True  # one token: h in pair order from swiglu_pair_order for an Int4Group down projection
 
@@ -39,7 +39,7 @@ class MLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self._takes_pairs(x):
             pairs, scales = swiglu_pair_order(gate.reshape(1, -1), up.reshape(1, -1))
-            return self.down_proj.forward_pairs(pairs, scales).view(x.shape)
+            return self.down_proj(PairedActivations(pairs, scales)).view(x.shape)
         return self.down_proj(F.silu(gate) * up)
 
     def _takes_pairs(self, x: torch.Tensor) -> bool:

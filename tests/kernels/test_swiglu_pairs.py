@@ -13,6 +13,7 @@ from mla_quant.kernels._half2_gemv import pair_order_reference, pair_values, swi
 from mla_quant.kernels.w4a16_gemm import (swiglu_pair_order, swiglu_pair_order_reference, w4a16_gemm,
                                           w4a16_gemv_pairs, w4a16_gemv_pairs_reference)
 from mla_quant.modules import mlp as mlp_module
+from mla_quant.modules import PairedActivations, QuantLinear
 from mla_quant.modules.mlp import MLP
 from mla_quant.testing import assert_rel_close, odd_sizes, poisoned_empty
 
@@ -190,6 +191,18 @@ def test_mlp_one_token_takes_the_swiglu_pairs(triton_backend, dtype, monkeypatch
     assert_rel_close(y.float(), eager.float(), 2e-2, f"one token {dtype} vs the eager SwiGLU")
     y2 = mlp(x.expand(3, -1).contiguous())  # three tokens: the eager SwiGLU
     assert len(calls) == 1 and y2.shape == (3, 16)
+    # the pairs go through down_proj's __call__: a forward hook (tensor parallelism's all-reduce) sees the output
+    handle = mlp.down_proj.register_forward_hook(lambda module, args, out: out * 2)
+    assert torch.equal(mlp(x), 2 * y) and len(calls) == 2
+    handle.remove()
+
+
+def test_quant_linear_on_pairs_needs_int4():
+    """A layer whose weight is not Int4Group refuses pair-ordered activations, naming why."""
+    layer = QuantLinear(256, 8, fmt=BF16())
+    pairs = PairedActivations(*pair_order_reference(torch.randn(1, 256, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="Int4Group"):
+        layer(pairs)
 
 
 @pytest.mark.gpu
