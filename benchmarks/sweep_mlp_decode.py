@@ -26,8 +26,6 @@ give the median µs, the INT4 weights' bytes per second and its fraction of the 
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
@@ -39,7 +37,8 @@ from mla_quant.modules import mlp as mlp_module
 from mla_quant.modules.mlp import MLP
 
 from .bench_gemm import _tinygemm_pack
-from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
+from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, module_attrs, sweep_args
+from .sweep_w4a16_gemv import _write
 
 GROUP = 32
 SHAPES = ((7168, 2048), (7168, 18432), (6144, 12288))
@@ -149,7 +148,7 @@ def main(argv=None) -> None:
         runs.append({"hidden": hidden, "intermediate": inter, "sets": len(sets), "rows": rows})
         del sets
         torch.cuda.empty_cache()
-        _write(args, runs, ctx)
+        _write(args, runs, __doc__.splitlines()[0], ctx)
     print("wrote", args.out)
 
 
@@ -174,19 +173,6 @@ def _rows(rounds: dict, errors: dict, hidden: int, inter: int, copy_tbps: float)
                 row["vs_peer"] = round(med[peer] / med[name], 3)
         rows.append(row)
     return rows
-
-
-def _write(args, runs: list, ctx: Context) -> None:
-    if args.label:
-        doc = {}
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                doc = json.load(f)
-        doc[args.label] = {"meta": meta(ctx), "runs": runs}
-    else:
-        doc = {"about": __doc__.splitlines()[0], "meta": meta(ctx), "runs": runs}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
