@@ -57,7 +57,7 @@ def _span_dot(words, scales, p_ptr, ps_ptr, OFF: tl.constexpr, SIZE: tl.constexp
     if INLINE_X:
         x = inline_pairs(p_ptr, _span_runs(OFF, SIZE, RUNS, 1)[0], INTERPRET)
         return run_dot(words, x, INTERPRET) * (scales * x[16])
-    run, ok = _span_runs(OFF, SIZE, RUNS, BN)
+    run, ok = _span_runs(OFF, SIZE, RUNS, 1)  # [1, SIZE]: each run's pairs and scale loaded once for the BN rows
     x = load_pairs(p_ptr + pair_offsets(run), INTERPRET)
     xs = _load_in_place(ps_ptr + run, ok, True, INTERPRET, CONSTANT=False)
     return run_dot(words, x, INTERPRET) * (scales * xs)
