@@ -8,13 +8,18 @@ Shapes are hidden x intermediate: Kimi K2.6's shared expert (7168 x 2048) and de
 dense MLP (6144 x 12288). Group 32, bf16. Each graph holds one call per weight set, over enough sets to miss L2.
 Settings:
 
-- ``int4_mlp``: ``MLP.forward`` as a model calls it — gate and up GEMVs, then h = silu(gate) · up put in pair order
-  by ``swiglu_pair_order`` and the down GEMV on those pairs (``QuantLinear`` on ``PairedActivations``); weights read
-  before each GEMV's PDL wait (``prefetch_weights``, from a layer's second call).
-- ``int4_mlp_eager_swiglu``: the same module with ``mlp.SWIGLU_PAIRS`` off (``F.silu(gate) * up`` in two eager
-  launches, the down GEMV putting h in pair order itself), the path before session 39.
+- ``int4_mlp``: ``MLP.forward`` as a model calls it — gate and up in one launch (``w4a16_swiglu_gemv``: both GEMVs
+  and h = silu(gate) · up), then the down GEMV on h; weights read before each GEMV's PDL wait (``prefetch_weights``,
+  from a layer's second call).
+- ``int4_mlp_pairs``: the same module with ``mlp.GATE_UP_IN_ONE_LAUNCH`` off — gate and up GEMVs, h put in pair
+  order by ``swiglu_pair_order``, the down GEMV on those pairs (``QuantLinear`` on ``PairedActivations``).
+- ``int4_mlp_eager_swiglu``: both off (``F.silu(gate) * up`` in two eager launches, the down GEMV putting h in pair
+  order itself), the path before session 39.
 - ``tinygemm_mlp``: ``torch._weight_int4pack_mm`` for the three projections with the eager SwiGLU (the peer).
 - ``bf16_mlp``: three cuBLAS ``F.linear`` with the eager SwiGLU.
+- ``gate_up_one_launch`` / ``gate_up_two`` / ``gate_up_tinygemm``: gate, up and the SwiGLU alone — in one launch, as
+  two ``w4a16_gemm`` calls and ``swiglu_pair_order`` (the pairs path's first three launches), and on tinygemm with
+  the eager SwiGLU.
 - ``down_pairs`` / ``down_x`` / ``down_tinygemm``: the down projection alone — on pairs made once
   (``w4a16_gemv_pairs``), on h (``w4a16_gemm``, both with ``prefetch_weights``), and tinygemm; ``swiglu_pairs`` /
   ``swiglu_eager``: the SwiGLU alone, into pairs or in two eager launches.
@@ -32,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from mla_quant.formats import Int4Group
-from mla_quant.kernels.w4a16_gemm import swiglu_pair_order, w4a16_gemm, w4a16_gemv_pairs
+from mla_quant.kernels.w4a16_gemm import swiglu_pair_order, w4a16_gemm, w4a16_gemv_pairs, w4a16_swiglu_gemv
 from mla_quant.modules import mlp as mlp_module
 from mla_quant.modules.mlp import MLP
 
@@ -98,8 +103,8 @@ def main(argv=None) -> None:
         h0 = F.silu(g0) * u0
         y = torch.empty(1, hidden, device=dev, dtype=torch.bfloat16)
 
-        def eager_swiglu(s):
-            with module_attrs(mlp_module, {"SWIGLU_PAIRS": False}):
+        def paths(s, **flags):
+            with module_attrs(mlp_module, flags):
                 return s["mlp"](x)
 
         def tiny_mlp(s):
@@ -110,34 +115,50 @@ def main(argv=None) -> None:
             w = s["bf16"]
             return F.linear(F.silu(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
 
-        def down(s):
-            return s["mlp"].down_proj.tensors
+        def t(s, proj):
+            return s["mlp"].get_submodule(proj).tensors
+
+        def gate_up_two(s):
+            g, u = (w4a16_gemm(x, t(s, p)["weight_packed"], t(s, p)["weight_scale"], GROUP, prefetch_weights=True)
+                    for p in ("gate_proj", "up_proj"))
+            return swiglu_pair_order(g, u)
 
         launches = {
             "int4_mlp": lambda s: s["mlp"](x),
-            "int4_mlp_eager_swiglu": eager_swiglu,
+            "int4_mlp_pairs": lambda s: paths(s, GATE_UP_IN_ONE_LAUNCH=False),
+            "int4_mlp_eager_swiglu": lambda s: paths(s, GATE_UP_IN_ONE_LAUNCH=False, SWIGLU_PAIRS=False),
             "tinygemm_mlp": tiny_mlp,
             "bf16_mlp": bf16_mlp,
-            "down_pairs": lambda s: w4a16_gemv_pairs(*pairs, down(s)["weight_packed"], down(s)["weight_scale"],
-                                                     GROUP, out=y, prefetch_weights=True),
-            "down_x": lambda s: w4a16_gemm(h0, down(s)["weight_packed"], down(s)["weight_scale"], GROUP, out=y,
-                                           prefetch_weights=True),
+            "gate_up_one_launch": lambda s: w4a16_swiglu_gemv(
+                x, t(s, "gate_proj")["weight_packed"], t(s, "gate_proj")["weight_scale"],
+                t(s, "up_proj")["weight_packed"], t(s, "up_proj")["weight_scale"], GROUP, prefetch_weights=True),
+            "gate_up_two": gate_up_two,
+            "gate_up_tinygemm": lambda s: F.silu(_tiny(x, s["tiny"]["gate_proj"])) * _tiny(x, s["tiny"]["up_proj"]),
+            "down_pairs": lambda s: w4a16_gemv_pairs(*pairs, t(s, "down_proj")["weight_packed"],
+                                                     t(s, "down_proj")["weight_scale"], GROUP, out=y,
+                                                     prefetch_weights=True),
+            "down_x": lambda s: w4a16_gemm(h0, t(s, "down_proj")["weight_packed"], t(s, "down_proj")["weight_scale"],
+                                           GROUP, out=y, prefetch_weights=True),
             "down_tinygemm": lambda s: _tiny(h0, s["tiny"]["down_proj"]),
             "swiglu_pairs": lambda s: swiglu_pair_order(g0, u0),
             "swiglu_eager": lambda s: F.silu(g0) * u0,
         }
-        # checks: the INT4 forms against the BF16 math of the same (dequantized) weights
+        # checks: the INT4 forms against the BF16 math of the same (dequantized) weights; a form that raises is a
+        # finding, recorded as its error (interleaved_graph_us records its error too)
         s0, errors = sets[0], {}
         w = s0["bf16"]
-        ref_mlp = F.linear((F.silu(F.linear(x.float(), w["gate_proj"].float())) * F.linear(
-            x.float(), w["up_proj"].float())).bfloat16().float(), w["down_proj"].float())
+        ref_h = F.silu(F.linear(x.float(), w["gate_proj"].float())) * F.linear(x.float(), w["up_proj"].float())
+        ref_mlp = F.linear(ref_h.bfloat16().float(), w["down_proj"].float())
         ref_down = F.linear(h0.float(), w["down_proj"].float())
-        for name, want in (("int4_mlp", ref_mlp), ("int4_mlp_eager_swiglu", ref_mlp), ("bf16_mlp", ref_mlp)):
-            errors[name] = _rel_err(launches[name](s0), want)
-        for name in ("down_pairs", "down_x"):
-            y.fill_(float("nan"))
-            launches[name](s0)
-            errors[name] = _rel_err(y, ref_down)
+        for name, want in (("int4_mlp", ref_mlp), ("int4_mlp_pairs", ref_mlp), ("int4_mlp_eager_swiglu", ref_mlp),
+                           ("bf16_mlp", ref_mlp), ("gate_up_one_launch", ref_h), ("down_pairs", ref_down),
+                           ("down_x", ref_down)):
+            try:
+                y.fill_(float("nan"))
+                got = launches[name](s0)
+                errors[name] = _rel_err(y if name.startswith("down") else got, want)
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {e}"[:300]
         fns = {name: (lambda f=f: [f(s) for s in sets]) for name, f in launches.items()}
         rounds = interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds)
         rows = _rows(rounds, errors, hidden, inter, ctx.copy_tbps)
@@ -162,10 +183,11 @@ def _rows(rounds: dict, errors: dict, hidden: int, inter: int, copy_tbps: float)
                "error": r if isinstance(r, str) else None, "rel_err": errors.get(name)}
         if name in med:
             row["median_us"] = round(med[name], 3)
-            mlp = name.endswith(("_mlp", "_swiglu"))
-            peer = "tinygemm_mlp" if mlp else "down_tinygemm" if name.startswith("down") else None
-            if name.startswith(("int4", "down_pairs", "down_x")):
-                nbytes = (3 if mlp else 1) * _int4_bytes(hidden, inter)
+            mlp = name.startswith(("int4_mlp", "tinygemm_mlp", "bf16_mlp"))
+            peer = ("tinygemm_mlp" if mlp else "down_tinygemm" if name.startswith("down")
+                    else "gate_up_tinygemm" if name.startswith("gate_up") else None)
+            if name.startswith(("int4", "down_pairs", "down_x", "gate_up_one", "gate_up_two")):
+                nbytes = (3 if mlp else 2 if name.startswith("gate_up") else 1) * _int4_bytes(hidden, inter)
                 row["tbps"] = round(nbytes / (med[name] * 1e-6) / 1e12, 3)
                 if copy_tbps:
                     row["frac_of_copy"] = round(row["tbps"] / copy_tbps, 3)

@@ -1,6 +1,6 @@
-"""The down projection on pairs made by the SwiGLU: ``swiglu_pair_order`` (h = silu(gate) · up, put in pair order in
-one launch) and ``w4a16_gemv_pairs`` (the one-token half2 GEMV on those pairs), each against its reference, and the
-MLP's one-token path that chains them."""
+"""A SwiGLU MLP at one token: ``swiglu_pair_order`` (h = silu(gate) · up, put in pair order in one launch),
+``w4a16_gemv_pairs`` (the half2 GEMV on those pairs) and ``w4a16_swiglu_gemv`` (the gate and up GEMVs and the SwiGLU in
+one launch), each against its reference, and the MLP's one-token paths that use them."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +11,8 @@ from mla_quant.kernels import int4_quant as I
 from mla_quant.kernels._gemm_utils import plane_width
 from mla_quant.kernels._half2_gemv import pair_order_reference, pair_values, swiglu_reference
 from mla_quant.kernels.w4a16_gemm import (swiglu_pair_order, swiglu_pair_order_reference, w4a16_gemm,
-                                          w4a16_gemv_pairs, w4a16_gemv_pairs_reference)
+                                          w4a16_gemv_pairs, w4a16_gemv_pairs_reference, w4a16_swiglu_gemv,
+                                          w4a16_swiglu_gemv_reference)
 from mla_quant.modules import mlp as mlp_module
 from mla_quant.modules import PairedActivations, QuantLinear
 from mla_quant.modules.mlp import MLP
@@ -157,6 +158,39 @@ def test_w4a16_gemv_pairs_rejects_bad_input():
         w4a16_gemv_pairs(pairs.float(), scales, packed, scale)
 
 
+@pytest.mark.parametrize("inter,k,group", [(37, 448, 32), (20, 2048, 64), (9, 256, 128)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_swiglu_gemv_matches_reference(triton_backend, inter, k, group, dtype):
+    """Gate and up in one launch: h matches the reference (fp32 sums, one rounding) at bf16 level, into a poisoned
+    output; an x that is not 16-byte aligned (its pairs from a pair_order launch) gives the same bits."""
+    dev = triton_backend
+    gp, gs = _int4(inter, k, group, dtype, dev, seed=inter)
+    upk, us = _int4(inter, k, group, dtype, dev, seed=inter + 1)
+    wide = (torch.randn(1, k + 1) * 2).to(dtype).to(dev)
+    x = wide[:, 1:].clone()
+    out = poisoned_empty((1, inter), dtype, dev)
+    h = w4a16_swiglu_gemv(x, gp, gs, upk, us, group, out=out)
+    assert h.data_ptr() == out.data_ptr()
+    ref = w4a16_swiglu_gemv_reference(x.cpu(), gp.cpu(), gs.cpu(), upk.cpu(), us.cpu(), group)
+    what = f"{inter}x{k} g{group} {dtype}"
+    assert_rel_close(h.float().cpu(), ref.float(), 1e-2, what)
+    wide[:, 1:] = x
+    assert torch.equal(w4a16_swiglu_gemv(wide[:, 1:], gp, gs, upk, us, group), h), f"{what}: unaligned x"
+
+
+def test_w4a16_swiglu_gemv_rejects_bad_input():
+    gp, gs = _int4(8, 256, 32, torch.bfloat16, "cpu", 0)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one token"):
+        w4a16_swiglu_gemv(x.expand(2, -1), gp, gs, gp, gs)
+    with pytest.raises(ValueError, match="up_packed"):
+        w4a16_swiglu_gemv(x, gp, gs, *_int4(9, 256, 32, torch.bfloat16, "cpu", 0))
+    with pytest.raises((TypeError, ValueError), match="x"):
+        w4a16_swiglu_gemv(x.float(), gp, gs, gp, gs)
+    with pytest.raises(ValueError, match="out: shape"):
+        w4a16_swiglu_gemv(x, gp, gs, gp, gs, out=torch.empty(1, 9, dtype=torch.bfloat16))
+
+
 def _mlp(hidden, inter, dtype, dev, seed=0):
     """An MLP with an INT4 down projection; gate and up in BF16 (the path does not depend on their format, and the
     interpreter's 2048-row GEMVs would take a minute)."""
@@ -197,6 +231,39 @@ def test_mlp_one_token_takes_the_swiglu_pairs(triton_backend, dtype, monkeypatch
     handle.remove()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mlp_one_token_runs_gate_and_up_in_one_launch(triton_backend, dtype, monkeypatch):
+    """INT4 gate and up (hidden 2048): one ``w4a16_swiglu_gemv`` launch makes h, which is the reference's at bf16
+    level, and the MLP's result is the down projection of that h; a forward hook on gate_proj (which the fused
+    launch would skip) sends the call back through the layers, as does turning the setting off."""
+    dev = triton_backend
+    torch.manual_seed(1)
+    mlp = MLP(2048, 8, fmt=BF16(), dtype=dtype, device=dev)
+    for proj in (mlp.gate_proj, mlp.up_proj):
+        proj.convert_format_(Int4Group(group_size=32))
+    for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        proj.set_weight(torch.randn(proj.out_features, proj.in_features) * proj.in_features**-0.5)
+    x = torch.randn(1, 2048, device=dev).to(dtype)
+    made, calls = mlp_module.w4a16_swiglu_gemv, []
+    monkeypatch.setattr(mlp_module, "w4a16_swiglu_gemv", lambda *a, **k: calls.append(1) or made(*a, **k))
+    y = mlp(x)
+    assert calls == [1], "the one-token INT4 MLP did not run gate and up in one launch"
+    g, u = mlp.gate_proj, mlp.up_proj
+    h = made(x, g.weight_packed, g.weight_scale, u.weight_packed, u.weight_scale, 32)
+    ref = w4a16_swiglu_gemv_reference(x.cpu(), g.weight_packed.cpu(), g.weight_scale.cpu(), u.weight_packed.cpu(),
+                                      u.weight_scale.cpu(), 32)
+    assert_rel_close(h.float().cpu(), ref.float(), 1e-2, f"h {dtype}")
+    assert torch.equal(y, mlp.down_proj(h))
+    handle = mlp.gate_proj.register_forward_hook(lambda module, args, out: out)
+    hooked = mlp(x)
+    handle.remove()
+    with monkeypatch.context() as m:
+        m.setattr(mlp_module, "GATE_UP_IN_ONE_LAUNCH", False)
+        plain = mlp(x)
+    assert len(calls) == 1 and torch.equal(hooked, plain)
+    assert_rel_close(y.float(), plain.float(), 3e-2, f"one launch vs the layers {dtype}")
+
+
 def test_quant_linear_on_pairs_needs_int4():
     """A layer whose weight is not Int4Group refuses pair-ordered activations, naming why."""
     layer = QuantLinear(256, 8, fmt=BF16())
@@ -210,7 +277,8 @@ def test_quant_linear_on_pairs_needs_int4():
 def test_gpu_mlp_pairs_at_real_widths(hidden, inter):
     """Kimi K2.6's shared expert and dense MLP, GLM 5.2's dense MLP, one token, compiled: the down GEMV on the SwiGLU's
     pairs gives the bits of ``w4a16_gemm``'s half2 GEMV on the h they hold (plainly and with the weights before the
-    PDL wait), and the whole MLP the eager SwiGLU's result at bf16 level."""
+    PDL wait); gate and up in one launch match their reference; the MLP on either path gives the eager SwiGLU's result
+    at bf16 level."""
     torch.manual_seed(hidden + inter)
     mlp = MLP(hidden, inter, fmt=Int4Group(group_size=32), device="cuda")
     for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
@@ -225,8 +293,15 @@ def test_gpu_mlp_pairs_at_real_widths(hidden, inter):
         y = w4a16_gemv_pairs(pairs, scales, t["weight_packed"], t["weight_scale"], 32, prefetch_weights=prefetch)
         same = w4a16_gemm(h, t["weight_packed"], t["weight_scale"], 32, gemv="rows_half2", prefetch_weights=prefetch)
         assert torch.equal(y, same), f"{hidden}x{inter} prefetch={prefetch}: not the half2 GEMV's bits"
-    y = mlp(x)
+    g, u = mlp.gate_proj, mlp.up_proj
+    h = w4a16_swiglu_gemv(x, g.weight_packed, g.weight_scale, u.weight_packed, u.weight_scale, 32)
+    ref = w4a16_swiglu_gemv_reference(x, g.weight_packed, g.weight_scale, u.weight_packed, u.weight_scale, 32)
+    assert_rel_close(h.float(), ref.float(), 1e-2, f"{hidden}x{inter}: gate and up in one launch")
+    y = mlp(x)  # gate and up in one launch
     with pytest.MonkeyPatch.context() as m:
+        m.setattr(mlp_module, "GATE_UP_IN_ONE_LAUNCH", False)
+        on_pairs = mlp(x)
         m.setattr(mlp_module, "SWIGLU_PAIRS", False)
         eager = mlp(x)
-    assert_rel_close(y.float(), eager.float(), 2e-2, f"{hidden}x{inter} vs the eager SwiGLU")
+    assert_rel_close(y.float(), eager.float(), 2e-2, f"{hidden}x{inter}: one launch vs the eager SwiGLU")
+    assert_rel_close(on_pairs.float(), eager.float(), 2e-2, f"{hidden}x{inter}: pairs vs the eager SwiGLU")

@@ -13,7 +13,7 @@ from .._host import cdiv
 from .._pdl import pdl_launch
 from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
 from .._half2_gemv import swiglu_pair_order_reference
-from .reference import w4a16_gemm_reference, w4a16_gemv_pairs_reference
+from .reference import w4a16_gemm_reference, w4a16_gemv_pairs_reference, w4a16_swiglu_gemv_reference
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the one-token GEMV: "auto" (below), whole rows per program (gemv.py: H200, sweep_w4a16_gemv of f107819, 5.8 / 9.3 µs
@@ -37,7 +37,8 @@ HALF2_INLINE_X = True
 CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages", "FAST_DEQUANT")
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "w4a16_gemv_pairs", "w4a16_gemv_pairs_reference",
-           "swiglu_pair_order", "swiglu_pair_order_reference", "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
+           "swiglu_pair_order", "swiglu_pair_order_reference", "w4a16_swiglu_gemv", "w4a16_swiglu_gemv_reference",
+           "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
            "FRAG_MAX_M"]
 
 
@@ -410,6 +411,52 @@ def w4a16_gemv_pairs(pairs: torch.Tensor, pair_scales: torch.Tensor, weight_pack
         half2_launch(pairs[0], pair_scales[0], weight_packed, weight_scale, y.view(n), group_size,
                      half2_tile(n, k, interpreted), pdl, interpreted)
     return y
+
+
+def w4a16_swiglu_gemv(x: torch.Tensor, gate_packed: torch.Tensor, gate_scale: torch.Tensor, up_packed: torch.Tensor,
+                      up_scale: torch.Tensor, group_size: int = 32, *, out: torch.Tensor | None = None,
+                      prefetch_weights: bool = False) -> torch.Tensor:
+    """A SwiGLU MLP's gate and up projections for one token in one launch: h = silu(x @ Wg.T) · (x @ Wu.T).
+
+    x: [1, K] bf16 / fp16 (last dim contiguous); gate_packed / up_packed: int32 [I, K/8]; gate_scale / up_scale:
+    [I, K/group_size]. Returns h: [1, I] in x's dtype (into ``out`` if given: contiguous, that shape and dtype).
+    Each program of the half2 GEMV (``gemv_half2``, ``SWIGLU``) sums BN / 2 rows of each weight and writes
+    silu(gate) · up from the two fp32 sums, rounded once (the two GEMVs and an eager SwiGLU round gate and up, the
+    SiLU and the product: four roundings). The tile is :func:`gemv_half2.half2_tile` of 2I rows. x is put in pair
+    order inside the GEMV when it is 16-byte aligned, else by one ``pair_order`` launch before it.
+    ``prefetch_weights``: as in :func:`w4a16_gemm` (both weights read before the PDL wait). On CPU
+    :func:`w4a16_swiglu_gemv_reference`. docs/moe.md "The gate and up GEMVs in one launch"."""
+    check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+    if x.shape[0] != 1 or x.stride(-1) != 1:
+        raise ValueError(f"x: shape {tuple(x.shape)}, stride {x.stride()}: one token, last dim contiguous")
+    inter, k = gate_packed.shape[0], x.shape[1]
+    for name, (packed, scale) in {"gate": (gate_packed, gate_scale), "up": (up_packed, up_scale)}.items():
+        if _check(x, packed, scale, group_size) != (inter, k):
+            raise ValueError(f"{name}_packed: shape {tuple(packed.shape)}, expected {(inter, k // 8)} (gate's)")
+    if up_scale.dtype != gate_scale.dtype:
+        raise ValueError(f"up_scale: {up_scale.dtype} != gate_scale's {gate_scale.dtype}")
+    if out is not None:
+        check_tensor("out", out, dtype=x.dtype, contiguous=True)
+        check_same_device(x=x, out=out)
+        if tuple(out.shape) != (1, inter):
+            raise ValueError(f"out: shape {tuple(out.shape)}, expected {(1, inter)}")
+    if not use_triton(x, gate_packed, up_packed):
+        h = w4a16_swiglu_gemv_reference(x, gate_packed, gate_scale, up_packed, up_scale, group_size)
+        return h if out is None else out.copy_(h)
+    from .._half2_gemv import inline_pairs_ok, pair_order
+    from .gemv_half2 import half2_launch_swiglu, half2_tile
+
+    h = torch.empty((1, inter), dtype=x.dtype, device=x.device) if out is None else out
+    if inter:
+        interpreted = triton_interpreted()
+        pdl = pdl_launch(x.device, "w4a16_gemv") if prefetch_weights else {"PDL": False}
+        pairs = None
+        if not (HALF2_INLINE_X and inline_pairs_ok(x)):
+            p, ps = pair_order(x)
+            pairs = (p[0], ps[0])
+        half2_launch_swiglu(x[0], gate_packed, gate_scale, up_packed, up_scale, h.view(inter), group_size,
+                            half2_tile(2 * inter, k, interpreted), pdl, interpreted, pairs)
+    return h
 
 
 def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .._gemm_utils import _load_in_place, four_words
 from .._half2_gemv import inline_pairs, inline_pairs_ok, load_pairs, pair_offsets, run_dot
-from .._triton_utils import gdc_launch_dependents, gdc_wait
+from .._triton_utils import gdc_launch_dependents, gdc_wait, rounded_to
 from .gemv import span_launch
 
 
@@ -68,18 +68,28 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
                              K: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                              PIPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
                              SPAN1: tl.constexpr = 0, SPAN2: tl.constexpr = 0, STREAM: tl.constexpr = False,
-                             INLINE_X: tl.constexpr = False):
+                             INLINE_X: tl.constexpr = False, SWIGLU: tl.constexpr = False, w2_ptr=None, s2_ptr=None):
     # p: x's pairs (int32, pair order), ps: its run scales (fp32 [K/32]), w [N, K/8] int32, s [N, K/GROUP], y [N].
     # INLINE_X: p is x itself (bf16 / fp16 [K], 16-byte aligned), put in pair order in registers; ps unused.
     # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
     # SPAN1 > 0: the row as spans of BR, SPAN1 and SPAN2 runs (powers of two, only the last one past the row), all
     # loaded first (gemv.row_spans).
+    # SWIGLU: w / s are a SwiGLU MLP's gate weight and w2 / s2 its up weight (both [N, K/8]); a program's first BN / 2
+    # rows are gate rows, the other BN / 2 the same rows of up, and y [N] = silu(gate · x) · (up · x) (the fp32 sums).
     RUNS: tl.constexpr = K // 32
     CHUNKS: tl.constexpr = (RUNS + BR - 1) // BR
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    rows = (rn % N)[:, None].to(tl.int64)  # rows past N re-read valid ones; never stored
-    w_rows = w_ptr + rows * (K // 8)
-    s_rows = s_ptr + rows * (K // GROUP)
+    if SWIGLU:
+        j = tl.arange(0, BN)
+        rn = tl.program_id(0) * (BN // 2) + j % (BN // 2)
+        up = (j >= BN // 2)[:, None]
+        rows = (rn % N)[:, None].to(tl.int64)
+        w_rows = tl.where(up, w2_ptr, w_ptr) + rows * (K // 8)
+        s_rows = tl.where(up, s2_ptr, s_ptr) + rows * (K // GROUP)
+    else:
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        rows = (rn % N)[:, None].to(tl.int64)  # rows past N re-read valid ones; never stored
+        w_rows = w_ptr + rows * (K // 8)
+        s_rows = s_ptr + rows * (K // GROUP)
     if PDL:
         gdc_launch_dependents()
     if SPAN1 > 0:
@@ -94,7 +104,7 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
         if SPAN2 > 0:
             y += tl.sum(_span_dot(words2, scales2, p_ptr, ps_ptr, BR + SPAN1, SPAN2, RUNS, BN, INTERPRET,
                                    INLINE_X), axis=1)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+        _store_rows(y_ptr, y, N, BN, SWIGLU)
     else:
         words, scales = _span(w_rows, s_rows, 0, BR, RUNS, GROUP, BN, INTERPRET, STREAM, PDL > 0)
         if PIPE and CHUNKS > 1:
@@ -110,7 +120,21 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
             else:
                 words, scales = _span(w_rows, s_rows, c * BR, BR, RUNS, GROUP, BN, INTERPRET, STREAM)
             acc += _span_dot(words, scales, p_ptr, ps_ptr, c * BR, BR, RUNS, BN, INTERPRET, INLINE_X)
-        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+        _store_rows(y_ptr, tl.sum(acc, axis=1), N, BN, SWIGLU)
+
+
+@triton.jit
+def _store_rows(y_ptr, y, N, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """Store a program's row sums y [BN] at its outputs; SWIGLU: y holds BN / 2 gate then BN / 2 up sums, and
+    silu(gate) · up is stored (rounded once to y's dtype) at BN / 2 outputs."""
+    if SWIGLU:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, BN // 2)), (1, 0)))
+        rn = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
+        h = rounded_to(gate * tl.sigmoid(gate) * up, y_ptr.dtype.element_ty)  # (the interpreter truncates casts)
+        tl.store(y_ptr + rn, h.to(y_ptr.dtype.element_ty), mask=rn < N)
+    else:
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 # The tiles (BN, BR, num_warps, PIPE) by the row's runs. H200, sweep_w4a16_gemv (session 27, interleaved CUDA-graph
@@ -178,11 +202,29 @@ def half2_launch_x(x1, weight_packed, weight_scale, y1, group_size: int, tile: t
     _launch(x1, x1, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, True)
 
 
-def _launch(p, ps, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, inline_x):
+def half2_launch_swiglu(x1, gate_packed, gate_scale, up_packed, up_scale, h1, group_size: int, tile: tuple,
+                        pdl: dict | None = None, interpreted: bool = False, pairs: tuple | None = None) -> None:
+    """A SwiGLU MLP's gate and up GEMVs in one launch: h1 [I] = silu(gate · x) · (up · x) from the two fp32 row sums,
+    rounded once to h1's dtype. x1 [K] as in :func:`half2_launch_x` (put in pair order in registers), or ``pairs``
+    (``(pairs, scales)``, one row of ``pair_order``) for an x that is not 16-byte aligned. ``tile``: (BN, BR,
+    num_warps, PIPE) with BN even, BN / 2 rows of each weight per program (:func:`half2_tile` of 2I rows)."""
+    if tile[0] % 2:
+        raise ValueError(f"half2_launch_swiglu: BN {tile[0]} must be even (BN / 2 gate and BN / 2 up rows)")
+    if pairs is None and (x1.dim() != 1 or not inline_pairs_ok(x1[None])):
+        raise ValueError(f"half2_launch_swiglu: x must be a contiguous bf16 / fp16 row at a 16-byte aligned address, "
+                         f"got {x1.dtype}, stride {x1.stride()}, address {x1.data_ptr():#x}; else pass its pairs")
+    p, ps = (x1, x1) if pairs is None else pairs
+    _launch(p, ps, gate_packed, gate_scale, h1, group_size, tile, pdl, interpreted, None, pairs is None,
+            swiglu=(up_packed, up_scale))
+
+
+def _launch(p, ps, weight_packed, weight_scale, y1, group_size, tile, pdl, interpreted, stream, inline_x,
+            swiglu=None):
     n, kw = weight_packed.shape
     bn, br, warps, pipe = tile
     br, pipe, spans = span_launch(kw // 4, br, pipe)
-    _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn),)](
+    w2, s2 = swiglu or (None, None)
+    _w4a16_gemv_half2_kernel[(triton.cdiv(n, bn // 2 if swiglu else bn),)](
         p, ps, weight_packed, weight_scale, y1, n, K=8 * kw, GROUP=group_size, BN=bn, BR=br,
         PIPE=bool(pipe), INTERPRET=interpreted, STREAM=STREAM_WEIGHTS if stream is None else stream, num_warps=warps,
-        INLINE_X=inline_x, **spans, **(pdl or {"PDL": False}))
+        INLINE_X=inline_x, SWIGLU=swiglu is not None, w2_ptr=w2, s2_ptr=s2, **spans, **(pdl or {"PDL": False}))

@@ -31,3 +31,13 @@ def w4a16_gemv_pairs_reference(pairs: torch.Tensor, pair_scales: torch.Tensor, w
     x = pair_values(pairs, pair_scales, 8 * weight_packed.shape[1])
     w = int4_dequantize_reference(weight_packed, weight_scale, group_size, dtype)
     return (x @ w.float().T).to(dtype)
+
+
+def w4a16_swiglu_gemv_reference(x: torch.Tensor, gate_packed: torch.Tensor, gate_scale: torch.Tensor,
+                                up_packed: torch.Tensor, up_scale: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """A SwiGLU MLP's h for one token: x [1, K] bf16 / fp16; gate and up weights as in :func:`w4a16_gemm_reference`
+    ([I, K/8] / [I, K/group_size]). gate · x and up · x in fp32 (the weights dequantized in x's dtype), h =
+    silu(gate) · up rounded once to x's dtype. Returns h: [1, I]."""
+    g = x.float() @ int4_dequantize_reference(gate_packed, gate_scale, group_size, x.dtype).float().T
+    u = x.float() @ int4_dequantize_reference(up_packed, up_scale, group_size, x.dtype).float().T
+    return (g * torch.sigmoid(g) * u).to(x.dtype)
