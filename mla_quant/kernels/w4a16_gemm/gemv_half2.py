@@ -10,7 +10,8 @@ fp16's range; the GEMV multiplies each run's sum by that power of two and the ru
 session 37 the GEMV makes the pairs itself from a 16-byte aligned x (``INLINE_X``, ``half2_launch_x``:
 ``_half2_gemv.inline_pairs``, the same bits); otherwise ``_half2_gemv.pair_order`` writes them in one small launch
 before it (``half2_launch``). Numerics are the half2 GEMV's (docs/moe.md "The half2 GEMV"):
-bf16-level, not the fp32 sums of ``gemv="rows"``.
+bf16-level, not the fp32 sums of ``gemv="rows"``. With ``SWIGLU`` (``half2_launch_swiglu``, session 39) one launch
+runs a SwiGLU MLP's gate and up GEMVs, half of each program's rows from each weight, and stores silu(gate) · up.
 
 A program's tile is [BN rows, BR runs]: 4 words per element in one 128-bit load, a warp's lanes on consecutive runs
 of one row (512 contiguous bytes; lanes on the rows of one run, the first form, were slower at every width). A row of
