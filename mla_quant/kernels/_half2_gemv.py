@@ -98,12 +98,13 @@ def pair_order(a: torch.Tensor, hold_next: bool = False) -> tuple[torch.Tensor, 
     return _pair_order_launch(a, None, hold_next)
 
 
-def swiglu_pair_order(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pair_order(h)`` of a SwiGLU MLP's h = silu(gate) · up, in the same launch: gate, up [R, K] bf16 / fp16
+def pair_order_swiglu(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pair_order(h)`` of a SwiGLU MLP's h = silu(gate) · up, in the same launch (the launcher of
+    ``w4a16_gemm.swiglu_pair_order``, which checks its inputs): gate, up [R, K] bf16 / fp16
     (same shape and dtype, last dim contiguous); h is computed in fp32 and rounded once to gate's dtype, then put
     in pair order (what the down projection's half2 GEMV reads). ``swiglu_pair_order_reference`` is its torch form."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"swiglu_pair_order: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+        raise ValueError(f"pair_order_swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                          f"{up.dtype} must have one shape and dtype")
     return _pair_order_launch(gate, up, False)
 

@@ -8,7 +8,8 @@ from .moe import MoE, Router, StackedExperts
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, YarnScaling
 
-__all__ = ["QuantLinear", "PairedActivations", "quant_linear", "quant_linear_reference", "RMSNorm", "RotaryEmbedding", "YarnScaling"]
+__all__ = ["QuantLinear", "PairedActivations", "quant_linear", "quant_linear_reference", "RMSNorm", "RotaryEmbedding",
+           "YarnScaling"]
 __all__ += ["MLP", "MoE", "Router", "StackedExperts"]
 __all__ += ["LightningIndexer"]
 __all__ += ["MLAttention"]

@@ -355,9 +355,9 @@ def swiglu_pair_order(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tenso
         raise ValueError("gate, up: the last dimension must be contiguous")
     if not use_triton(gate, up):
         return swiglu_pair_order_reference(gate, up)
-    from .._half2_gemv import swiglu_pair_order as launch
+    from .._half2_gemv import pair_order_swiglu
 
-    return launch(gate, up)
+    return pair_order_swiglu(gate, up)
 
 
 def w4a16_gemv_pairs(pairs: torch.Tensor, pair_scales: torch.Tensor, weight_packed: torch.Tensor,

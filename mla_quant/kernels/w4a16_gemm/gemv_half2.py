@@ -75,8 +75,8 @@ def _w4a16_gemv_half2_kernel(p_ptr, ps_ptr, w_ptr, s_ptr, y_ptr, N,
     # PIPE: chunk c + 1 is loaded before chunk c's arithmetic (two chunks before the PDL wait); else after it.
     # SPAN1 > 0: the row as spans of BR, SPAN1 and SPAN2 runs (powers of two, only the last one past the row), all
     # loaded first (gemv.row_spans).
-    # SWIGLU: w / s are a SwiGLU MLP's gate weight and w2 / s2 its up weight (both [N, K/8]); a program's first BN / 2
-    # rows are gate rows, the other BN / 2 the same rows of up, and y [N] = silu(gate · x) · (up · x) (the fp32 sums).
+    # SWIGLU: w / s are a SwiGLU MLP's gate weight and w2 / s2 its up weight (both [N, K/8]); a program's first
+    # BN / 2 rows are gate rows, the other BN / 2 the same rows of up; y [N] = silu(gate · x) · (up · x) (fp32 sums).
     RUNS: tl.constexpr = K // 32
     CHUNKS: tl.constexpr = (RUNS + BR - 1) // BR
     if SWIGLU:
