@@ -28,6 +28,16 @@ def _gate_up(rows, k, dtype, dev, seed, spread=3.0):
     return gate, up
 
 
+def _runs(t, k):
+    """[R, K] -> [R, runs, 32] (zeros / False past K), a run being 32 consecutive K."""
+    return torch.nn.functional.pad(t, (0, -k % 32)).view(t.shape[0], -1, 32)
+
+
+def _per_element(t, k):
+    """[R, runs] -> [R, K]: each run's value at its 32 elements."""
+    return t.repeat_interleave(32, dim=1)[:, :k]
+
+
 def _check_swiglu_pairs(gate, up, what):
     """The kernel's pairs are exactly pair order of some h (its own, rounded to gate's dtype); h has the reference's
     NaNs and infs, and elsewhere is the reference h within one unit of the dtype (the sigmoid's exp may differ in the
@@ -41,10 +51,10 @@ def _check_swiglu_pairs(gate, up, what):
     # pair order of its own h: the same values and run scales, except in runs holding a NaN (the kernel's run maximum
     # skips NaN, the reference's does not)
     own = pair_order_reference(h.to(dtype))
-    runs = -(-k // 32)
-    clean = ~torch.nn.functional.pad(h.isnan(), (0, -k % 32)).view(rows, runs, 32).any(-1)
+    clean = ~_runs(h.isnan(), k).any(-1)
+    runs = clean.shape[1]
     assert torch.equal(own[1][:, :runs][clean], scales[:, :runs][clean]), f"{what}: run scales"
-    keep = clean.repeat_interleave(32, dim=1)[:, :k]
+    keep = _per_element(clean, k)
     assert torch.equal(pair_values(*own, k)[keep], h[keep]), f"{what}: not pair order of h"
     ref = swiglu_reference(gate.cpu(), up.cpu()).float()
     assert torch.equal(h.isnan(), ref.isnan()), f"{what}: NaN positions"
@@ -52,10 +62,8 @@ def _check_swiglu_pairs(gate, up, what):
     assert torch.equal(h.isinf(), inf) and torch.equal(h[inf], ref[inf]), f"{what}: infs"
     # the reference's h as its pairs hold it (values below 2^-24 of their run's largest are fp16 subnormals there)
     ref = pair_values(*swiglu_pair_order_reference(gate.cpu(), up.cpu()), k)
-    bad = torch.nn.functional.pad(~ref.isfinite(), (0, -k % 32)).view(rows, -1, 32).any(-1)
-    ok = ~bad.repeat_interleave(32, dim=1)[:, :k]
-    run_max = torch.nn.functional.pad(ref.abs(), (0, -k % 32)).view(rows, -1, 32).amax(-1)
-    floor = 2.0**-23 * run_max.repeat_interleave(32, dim=1)[:, :k]
+    ok = _per_element(~_runs(~ref.isfinite(), k).any(-1), k)
+    floor = 2.0**-23 * _per_element(_runs(ref.abs(), k).amax(-1), k)
     diff = (h[ok] - ref[ok]).abs()
     assert (diff <= ULP[dtype] * ref[ok].abs() + floor[ok]).all(), f"{what}: h off by {diff.max().item()}"
     assert (diff > 0).sum().item() <= max(2, 0.01 * diff.numel()), \
