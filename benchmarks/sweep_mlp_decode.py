@@ -43,7 +43,7 @@ from mla_quant.modules.mlp import MLP
 
 from .bench_gemm import _tinygemm_pack
 from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, module_attrs, sweep_args
-from .sweep_w4a16_gemv import _write
+from .sweep_w4a16_gemv import _rel_err, _write
 
 GROUP = 32
 SHAPES = ((7168, 2048), (7168, 18432), (6144, 12288))
@@ -78,10 +78,6 @@ def _sets(hidden: int, inter: int, dev: str) -> list[dict]:
 
 def _tiny(x, packed):
     return torch.ops.aten._weight_int4pack_mm(x, packed[0], GROUP, packed[1])
-
-
-def _rel_err(y, ref) -> float:
-    return round(((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item(), 5)
 
 
 def main(argv=None) -> None:

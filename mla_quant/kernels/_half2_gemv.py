@@ -103,9 +103,6 @@ def pair_order_swiglu(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tenso
     ``w4a16_gemm.swiglu_pair_order``, which checks its inputs): gate, up [R, K] bf16 / fp16
     (same shape and dtype, last dim contiguous); h is computed in fp32 and rounded once to gate's dtype, then put
     in pair order (what the down projection's half2 GEMV reads). ``swiglu_pair_order_reference`` is its torch form."""
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"pair_order_swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
-                         f"{up.dtype} must have one shape and dtype")
     return _pair_order_launch(gate, up, False)
 
 

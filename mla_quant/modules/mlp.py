@@ -75,12 +75,11 @@ class MLP(nn.Module):
         return w4a16_swiglu_gemv(x.reshape(1, -1), gate.weight_packed, gate.weight_scale, up.weight_packed,
                                  up.weight_scale, gate.fmt.group_size, prefetch_weights=all(settled))
 
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
+
 
 def _hooked(module: nn.Module) -> bool:
     """Whether a forward hook would see ``module``'s call (the fused gate-up launch calls neither layer)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
                 or nn.modules.module._global_forward_pre_hooks)
-
-
-    def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"

@@ -272,6 +272,10 @@ def test_mlp_one_token_runs_gate_and_up_in_one_launch(triton_backend, dtype, mon
     assert_rel_close(y.float(), plain.float(), 3e-2, f"one launch vs the layers {dtype}")
 
 
+def test_mlp_repr_names_its_widths():
+    assert "hidden_size=64, intermediate_size=32" in repr(MLP(64, 32))
+
+
 def test_quant_linear_on_pairs_needs_int4():
     """A layer whose weight is not Int4Group refuses pair-ordered activations, naming why."""
     layer = QuantLinear(256, 8, fmt=BF16())

@@ -46,14 +46,20 @@ def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
     check_tensor("x", x, dtype=X_DTYPES)
     if x.dim() == 0 or x.stride(-1) != 1:
         raise ValueError("x: needs at least one dimension, with the last one contiguous")
+    n, k = _check_weight(weight_packed, weight_scale, group_size, x=x)
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} != K = 8 * weight_packed.shape[1] = {k}")
+    return n, k
+
+
+def _check_weight(weight_packed, weight_scale, group_size, **activations) -> tuple[int, int]:
+    """(N, K) of an INT4 weight, checked, on the device of ``activations`` (name -> tensor)."""
     check_tensor("weight_packed", weight_packed, dtype=torch.int32, ndim=2, contiguous=True)
     check_tensor("weight_scale", weight_scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
-    check_same_device(x=x, weight_packed=weight_packed, weight_scale=weight_scale)
+    check_same_device(**activations, weight_packed=weight_packed, weight_scale=weight_scale)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size: {group_size} not supported, expected one of {GROUP_SIZES}")
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
-    if x.shape[-1] != k:
-        raise ValueError(f"x: last dimension {x.shape[-1]} != K = 8 * weight_packed.shape[1] = {k}")
     check_divisible("K", k, group_size, "group_size")
     if tuple(weight_scale.shape) != (n, k // group_size):
         raise ValueError(f"weight_scale: shape {tuple(weight_scale.shape)}, expected {(n, k // group_size)} "
@@ -379,15 +385,7 @@ def w4a16_gemv_pairs(pairs: torch.Tensor, pair_scales: torch.Tensor, weight_pack
     check_tensor("pair_scales", pair_scales, dtype=torch.float32, ndim=2, contiguous=True)
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: {dtype}, expected bfloat16 or float16 (the half2 GEMV's activations)")
-    check_tensor("weight_packed", weight_packed, dtype=torch.int32, ndim=2, contiguous=True)
-    check_tensor("weight_scale", weight_scale, dtype=SCALE_DTYPES, ndim=2, contiguous=True)
-    check_same_device(pairs=pairs, pair_scales=pair_scales, weight_packed=weight_packed, weight_scale=weight_scale)
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size: {group_size} not supported, expected one of {GROUP_SIZES}")
-    n, k = weight_packed.shape[0], weight_packed.shape[1] * 8
-    check_divisible("K", k, group_size, "group_size")
-    if tuple(weight_scale.shape) != (n, k // group_size):
-        raise ValueError(f"weight_scale: shape {tuple(weight_scale.shape)}, expected {(n, k // group_size)}")
+    n, k = _check_weight(weight_packed, weight_scale, group_size, pairs=pairs, pair_scales=pair_scales)
     width = plane_width(k)
     if pairs.shape[0] != 1:
         raise ValueError(f"pairs: {pairs.shape[0]} rows; the pair-order GEMV takes one token")

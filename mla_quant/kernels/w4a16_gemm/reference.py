@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._half2_gemv import pair_values
+from .._half2_gemv import pair_values, swiglu_reference
 from ..int4_quant.reference import int4_dequantize_reference
 
 
@@ -40,4 +40,4 @@ def w4a16_swiglu_gemv_reference(x: torch.Tensor, gate_packed: torch.Tensor, gate
     silu(gate) · up rounded once to x's dtype. Returns h: [1, I]."""
     g = x.float() @ int4_dequantize_reference(gate_packed, gate_scale, group_size, x.dtype).float().T
     u = x.float() @ int4_dequantize_reference(up_packed, up_scale, group_size, x.dtype).float().T
-    return (g * torch.sigmoid(g) * u).to(x.dtype)
+    return swiglu_reference(g, u).to(x.dtype)  # fp32 h, rounded once
