@@ -404,6 +404,12 @@ def cases_fused_moe() -> Iterator[Case]:
                     yield (f"kind={kind} int4_tile=dequant T={tokens} x={_dt(x_dtype)}",
                            partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype), torch.rand(tokens, top_k),
                                    ids, gate, up, down, kind=kind, int4_tile="dequant"))
+                if kind == "int4_group" and tokens > 1 and x_dtype == BF16:  # the fragment blocks, 8 and 16 rows
+                    for bm in (8, 16):
+                        yield (f"kind={kind} int4_tile=fragments block_m={bm} T={tokens}",
+                               partial(fused_moe, torch.randn(tokens, hidden, dtype=x_dtype),
+                                       torch.rand(tokens, top_k), ids, gate, up, down, kind=kind, block_m=bm,
+                                       int4_tile="fragments"))
         # the decode path (block_m == 1; INT4 takes it at T=1 above, fused): with the shared output, the aligned path
         # with its combine launch (decode_fusion=False), and the BF16 / FP8 GEMVs (block_m=1)
         x, ids = torch.randn(1, hidden, dtype=BF16), torch.randperm(experts)[:top_k].int()[None]

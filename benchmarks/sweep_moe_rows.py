@@ -1,7 +1,7 @@
 """INT4 experts between one-token decode and prefill: the GEMV (``block_m == 1``) against the 16-row tensor-core tile,
 and FP8-block experts, at 8-256 Kimi tokens, to place ``choose_block_m``'s switch in one GPU call.
 
-    python -m benchmarks.sweep_moe_rows [--tokens 8,16,24,32,48,64,96,128,192,256] [--rounds 3] [--bf16]
+    python -m benchmarks.sweep_moe_rows [--tokens 8,16,24,32,48,64,96,128,192,256] [--rounds 3] [--bf16] [--frag-tiles]
         [--out benchmarks/results/sweep_moe_rows_h200.json] [--label NAME]
 
 Kimi widths (384 experts, hidden 7168, expert 2048, top-8), the bench ``moe``'s random experts and its 8 routings per
@@ -12,6 +12,9 @@ CUDA graph. Per token count, in interleaved rounds (``common.interleaved_graph_u
 - ``int4_gemv_direct``: the same without alignment (``decode_fusion=True``: program m takes assignment m);
 - ``int4_tile16``: ``block_m=16`` — the plane tile (``int4_tile="planes"``) on the tensor cores, each expert's
   weights unpacked once per 16 rows;
+- ``int4_frag8`` / ``int4_frag16``: ``int4_tile="fragments"`` at ``block_m`` 8 / 16 — each aligned block's rows
+  as the token columns of ``mma.sync`` on weight fragments built in registers (``fragments._moe_frag_block_kernel``);
+  ``--frag-tiles`` adds ``int4_frag8`` at each tile of ``FRAG_TILES`` (``int4_frag8_bk{BK}w{warps}[_noprefetch]``);
 - ``fp8_block``: FP8-block experts at their default ``block_m`` (16 here), the format INT4 must beat;
 - ``bf16`` (``--bf16``): BF16 experts at their default.
 
@@ -30,21 +33,39 @@ import statistics
 import torch
 
 from mla_quant.kernels.fused_moe import choose_block_m, fused_moe, fused_moe_reference
+from mla_quant.kernels.fused_moe import fragments as frag
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import E, FORMATS, HIDDEN, SETS, TOP_K, _expert_bytes, _random_experts, _routings
-from .common import Context, interleaved_graph_us, measure_ceilings, meta, sweep_args
+from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
 
 TOKENS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 INT4_SETTINGS = {"int4_gemv": {"block_m": 1}, "int4_gemv_direct": {"block_m": 1, "decode_fusion": True},
-                 "int4_tile16": {"block_m": 16}}
+                 "int4_tile16": {"block_m": 16}, "int4_frag8": {"block_m": 8, "int4_tile": "fragments"},
+                 "int4_frag16": {"block_m": 16, "int4_tile": "fragments"}}
+# --frag-tiles: (BK, warps, PREFETCH) of both fragment-block launches (fragments.MOE_FRAG_BLOCK_TILES), at 8 rows
+FRAG_TILES = ((256, 4, True), (128, 8, True), (128, 4, False), (256, 8, True))
 
 
 def _extra(ap) -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="also BF16 experts (33.8 GB more on the device)")
+    ap.add_argument("--frag-tiles", action="store_true", help="int4_frag8 at each tile of FRAG_TILES too")
     ap.add_argument("--label", default=None, help="write the run under this key of the --out file (others kept)")
+
+
+def frag_tile_name(tile) -> str:
+    bk, warps, prefetch = tile
+    return f"int4_frag8_bk{bk}w{warps}" + ("" if prefetch else "_noprefetch")
+
+
+def frag_tile_setting(fn, tile):
+    """``fn`` with both fragment-block launches on ``tile`` (the module's tiles as before once it returns)."""
+    def run():
+        with module_attrs(frag, {"MOE_FRAG_BLOCK_TILES": {"gate_up": tile, "down": tile}}):
+            return fn()
+    return run
 
 
 def token_row(tokens: int, us: dict, active: float, errors: dict, copy_tbps: float) -> dict:
@@ -89,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 return fn
 
             fns = {k: routed("int4_g32", **form) for k, form in INT4_SETTINGS.items()}
+            for tile in (FRAG_TILES if args.frag_tiles else ()):
+                fns[frag_tile_name(tile)] = frag_tile_setting(routed("int4_g32", **INT4_SETTINGS["int4_frag8"]), tile)
             fns.update({name: routed(name) for name in names if name != "int4_g32"})
             rounds = interleaved_graph_us(fns, reps=SETS, rounds=args.rounds)
             x0, (w0, ids0) = xs[0], routings[0]

@@ -687,6 +687,108 @@ def _assert_gpu_gemv_form(form, projections, t, dtype, **planes_kw):
     assert_rel_close(outs[0].float(), planes.float(), 1e-2, f"{form} vs planes T={t} {dtype}")
 
 
+# --- int4_tile="fragments": moe_align's blocks as the MMA's token columns (fused_moe/fragments.py) ---
+
+# (hidden, inter, dtype, tokens, top_k, block_m, shared): K whole and ragged against BK 128 (160, 96), rows ragged
+# against the interpreted 32-row tile, fp16, one and two token tiles; token 0 loses a slot, and tokens 1.. all take
+# expert 0 in their first slot, so expert 0 holds more rows than one block (several blocks of one expert)
+FRAG_BLOCK_CASES = [(128, 96, torch.bfloat16, 11, 3, 8, True), (160, 64, torch.float16, 18, 1, 16, False),
+                    (64, 160, torch.bfloat16, 12, 2, 8, True)]
+
+
+@pytest.mark.parametrize("hidden,inter,dtype,tokens,top_k,block_m,shared", FRAG_BLOCK_CASES)
+def test_fragment_blocks_match_reference(triton_backend, monkeypatch, hidden, inter, dtype, tokens, top_k, block_m,
+                                         shared):
+    dev, e = triton_backend, 4
+    gate, up, down = _frag_experts(e, hidden, inter, 32, dtype, dev, seed=hidden + inter)
+    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+    w, ids = routing(tokens, e, top_k, seed=hidden, device=dev)
+    for i in range(1, tokens):  # expert 0 first, then distinct others
+        ids[i] = torch.tensor([0] + [1 + (i + j) % (e - 1) for j in range(top_k - 1)], dtype=ids.dtype)
+    ids[0, -1] = -1
+    assert int((ids == 0).sum()) > block_m
+    shared_out = torch.randn(tokens, hidden, device=dev).to(dtype) if shared else None
+    what = f"fragment blocks H={hidden} I={inter} {dtype} T={tokens} k={top_k} block_m={block_m}"
+    _poison_allocations(monkeypatch)   # h, y: read only where written
+    outs = []
+    for _ in range(2):
+        out = poisoned_empty((tokens, hidden), dtype, dev)
+        got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, int4_tile="fragments",
+                        shared_out=shared_out, out=out)
+        assert got is out
+        outs.append(got)
+    assert_bitwise_equal(outs[0], outs[1], f"{what}: twice")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group",
+                              shared_out=None if shared_out is None else shared_out.cpu())
+    assert_rel_close(outs[0].float().cpu(), ref.float(), 2e-2, what)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=st.integers(1, 12), e=st.integers(1, 5), k=st.integers(1, 3), block_m=st.sampled_from([8, 16]),
+       hidden=st.sampled_from([64, 128]), inter=st.sampled_from([32, 96]), seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_fragment_blocks(triton_backend, t, e, k, block_m, hidden, inter, seed):
+    """Any token count, experts, top-k and width (multiples of 32): the fragment blocks equal the reference within
+    bf16 rounding."""
+    k = min(k, e)
+    gate, up, down = _frag_experts(e, hidden, inter, 32, torch.bfloat16, triton_backend, seed % 1000)
+    x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(seed)).to(triton_backend).to(torch.bfloat16)
+    w, ids = routing(t, e, k, seed, device=triton_backend)
+    got = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, int4_tile="fragments")
+    cpu = lambda d: {kk: v.cpu() for kk, v in d.items()}  # noqa: E731
+    ref = fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), cpu(gate), cpu(up), cpu(down), kind="int4_group")
+    assert_rel_close(got.float().cpu(), ref.float(), 2e-2, f"fragment blocks t={t} e={e} k={k} {hidden}x{inter}")
+
+
+def test_fragment_blocks_name_what_they_cannot_take(triton_backend):
+    dev = triton_backend
+    gate, up, down = _frag_experts(3, 128, 64, 32, torch.bfloat16, dev, seed=1)
+    w, ids = routing(4, 3, 2, device=dev)
+    x = torch.randn(4, 128, device=dev)
+    run = lambda xx, block_m=8, **kw: fused_moe(xx, w, ids, gate, up, down, kind="int4_group",  # noqa: E731
+                                                block_m=block_m, int4_tile="fragments", **kw)
+    with pytest.raises(ValueError, match="fragments.*bf16 / fp16"):
+        run(x)
+    with pytest.raises(ValueError, match="fragments.*weight_scale.*float16"):
+        run(x.to(torch.float16))
+    with pytest.raises(ValueError, match="fragments.*block_m 64"):
+        run(x.to(torch.bfloat16), block_m=64)
+    with pytest.raises(ValueError, match="block_m: 8 "):
+        fused_moe(x.to(torch.bfloat16), w, ids, gate, up, down, kind="int4_group", block_m=8, int4_tile="planes")
+
+
+def test_frag_block_m_follows_the_rows_per_expert():
+    from mla_quant.kernels.fused_moe import FRAG_ONE_TILE_MAX_ROWS, frag_block_m
+
+    assert frag_block_m(8, 384) == 1 == choose_block_m(8, 384)          # one token: the GEMV
+    assert frag_block_m(384, 384) == 8
+    assert frag_block_m(384 * FRAG_ONE_TILE_MAX_ROWS, 384) == 8
+    assert frag_block_m(384 * FRAG_ONE_TILE_MAX_ROWS + 1, 384) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,block_m", [(16, 8), (64, 8), (64, 16), (256, None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fragment_blocks_real_widths(t, block_m, dtype):
+    """Kimi's widths (24 experts, top-8: several blocks per expert), the shared output and dropped slots, compiled
+    (the PTX bit tricks and the MMAs on 8 / 16 token columns): into poisoned outputs twice (bitwise the same), against
+    the reference and the plane tile."""
+    gate, up, down = _frag_experts(24, 7168, 2048, 32, dtype, "cuda", seed=7)
+    x, w, ids, shared_out = _kimi_decode_inputs(t, dtype, 24)
+    outs = []
+    for _ in range(2):
+        out = poisoned_empty((t, 7168), dtype, "cuda")
+        outs.append(fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=block_m, int4_tile="fragments",
+                              shared_out=shared_out, out=out))
+    what = f"fragment blocks T={t} block_m={block_m} {dtype}"
+    assert_bitwise_equal(outs[0], outs[1], f"{what}: twice")
+    ref = fused_moe_reference(x, w, ids, gate, up, down, kind="int4_group", shared_out=shared_out)
+    tile = fused_moe(x, w, ids, gate, up, down, kind="int4_group", block_m=16, int4_tile="planes",
+                     shared_out=shared_out)
+    assert_rel_close(outs[0].float(), ref.float(), 1e-2, f"{what} vs reference")
+    assert_rel_close(outs[0].float(), tile.float(), 1e-2, f"{what} vs the plane tile")
+
+
 # --- gemv="half2": fp16x2 arithmetic on activation pairs (kernels/_half2_gemv.py), bf16 / fp16 activations ---
 
 def test_pair_order_is_the_documented_layout(triton_backend):

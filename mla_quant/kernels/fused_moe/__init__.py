@@ -60,14 +60,18 @@ HALF2_STREAM_WEIGHTS = False
 HALF2_INLINE_X = False
 # the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
 # Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
-INT4_TILE_FORMS = ("planes", "dequant")
+INT4_TILE_FORMS = ("planes", "dequant", "fragments")
+# int4_tile="fragments": blocks of this many rows (the MMA's token columns: 8 per token tile); frag_block_m takes
+# one token tile up to this many rows per expert on average
+FRAG_BLOCK_MS = (8, 16, 32)
+FRAG_ONE_TILE_MAX_ROWS = 4
 # fused_moe(decode_fusion="auto"): the decode path without align and combine launches up to this many tokens.
 # H200, Kimi experts, INT4 (run of 1a54790): one token 76.1 µs vs 80.0 aligned; 16 tokens 994.6 vs 975.7.
 FUSION_MAX_TOKENS = 1
 WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
-__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "KINDS", "WEIGHT_KEYS",
+__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "frag_block_m", "KINDS", "WEIGHT_KEYS",
            "GEMV_FORMS", "INT4_TILE_FORMS", "FUSION_MAX_TOKENS"]
 
 
@@ -84,6 +88,14 @@ def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_gro
         if per_expert <= bm:
             return bm
     return 128
+
+
+def frag_block_m(num_assignments: int, num_experts: int) -> int:
+    """Rows per block for ``int4_tile="fragments"`` (the MMA's token columns): 1 (the GEMV) where
+    :func:`choose_block_m` takes it, else one token tile of 8 while an expert holds a few rows, two (16) above."""
+    if choose_block_m(num_assignments, num_experts, "int4_group") == 1:
+        return 1
+    return 8 if num_assignments / max(num_experts, 1) <= FRAG_ONE_TILE_MAX_ROWS else 16
 
 
 def _check_weights(name: str, w: dict, kind: str, e: int | None, n: int | None, k: int,
@@ -207,8 +219,12 @@ def fused_moe(
     weight rows, else a ValueError naming why; ``fragments.py``).
     ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (default: the words kept in
     their load layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md
-    "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200) or ``"dequant"``
-    (the words unpacked into a [BLOCK_N, BLOCK_K] tile).
+    "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200), ``"dequant"``
+    (the words unpacked into a [BLOCK_N, BLOCK_K] tile) or ``"fragments"`` (each aligned block's rows are the token
+    columns of ``mma.sync`` on weight fragments built in registers, as ``gemv="fragments"`` builds them: every
+    weight unpacked once per block of ``block_m`` in ``FRAG_BLOCK_MS`` rows, no shared memory; ``block_m`` None
+    takes :func:`frag_block_m`; bf16 / fp16 x with scales of x's dtype and 16-byte aligned weight rows, else a
+    ValueError naming why; ``fragments._moe_frag_block_kernel``).
     ``decode_fusion``: True runs ``block_m == 1`` without ``moe_align`` and without a combine launch: program m
     of each GEMV takes assignment m, and the last of a token's k down programs of a column tile to finish sums
     the token's rows (docs/moe.md "The decode path"); False: the aligned path with its combine launch (same
@@ -228,8 +244,11 @@ def fused_moe(
         raise ValueError(f"gemv={gemv!r}: x is {x.dtype}; the fp16x2 GEMV takes bf16 / fp16 activations")
     if int4_tile not in INT4_TILE_FORMS:
         raise ValueError(f"int4_tile: {int4_tile!r} not in {INT4_TILE_FORMS}")
-    if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)):
-        raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile)")
+    frag_tile = kind == "int4_group" and int4_tile == "fragments"
+    if block_m is not None and not (block_m == 1 or (block_m >= 16 and block_m & (block_m - 1) == 0)
+                                    or (frag_tile and block_m in FRAG_BLOCK_MS)):
+        raise ValueError(f"block_m: {block_m} must be 1 (GEMV) or a power of two ≥ 16 (a tensor-core tile; "
+                         f"with int4_tile='fragments' one of {FRAG_BLOCK_MS})")
     num_experts, inter = _check_inputs(x, topk_weights, topk_ids, gate, up, down, kind, group_size, block,
                                        act_quant, act_group, shared_out, out)
     act_quant = act_quant and kind == "fp8_block"
@@ -243,6 +262,16 @@ def fused_moe(
         if problem is not None:
             raise ValueError(f"gemv='fragments': {problem}")
         return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
+    if frag_tile:
+        bm = block_m or frag_block_m(topk_ids.numel(), num_experts)
+        if bm > 1:
+            problem = _frag_operand_problem(x, gate, up, down)
+            if problem is not None:
+                raise ValueError(f"int4_tile='fragments': {problem}")
+            if bm not in FRAG_BLOCK_MS:
+                raise ValueError(f"int4_tile='fragments': block_m {bm} must be one of {FRAG_BLOCK_MS}")
+            return _fused_moe_frag_blocks(x, topk_weights, topk_ids, gate, up, down, group_size, bm, shared_out,
+                                          out)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .._half2_gemv import inline_pairs_ok, pair_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
@@ -401,6 +430,11 @@ def _frag_problem(x: torch.Tensor, gate: dict, up: dict, down: dict, decode_fusi
     """Why ``gemv="fragments"`` cannot take this call (None: it can)."""
     if decode_fusion is False:
         return "it runs the decode path (no align, no combine launch); decode_fusion=False asks for the other"
+    return _frag_operand_problem(x, gate, up, down)
+
+
+def _frag_operand_problem(x: torch.Tensor, gate: dict, up: dict, down: dict) -> str | None:
+    """Why the fragment kernels cannot take these operands (None: they can)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x is {x.dtype}; the MMA fragments take bf16 / fp16"
     if (x.stride(0) * x.element_size()) % 4 or x.data_ptr() % 4:
@@ -415,6 +449,49 @@ def _frag_problem(x: torch.Tensor, gate: dict, up: dict, down: dict, decode_fusi
             gate["weight_scale"].stride() != up["weight_scale"].stride():
         return "gate and up have different strides"
     return None
+
+
+def _fused_moe_frag_blocks(x, topk_weights, topk_ids, gate, up, down, group_size, bm, shared_out, out):
+    """``fused_moe`` on ``moe_align``'s blocks of ``bm`` rows, each on the fragment kernel with its rows as the MMA's
+    token columns (``fragments._moe_frag_block_kernel``): gate-up writing h, down writing the weighted fp32 rows, the
+    combine launch."""
+    from . import fragments as frag
+    from .kernel import _moe_combine_kernel
+
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    assignments = tokens * top_k
+    experts, inter = gate["weight_packed"].shape[:2]
+    result = out if out is not None else torch.empty_like(x)
+    if tokens == 0:
+        return result
+    interpret = triton_interpreted()
+    topk_ids = topk_ids.contiguous()
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, experts, bm)
+    pdl = pdl_launch(x.device, "fused_moe")
+    h = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(assignments, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.contiguous().view(-1)
+
+    def launch(which, a, w, s, w3, s3, dst, n, k, a_div, gated, x_vec):
+        bk, warps, prefetch = frag.MOE_FRAG_BLOCK_INTERPRETER if interpret else frag.MOE_FRAG_BLOCK_TILES[which]
+        frag._moe_frag_block_kernel[(expert_ids.numel(), cdiv(n, 16 * warps))](
+            a, sorted_ids, expert_ids, num_padded, w, s, w3, s3, dst, weights,
+            assignments, n, k, a_div, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), dst.stride(0),
+            GATED=gated, GROUP=group_size, BK=bk, NT=bm // 8, EVEN_K=k % bk == 0, X_VEC=x_vec, INTERPRET=interpret,
+            W=warps, PREFETCH=prefetch, num_warps=warps, **pdl)
+
+    gw, gs, uw, us = gate["weight_packed"], gate["weight_scale"], up["weight_packed"], up["weight_scale"]
+    launch("gate_up", x, gw, gs, uw, us, h, inter, hidden, top_k, True,
+           x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0)
+    dw, ds = down["weight_packed"], down["weight_scale"]
+    launch("down", h, dw, ds, dw, ds, y, hidden, inter, 1, False, (inter * x.element_size()) % 16 == 0)
+    shared = shared_out if shared_out is not None else result
+    block_h = min(1024, next_power_of_2(hidden))
+    _moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
+        y, topk_ids, shared, result, hidden, experts, y.stride(0), shared.stride(0), result.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
+    return result
 
 
 def _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out) -> torch.Tensor:

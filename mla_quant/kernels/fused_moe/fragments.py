@@ -115,6 +115,75 @@ def _moe_frag_kernel(
             tl.store(out_ptr + t.to(tl.int64) * stride_out + rows, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _moe_frag_block_kernel(
+    x_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, topk_w_ptr,
+    A, N, K, a_div, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    GATED: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, NT: tl.constexpr, EVEN_K: tl.constexpr,
+    X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    """The aligned blocks of ``moe_align`` (``fused_moe(..., int4_tile="fragments")``): program (b, n) takes block b
+    — up to BM = 8 · NT assignments of one expert, padding slots (sorted id A) masked — and rows n · 16W.. of the
+    expert's weights; the block's assignments are the MMA's token columns, so each weight is unpacked once for all of
+    them. x [*, K] in DT, row of assignment s: s // a_div (tokens for the gate-up, assignments for the down); w1 / w3
+    [E, N, K/8] words, scales [E, N, K/GROUP] in DT.
+    GATED: out = h [A, N] (DT), h = silu(gate) · up of tiles 0 (gate) and 1 (up) of the same rows. Not GATED:
+    out = y [A, N] fp32, each row times its routing weight (summed per token by the combine launch)."""
+    grid_dependency_sync(PDL)
+    T_: tl.constexpr = 32 * W
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    BN: tl.constexpr = 16 * W
+    BM: tl.constexpr = 8 * NT
+    tl.static_assert(BK % 128 == 0, "the fragment kernel takes K blocks of 128")
+    pid_b, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_b * BM >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_b).to(tl.int64)
+    lane = tl.arange(0, T_) % 32
+    r = lane // 4
+    c = lane % 4
+    row0 = pid_n * BN + (tl.arange(0, T_) // 32) * 16 + r       # row r of the warp's tile
+    # token column 8n + r of the block; a padding slot reads the block's first row (written, finite; never stored)
+    first = tl.load(sorted_ptr + pid_b * BM)
+    x_rows = ()
+    for n in tl.static_range(NT):
+        s = tl.load(sorted_ptr + pid_b * BM + 8 * n + r)
+        x_rows = x_rows + (x_ptr + (tl.where(s < A, s, first) // a_div).to(tl.int64) * stride_x,)
+    w_rows = ()
+    s_rows = ()
+    for half in tl.static_range(2):
+        row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)    # rows past N re-read row N - 1 (never stored)
+        w_rows = w_rows + (w1_ptr + e * stride_we + row * stride_wn,)
+        s_rows = s_rows + (s1_ptr + e * stride_se + row * stride_sn,)
+    if GATED:
+        for half in tl.static_range(2):
+            row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)
+            w_rows = w_rows + (w3_ptr + e * stride_we + row * stride_wn,)
+            s_rows = s_rows + (s3_ptr + e * stride_se + row * stride_sn,)
+    TILES: tl.constexpr = 2 if GATED else 1
+    accs = frag_accumulate(x_rows, w_rows, s_rows, 0, tl.cdiv(K, BK), K, GROUP, NT, TILES, BK, EVEN_K, X_VEC,
+                           INTERPRET, DT, W, PREFETCH)
+    # lane (r, c) of token tile n holds rows (r, r, r + 8, r + 8) x columns 8n + (2c, 2c + 1, 2c, 2c + 1)
+    for n in tl.static_range(NT):
+        for q in tl.static_range(4):
+            s = tl.load(sorted_ptr + pid_b * BM + 8 * n + 2 * c + q % 2)
+            row = row0 + 8 * (q // 2)
+            ok = (s < A) & (row < N)
+            dst = out_ptr + tl.where(s < A, s, 0).to(tl.int64) * stride_out + row
+            if GATED:
+                gate = accs[4 * n + q]
+                up = accs[4 * (NT + n) + q]
+                tl.store(dst, (gate * tl.sigmoid(gate) * up).to(DT), mask=ok)
+            else:
+                weight = tl.load(topk_w_ptr + s, mask=s < A, other=0.0).to(tl.float32)
+                tl.store(dst, accs[4 * n + q] * weight, mask=ok)
+
+
+# (BK, warps, PREFETCH) of the aligned fragment blocks' launches (_moe_frag_block_kernel)
+MOE_FRAG_BLOCK_TILES = {"gate_up": (128, 4, True), "down": (128, 4, True)}
+MOE_FRAG_BLOCK_INTERPRETER = (128, 2, False)
+
 # (BK, programs per SM, warps, PREFETCH) of each launch: the best of 20 pairs at one Kimi token on the H200 (session
 # 15, results/sweep_moe_frag_h200.json): 81.3 µs against 81.9-95.5 for the others — and 75.0 µs for the plane GEMV
 # (gemv="prefetch") in the same run, so this form is not the default
