@@ -14,7 +14,8 @@ CUDA graph. Per token count, in interleaved rounds (``common.interleaved_graph_u
   weights unpacked once per 16 rows;
 - ``int4_frag8`` / ``int4_frag16``: ``int4_tile="fragments"`` at ``block_m`` 8 / 16 — each aligned block's rows
   as the token columns of ``mma.sync`` on weight fragments built in registers (``fragments._moe_frag_block_kernel``);
-  ``--frag-tiles`` adds ``int4_frag8`` at each tile of ``FRAG_TILES`` (``int4_frag8_bk{BK}w{warps}[_noprefetch]``);
+  ``--frag-tiles`` adds ``int4_frag16`` at each tile of ``FRAG_TILES`` (``int4_frag16_bk{BK}w{warps}[_noprefetch]``);
+- ``int4_default``: ``fused_moe``'s defaults (``block_m`` from ``choose_block_m``, ``int4_tile="auto"``);
 - ``fp8_block``: FP8-block experts at their default ``block_m`` (16 here), the format INT4 must beat;
 - ``bf16`` (``--bf16``): BF16 experts at their default.
 
@@ -42,8 +43,8 @@ from .common import Context, interleaved_graph_us, measure_ceilings, meta, modul
 TOKENS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 INT4_SETTINGS = {"int4_gemv": {"block_m": 1}, "int4_gemv_direct": {"block_m": 1, "decode_fusion": True},
                  "int4_tile16": {"block_m": 16}, "int4_frag8": {"block_m": 8, "int4_tile": "fragments"},
-                 "int4_frag16": {"block_m": 16, "int4_tile": "fragments"}}
-# --frag-tiles: (BK, warps, PREFETCH) of both fragment-block launches (fragments.MOE_FRAG_BLOCK_TILES), at 8 rows
+                 "int4_frag16": {"block_m": 16, "int4_tile": "fragments"}, "int4_default": {}}
+# --frag-tiles: (BK, warps, PREFETCH) of both fragment-block launches (fragments.MOE_FRAG_BLOCK_TILES), at 16 rows
 FRAG_TILES = ((256, 4, True), (128, 8, True), (128, 4, False), (256, 8, True))
 
 
@@ -51,13 +52,13 @@ def _extra(ap) -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="also BF16 experts (33.8 GB more on the device)")
-    ap.add_argument("--frag-tiles", action="store_true", help="int4_frag8 at each tile of FRAG_TILES too")
+    ap.add_argument("--frag-tiles", action="store_true", help="int4_frag16 at each tile of FRAG_TILES too")
     ap.add_argument("--label", default=None, help="write the run under this key of the --out file (others kept)")
 
 
 def frag_tile_name(tile) -> str:
     bk, warps, prefetch = tile
-    return f"int4_frag8_bk{bk}w{warps}" + ("" if prefetch else "_noprefetch")
+    return f"int4_frag16_bk{bk}w{warps}" + ("" if prefetch else "_noprefetch")
 
 
 def frag_tile_setting(fn, tile):
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
             fns = {k: routed("int4_g32", **form) for k, form in INT4_SETTINGS.items()}
             for tile in (FRAG_TILES if args.frag_tiles else ()):
-                fns[frag_tile_name(tile)] = frag_tile_setting(routed("int4_g32", **INT4_SETTINGS["int4_frag8"]), tile)
+                fns[frag_tile_name(tile)] = frag_tile_setting(routed("int4_g32", **INT4_SETTINGS["int4_frag16"]), tile)
             fns.update({name: routed(name) for name in names if name != "int4_g32"})
             rounds = interleaved_graph_us(fns, reps=SETS, rounds=args.rounds)
             x0, (w0, ids0) = xs[0], routings[0]

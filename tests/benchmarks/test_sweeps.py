@@ -176,3 +176,25 @@ def test_mlp_decode_sweep_rows():
     assert down["vs_peer"] == 2.0 and down["tbps"] == round(_int4_bytes(7168, 2048) / 4e-6 / 1e12, 3)
     assert "tbps" not in rows["swiglu_pairs"] and "vs_peer" not in rows["swiglu_pairs"]
     assert rows["bf16_mlp"]["error"].startswith("RuntimeError") and "median_us" not in rows["bf16_mlp"]
+
+
+def test_moe_rows_sweep_rows_and_tile_settings():
+    """Each setting's time over FP8's and its weight rate over the copy rate (INT4 settings at INT4's bytes, FP8 at
+    its own); an error keeps its message and no rate; a fragment-tile setting sets the launch tiles only while it
+    runs."""
+    from benchmarks.bench_moe import _expert_bytes
+    from benchmarks.sweep_moe_rows import frag_tile_name, frag_tile_setting, token_row
+    from mla_quant.kernels.fused_moe import fragments
+
+    rounds = {"int4_gemv": [1000.0, 1200.0, 1100.0], "fp8_block": [2000.0, 2000.0, 2000.0], "int4_tile16": "boom"}
+    row = token_row(32, rounds, 190.0, {"int4_gemv": 1e-3}, copy_tbps=3.0)
+    assert row["us"]["int4_gemv"] == 1100.0 and row["time_vs_fp8"]["int4_gemv"] == 0.55
+    assert row["rows_per_active_expert"] == round(256 / 190.0, 3) and row["block_m_now"] == 1
+    assert row["weight_tbps"]["int4_gemv"] == round(190.0 * _expert_bytes("int4_g32") / 1100.0 / 1e6, 3)
+    assert row["weight_tbps"]["fp8_block"] == round(190.0 * _expert_bytes("fp8_block") / 2000.0 / 1e6, 3)
+    assert row["frac_of_copy"]["int4_gemv"] == round(row["weight_tbps"]["int4_gemv"] / 3.0, 3)
+    assert "int4_tile16" not in row["weight_tbps"] and row["us"]["int4_tile16"] == "boom"
+    before = dict(fragments.MOE_FRAG_BLOCK_TILES)
+    seen = frag_tile_setting(lambda: dict(fragments.MOE_FRAG_BLOCK_TILES), (256, 8, False))()
+    assert seen == {"gate_up": (256, 8, False), "down": (256, 8, False)}
+    assert fragments.MOE_FRAG_BLOCK_TILES == before and frag_tile_name((256, 8, False)) == "int4_frag16_bk256w8_noprefetch"

@@ -188,8 +188,9 @@ def test_strided_experts_in_the_kernel(triton_backend):
 
 def test_block_m_heuristic():
     assert choose_block_m(8, 384) == 1 and choose_block_m(128, 384) == 1  # decode: one row per active expert
+    assert choose_block_m(512, 384) == 1 and choose_block_m(672, 384) == 1  # up to 1.75 rows per expert: GEMVs
     assert choose_block_m(8, 384, "fp8_block") == 16 and choose_block_m(8, 384, "bf16") == 16  # tensor cores
-    assert choose_block_m(512, 384) == 16 and choose_block_m(8192, 384) == 32
+    assert choose_block_m(768, 384) == 16 and choose_block_m(8192, 384) == 32
     assert choose_block_m(131072, 256) == 128
 
 
@@ -757,13 +758,12 @@ def test_fragment_blocks_name_what_they_cannot_take(triton_backend):
         fused_moe(x.to(torch.bfloat16), w, ids, gate, up, down, kind="int4_group", block_m=8, int4_tile="planes")
 
 
-def test_frag_block_m_follows_the_rows_per_expert():
-    from mla_quant.kernels.fused_moe import FRAG_ONE_TILE_MAX_ROWS, frag_block_m
+def test_frag_block_m_follows_choose_block_m():
+    from mla_quant.kernels.fused_moe import frag_block_m
 
-    assert frag_block_m(8, 384) == 1 == choose_block_m(8, 384)          # one token: the GEMV
-    assert frag_block_m(384, 384) == 8
-    assert frag_block_m(384 * FRAG_ONE_TILE_MAX_ROWS, 384) == 8
-    assert frag_block_m(384 * FRAG_ONE_TILE_MAX_ROWS + 1, 384) == 16
+    assert frag_block_m(8, 384) == 1 == choose_block_m(8, 384)          # decode: the GEMV
+    assert frag_block_m(672, 384) == 1 == choose_block_m(672, 384)
+    assert frag_block_m(768, 384) == 16 and frag_block_m(8192, 384) == 16
 
 
 @pytest.mark.gpu

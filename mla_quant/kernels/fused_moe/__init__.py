@@ -58,13 +58,22 @@ HALF2_STREAM_WEIGHTS = False
 # 273.7 / 273.3 (why is not profiled: the gate-up also loses its early reads, and every one of its programs converts
 # all of x's 224 runs).
 HALF2_INLINE_X = False
-# the INT4 tensor-core tile (block_m > 1): nibble planes (the default: 1.85-2.05x the dequantized tile at 256
-# Kimi tokens on the H200) or the dequantized [BLOCK_N, BLOCK_K] tile
-INT4_TILE_FORMS = ("planes", "dequant", "fragments")
-# int4_tile="fragments": blocks of this many rows (the MMA's token columns: 8 per token tile); frag_block_m takes
-# one token tile up to this many rows per expert on average
+# the INT4 tensor-core tile (block_m > 1): "auto" (below), nibble planes (the default before session 40: 1.85-2.05x
+# the dequantized tile at 256 Kimi tokens on the H200), the dequantized [BLOCK_N, BLOCK_K] tile, or the aligned
+# blocks' rows as the token columns of mma.sync on weight fragments (fragments._moe_frag_block_kernel)
+INT4_TILE_FORMS = ("auto", "planes", "dequant", "fragments")
+# int4_tile="fragments": blocks of this many rows (the MMA's token columns: 8 per token tile)
 FRAG_BLOCK_MS = (8, 16, 32)
-FRAG_ONE_TILE_MAX_ROWS = 4
+# int4_tile="auto" (the default) with block_m None: the fragment blocks up to this many rows per expert on average
+# (where frag_block_m takes blocks, and the operands allow them), the plane tile above. H100, Kimi experts,
+# sweep_moe_rows (session 40, run session40_call1): 16-row fragment blocks 0.97-0.99x the plane tile's time at
+# 8-256 tokens (2.3-5.4 rows per active expert: 4496 / 4645 µs at 96 tokens, 5378 / 5511 at 256)
+FRAG_AUTO_MAX_ROWS = 8
+# choose_block_m: INT4 experts run as GEMVs (block_m 1) up to this many rows per expert on average. H100, Kimi
+# experts, sweep_moe_rows (session 40, run session40_call1), µs GEMV / 16-row plane tile / FP8 experts: 32 tokens
+# (0.67 rows per expert) 1698 / 2554 / 2799, 64 tokens (1.33) 3174 / 3969 / 4256, 96 tokens (2.0) 4571 / 4645 /
+# 4995 (16-row fragment blocks 4496), 128 tokens (2.67) 6019 / 4942 / 5382. The switch was at 0.5 until then.
+GEMV_MAX_ROWS_PER_EXPERT = 1.75
 # fused_moe(decode_fusion="auto"): the decode path without align and combine launches up to this many tokens.
 # H200, Kimi experts, INT4 (run of 1a54790): one token 76.1 µs vs 80.0 aligned; 16 tokens 994.6 vs 975.7.
 FUSION_MAX_TOKENS = 1
@@ -76,13 +85,14 @@ __all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_bloc
 
 
 def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_group") -> int:
-    """Rows per block. INT4 weights: 1 (a GEMV per assignment) while nearly every active expert gets one row
-    (decode at a few tokens); the tensor-core form dequantizes a whole tile per 16 rows there and was slower
-    on the H200 (283 vs 192 µs at one Kimi token). BF16 and FP8 weights feed the tensor cores directly, so
-    they take the smallest tensor-core tile (16) at once (FP8 at one token: 112 vs 254 µs as a GEMV). Larger
-    tiles follow as the rows per expert grow (prefill), so each expert's weights are re-read less often."""
+    """Rows per block. INT4 weights: 1 (a GEMV per assignment, the rows aligned by expert so that an expert's rows
+    run side by side and share its weights in L2) while the experts hold up to ``GEMV_MAX_ROWS_PER_EXPERT`` rows
+    on average (decode at up to ~84 Kimi tokens); the tensor-core forms unpack a whole tile per 16 rows there. BF16
+    and FP8 weights feed the tensor cores directly, so they take the smallest tensor-core tile (16) at once (FP8 at
+    one token: 112 vs 254 µs as a GEMV). Larger tiles follow as the rows per expert grow (prefill), so each expert's
+    weights are re-read less often."""
     per_expert = num_assignments / max(num_experts, 1)
-    if per_expert <= 0.5 and kind == "int4_group":
+    if per_expert <= GEMV_MAX_ROWS_PER_EXPERT and kind == "int4_group":
         return 1
     for bm in (16, 32, 64):
         if per_expert <= bm:
@@ -92,10 +102,8 @@ def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_gro
 
 def frag_block_m(num_assignments: int, num_experts: int) -> int:
     """Rows per block for ``int4_tile="fragments"`` (the MMA's token columns): 1 (the GEMV) where
-    :func:`choose_block_m` takes it, else one token tile of 8 while an expert holds a few rows, two (16) above."""
-    if choose_block_m(num_assignments, num_experts, "int4_group") == 1:
-        return 1
-    return 8 if num_assignments / max(num_experts, 1) <= FRAG_ONE_TILE_MAX_ROWS else 16
+    :func:`choose_block_m` takes it, else 16 (two token tiles; 8 was never faster in session 40's sweep)."""
+    return 1 if choose_block_m(num_assignments, num_experts, "int4_group") == 1 else 16
 
 
 def _check_weights(name: str, w: dict, kind: str, e: int | None, n: int | None, k: int,
@@ -195,7 +203,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     gemv: str = "auto",
-    int4_tile: str = "planes",
+    int4_tile: str = "auto",
     decode_fusion: bool | str = "auto",
 ) -> torch.Tensor:
     """Routed experts of a MoE layer. x: [T, H]; topk_weights, topk_ids: [T, k] -> [T, H] in x.dtype.
@@ -217,7 +225,9 @@ def fused_moe(
     operand fragments each thread builds in its registers, as ``w4a16_gemm``'s fragment kernel: the decode path
     without align or combine launch at any token count; bf16 / fp16 x with scales of x's dtype and 16-byte aligned
     weight rows, else a ValueError naming why; ``fragments.py``).
-    ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"planes"`` (default: the words kept in
+    ``int4_tile`` picks the INT4 tensor-core tile (``block_m > 1``): ``"auto"`` (default: with ``block_m`` None,
+    ``"fragments"`` up to ``FRAG_AUTO_MAX_ROWS`` rows per expert on average where the operands allow it, else
+    ``"planes"``), ``"planes"`` (the words kept in
     their load layout, one dot per nibble plane against the activations re-ordered into planes; docs/moe.md
     "The INT4 plane tile"; 1.75-2.05x the dequantized tile at 256-1024 Kimi tokens on the H200), ``"dequant"``
     (the words unpacked into a [BLOCK_N, BLOCK_K] tile) or ``"fragments"`` (each aligned block's rows are the token
@@ -262,6 +272,10 @@ def fused_moe(
         if problem is not None:
             raise ValueError(f"gemv='fragments': {problem}")
         return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
+    if int4_tile == "auto":
+        frag_tile = kind == "int4_group" and block_m is None and \
+            topk_ids.numel() <= FRAG_AUTO_MAX_ROWS * num_experts and _frag_operand_problem(x, gate, up, down) is None
+        int4_tile = "fragments" if frag_tile else "planes"
     if frag_tile:
         bm = block_m or frag_block_m(topk_ids.numel(), num_experts)
         if bm > 1:
