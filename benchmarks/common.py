@@ -247,3 +247,21 @@ def write_results(path: Path, ctx: Context, cases: list[dict], replace_benches: 
         doc = {"meta": {**old["meta"], "commit": "per-row", "notes": notes}, "cases": kept + fresh}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def write_labelled(path: str, result: dict, label: str | None) -> None:
+    """Write a sweep's ``result`` to ``path`` as JSON; with ``label``, under that key of the file's existing document
+    (its other keys kept), so one results file holds the runs of several calls."""
+    import json
+    import os
+
+    if label and os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+        doc[label] = result
+        result = doc
+    elif label:
+        result = {label: result}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 
 import torch
@@ -39,7 +38,7 @@ from mla_quant.kernels.fused_moe import kernel as moe_kernel
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
-from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, Context
+from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, write_labelled, Context
 
 
 # extra (BLOCK_N, BLOCK_K, warps) tiles of half2_prefetch in the row orientation: wider rows of runs per warp
@@ -234,14 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                                              if isinstance(v, float) and k not in ("bf16", "fp8_block")}
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in row if k != "rounds"}), flush=True)
-    if args.label and os.path.exists(args.out):
-        with open(args.out) as f:
-            doc = json.load(f)
-        doc[args.label] = result
-        result = doc
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_labelled(args.out, result, args.label)
     return 0
 
 

@@ -28,7 +28,6 @@ the first token count of the run.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 
 import torch
@@ -38,7 +37,7 @@ from mla_quant.kernels.fused_moe import fragments as frag
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import E, FORMATS, HIDDEN, SETS, TOP_K, _expert_bytes, _random_experts, _routings
-from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
+from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, write_labelled
 
 TOKENS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 INT4_SETTINGS = {"int4_gemv": {"block_m": 1}, "int4_gemv_direct": {"block_m": 1, "decode_fusion": True},
@@ -126,14 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             row = token_row(t, rounds, active, errors, ctx.copy_tbps)
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
-    if args.label and os.path.exists(args.out):
-        with open(args.out) as f:
-            doc = json.load(f)
-        doc[args.label] = result
-        result = doc
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_labelled(args.out, result, args.label)
     return 0
 
 

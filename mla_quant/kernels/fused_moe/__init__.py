@@ -288,7 +288,7 @@ def fused_moe(
                                           out)
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .._half2_gemv import inline_pairs_ok, pair_order
-    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_combine_kernel, _moe_gemm_kernel, moe_gemm_autotuned,
+    from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_gemm_kernel, moe_gemm_autotuned,
                          moe_gemm_plane_tile_autotuned, moe_gemv_autotuned, moe_gemv_half2_autotuned,
                          moe_gemv_half2_prefetch_autotuned,
                          moe_gemv_planes_autotuned, moe_gemv_prefetch_autotuned)
@@ -433,11 +433,7 @@ def fused_moe(
              HAS_SHARED=shared_out is not None)
         return result
     gemm(ha, ha_scale, down, down, y, False, weights_flat, hidden, inter, (), down_pdl)
-    block_h = min(1024, next_power_of_2(hidden))
-    _moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
-        y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),
-        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
-    return result
+    return _combine(y, topk_ids, num_experts, shared_out, result)
 
 
 def _frag_problem(x: torch.Tensor, gate: dict, up: dict, down: dict, decode_fusion) -> str | None:
@@ -465,12 +461,25 @@ def _frag_operand_problem(x: torch.Tensor, gate: dict, up: dict, down: dict) -> 
     return None
 
 
+def _combine(y, topk_ids, num_experts, shared_out, result) -> torch.Tensor:
+    """The combine launch: ``result[t]`` = Σ_j ``y[t·k + j]`` over token t's kept slots (ids in [0, E)), + ``shared_out``,
+    rounded once (``kernel._moe_combine_kernel``)."""
+    from .kernel import _moe_combine_kernel
+
+    tokens, hidden = result.shape
+    shared = shared_out if shared_out is not None else result
+    block_h = min(1024, next_power_of_2(hidden))
+    _moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
+        y, topk_ids, shared, result, hidden, num_experts, y.stride(0), shared.stride(0), result.stride(0),
+        TOP_K=topk_ids.shape[1], HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
+    return result
+
+
 def _fused_moe_frag_blocks(x, topk_weights, topk_ids, gate, up, down, group_size, bm, shared_out, out):
     """``fused_moe`` on ``moe_align``'s blocks of ``bm`` rows, each on the fragment kernel with its rows as the MMA's
     token columns (``fragments._moe_frag_block_kernel``): gate-up writing h, down writing the weighted fp32 rows, the
     combine launch."""
     from . import fragments as frag
-    from .kernel import _moe_combine_kernel
 
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -500,12 +509,7 @@ def _fused_moe_frag_blocks(x, topk_weights, topk_ids, gate, up, down, group_size
            x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0)
     dw, ds = down["weight_packed"], down["weight_scale"]
     launch("down", h, dw, ds, dw, ds, y, hidden, inter, 1, False, (inter * x.element_size()) % 16 == 0)
-    shared = shared_out if shared_out is not None else result
-    block_h = min(1024, next_power_of_2(hidden))
-    _moe_combine_kernel[(tokens, cdiv(hidden, block_h))](
-        y, topk_ids, shared, result, hidden, experts, y.stride(0), shared.stride(0), result.stride(0),
-        TOP_K=top_k, HAS_SHARED=shared_out is not None, BLOCK_H=block_h, num_warps=4)
-    return result
+    return _combine(y, topk_ids, experts, shared_out, result)
 
 
 def _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out) -> torch.Tensor:

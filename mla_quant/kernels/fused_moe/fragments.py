@@ -33,6 +33,26 @@ from ..w4a16_gemm.fragments import _stacked, frag_accumulate
 
 
 @triton.jit
+def _expert_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, row0, N, stride_we, stride_wn, stride_se, stride_sn,
+                 GATED: tl.constexpr):
+    """Each lane's pointers to the first word / group scale of its rows r and r + 8 (``row0``, ``row0 + 8``) of expert
+    ``e``: the gate's (or the down projection's), then with GATED the up projection's (``frag_accumulate``'s
+    ``w_rows`` / ``s_rows``). Rows past N re-read row N - 1 (never stored)."""
+    w_rows = ()
+    s_rows = ()
+    for half in tl.static_range(2):
+        row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)
+        w_rows = w_rows + (w1_ptr + e * stride_we + row * stride_wn,)
+        s_rows = s_rows + (s1_ptr + e * stride_se + row * stride_sn,)
+    if GATED:
+        for half in tl.static_range(2):
+            row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)
+            w_rows = w_rows + (w3_ptr + e * stride_we + row * stride_wn,)
+            s_rows = s_rows + (s3_ptr + e * stride_se + row * stride_sn,)
+    return w_rows, s_rows
+
+
+@triton.jit
 def _moe_frag_kernel(
     x_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, out_ptr, part_ptr, count_ptr, topk_w_ptr, shared_ptr,
     N, K, E, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_st, stride_part,
@@ -64,17 +84,8 @@ def _moe_frag_kernel(
             return
     e = tl.where(dropped, 0, e)   # a dropped down slot reads expert 0 (valid addresses) and arrives with zeros
 
-    w_rows = ()
-    s_rows = ()
-    for half in tl.static_range(2):
-        row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)    # rows past N re-read row N - 1 (never stored)
-        w_rows = w_rows + (w1_ptr + e * stride_we + row * stride_wn,)
-        s_rows = s_rows + (s1_ptr + e * stride_se + row * stride_sn,)
-    if GATED:
-        for half in tl.static_range(2):
-            row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)
-            w_rows = w_rows + (w3_ptr + e * stride_we + row * stride_wn,)
-            s_rows = s_rows + (s3_ptr + e * stride_se + row * stride_sn,)
+    w_rows, s_rows = _expert_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, row0, N, stride_we, stride_wn, stride_se,
+                                  stride_sn, GATED)
     x_row = x_ptr + (t if GATED else m).to(tl.int64) * stride_x
     k_iters = tl.cdiv(K, BK)
     per_split = tl.cdiv(k_iters, SPLIT_K)
@@ -150,17 +161,8 @@ def _moe_frag_block_kernel(
     for n in tl.static_range(NT):
         s = tl.load(sorted_ptr + pid_b * BM + 8 * n + r)
         x_rows = x_rows + (x_ptr + (tl.where(s < A, s, first) // a_div).to(tl.int64) * stride_x,)
-    w_rows = ()
-    s_rows = ()
-    for half in tl.static_range(2):
-        row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)    # rows past N re-read row N - 1 (never stored)
-        w_rows = w_rows + (w1_ptr + e * stride_we + row * stride_wn,)
-        s_rows = s_rows + (s1_ptr + e * stride_se + row * stride_sn,)
-    if GATED:
-        for half in tl.static_range(2):
-            row = (tl.minimum(row0 + 8 * half, N - 1)).to(tl.int64)
-            w_rows = w_rows + (w3_ptr + e * stride_we + row * stride_wn,)
-            s_rows = s_rows + (s3_ptr + e * stride_se + row * stride_sn,)
+    w_rows, s_rows = _expert_rows(w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, row0, N, stride_we, stride_wn, stride_se,
+                                  stride_sn, GATED)
     TILES: tl.constexpr = 2 if GATED else 1
     accs = frag_accumulate(x_rows, w_rows, s_rows, 0, tl.cdiv(K, BK), K, GROUP, NT, TILES, BK, EVEN_K, X_VEC,
                            INTERPRET, DT, W, PREFETCH)
