@@ -66,8 +66,10 @@ INT4_TILE_FORMS = ("auto", "planes", "dequant", "fragments")
 FRAG_BLOCK_MS = (8, 16, 32)
 # int4_tile="auto" (the default) with block_m None: the fragment blocks up to this many rows per expert on average
 # (where frag_block_m takes blocks, and the operands allow them), the plane tile above. H100, Kimi experts,
-# sweep_moe_rows (session 40, run session40_call1): 16-row fragment blocks 0.97-0.99x the plane tile's time at
-# 8-256 tokens (2.3-5.4 rows per active expert: 4496 / 4645 µs at 96 tokens, 5378 / 5511 at 256)
+# sweep_moe_rows (session 40): with BK 128 (run session40_call1) 16-row fragment blocks took 0.97-0.99x the plane
+# tile's time at 8-256 tokens (4496 / 4645 µs at 96 tokens, 5378 / 5511 at 256); with BK 256 (fragments.
+# MOE_FRAG_BLOCK_TILES; runs session40_call4 / call5) 0.87-0.91x: 4163 / 4757 µs at 128 tokens, 4634-4716 / 5170-5321
+# at 256 (FP8 experts 5651 / 6209-6211). Not measured above 256 tokens (5.4 rows per active expert).
 FRAG_AUTO_MAX_ROWS = 8
 # choose_block_m: INT4 experts run as GEMVs (block_m 1) up to this many rows per expert on average. H100, Kimi
 # experts, sweep_moe_rows (session 40, run session40_call1), µs GEMV / 16-row plane tile / FP8 experts: 32 tokens
@@ -102,7 +104,8 @@ def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_gro
 
 def frag_block_m(num_assignments: int, num_experts: int) -> int:
     """Rows per block for ``int4_tile="fragments"`` (the MMA's token columns): 1 (the GEMV) where
-    :func:`choose_block_m` takes it, else 16 (two token tiles; 8 was never faster in session 40's sweep)."""
+    :func:`choose_block_m` takes it, else 16 (two token tiles; 8 rows was not faster at any of 8-256 Kimi tokens in
+    session 40's sweep)."""
     return 1 if choose_block_m(num_assignments, num_experts, "int4_group") == 1 else 16
 
 

@@ -182,8 +182,13 @@ def _moe_frag_block_kernel(
                 tl.store(dst, accs[4 * n + q] * weight, mask=ok)
 
 
-# (BK, warps, PREFETCH) of the aligned fragment blocks' launches (_moe_frag_block_kernel)
-MOE_FRAG_BLOCK_TILES = {"gate_up": (128, 4, True), "down": (128, 4, True)}
+# (BK, warps, PREFETCH) of the aligned fragment blocks' launches (_moe_frag_block_kernel). H100, Kimi experts, 16-row
+# blocks, sweep_moe_rows --frag-tiles (session 40, runs session40_call4 / call5, interleaved rounds), µs at 128 / 256
+# tokens: BK 256 on 4 warps 4163 / 4634-4716, on 2 warps - / 4701, on 8 warps 4256 / 4724, BK 128 (the first
+# tile) 4849 / 5376-5387, BK 128 on 8 warps 5158 / 5703, BK 512 5176 (5291 without the register double buffer),
+# BK 256 without it 5288; the plane tile 4757 / 5170-5321. Per 128 K a quad of lanes reads 64 B of each weight
+# row; with BK 256 two such reads of one 128-byte line are in flight together.
+MOE_FRAG_BLOCK_TILES = {"gate_up": (256, 4, True), "down": (256, 4, True)}
 MOE_FRAG_BLOCK_INTERPRETER = (128, 2, False)
 
 # (BK, programs per SM, warps, PREFETCH) of each launch: the best of 20 pairs at one Kimi token on the H200 (session
