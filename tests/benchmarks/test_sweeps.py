@@ -197,4 +197,5 @@ def test_moe_rows_sweep_rows_and_tile_settings():
     before = dict(fragments.MOE_FRAG_BLOCK_TILES)
     seen = frag_tile_setting(lambda: dict(fragments.MOE_FRAG_BLOCK_TILES), (256, 8, False))()
     assert seen == {"gate_up": (256, 8, False), "down": (256, 8, False)}
-    assert fragments.MOE_FRAG_BLOCK_TILES == before and frag_tile_name((256, 8, False)) == "int4_frag16_bk256w8_noprefetch"
+    assert fragments.MOE_FRAG_BLOCK_TILES == before
+    assert frag_tile_name((256, 8, False)) == "int4_frag16_bk256w8_noprefetch"

@@ -82,8 +82,8 @@ FUSION_MAX_TOKENS = 1
 WEIGHT_KEYS = {"bf16": ("weight",), "fp8_block": ("weight", "weight_scale_inv"),
                "int4_group": ("weight_packed", "weight_scale")}
 
-__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "frag_block_m", "KINDS", "WEIGHT_KEYS",
-           "GEMV_FORMS", "INT4_TILE_FORMS", "FUSION_MAX_TOKENS"]
+__all__ = ["fused_moe", "fused_moe_reference", "dequantize_expert", "choose_block_m", "frag_block_m", "KINDS",
+           "WEIGHT_KEYS", "GEMV_FORMS", "INT4_TILE_FORMS", "FUSION_MAX_TOKENS"]
 
 
 def choose_block_m(num_assignments: int, num_experts: int, kind: str = "int4_group") -> int:
@@ -465,8 +465,8 @@ def _frag_operand_problem(x: torch.Tensor, gate: dict, up: dict, down: dict) -> 
 
 
 def _combine(y, topk_ids, num_experts, shared_out, result) -> torch.Tensor:
-    """The combine launch: ``result[t]`` = Σ_j ``y[t·k + j]`` over token t's kept slots (ids in [0, E)), + ``shared_out``,
-    rounded once (``kernel._moe_combine_kernel``)."""
+    """The combine launch: ``result[t]`` = Σ_j ``y[t·k + j]`` over token t's kept slots (ids in [0, E)),
+    + ``shared_out``, rounded once (``kernel._moe_combine_kernel``)."""
     from .kernel import _moe_combine_kernel
 
     tokens, hidden = result.shape
