@@ -249,6 +249,12 @@ def write_results(path: Path, ctx: Context, cases: list[dict], replace_benches: 
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def rel_err(y, ref) -> float:
+    """max |y - ref| / max |ref| (a sweep's check of a setting against its reference)."""
+    ref = ref.float()
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
 def write_labelled(path: str, result: dict, label: str | None) -> None:
     """Write a sweep's ``result`` to ``path`` as JSON; with ``label``, under that key of the file's existing document
     (its other keys kept), so one results file holds the runs of several calls."""
@@ -264,4 +270,3 @@ def write_labelled(path: str, result: dict, label: str | None) -> None:
         result = {label: result}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {path}")

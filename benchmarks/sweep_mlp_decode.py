@@ -42,8 +42,8 @@ from mla_quant.modules import mlp as mlp_module
 from mla_quant.modules.mlp import MLP
 
 from .bench_gemm import _tinygemm_pack
-from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, module_attrs, sweep_args
-from .sweep_w4a16_gemv import _rel_err, _write
+from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, module_attrs, rel_err, sweep_args
+from .sweep_w4a16_gemv import _write
 
 GROUP = 32
 SHAPES = ((7168, 2048), (7168, 18432), (6144, 12288))
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             try:
                 y.fill_(float("nan"))
                 got = launches[name](s0)
-                errors[name] = _rel_err(y if name.startswith("down") else got, want)
+                errors[name] = rel_err(y if name.startswith("down") else got, want)
             except Exception as e:  # noqa: BLE001
                 errors[name] = f"{type(e).__name__}: {e}"[:300]
         fns = {name: (lambda f=f: [f(s) for s in sets]) for name, f in launches.items()}

@@ -38,7 +38,8 @@ from mla_quant.kernels.fused_moe import kernel as moe_kernel
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import FORMATS, HIDDEN, SETS, _random_experts, _routings
-from .common import interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, write_labelled, Context
+from .common import (interleaved_graph_us, measure_ceilings, meta, module_attrs, rel_err, sweep_args, write_labelled,
+                     Context)
 
 
 # extra (BLOCK_N, BLOCK_K, warps) tiles of half2_prefetch in the row orientation: wider rows of runs per warp
@@ -208,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     with _pinned(cfg, "half2_prefetch"):
                         a = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
                                       block_m=1, gemv="half2_prefetch")
-                    errs[_tile_name(cfg, "half2_prefetch")] = float((a.float() - ref.float()).abs().max()
-                                                                    / ref.float().abs().max())
+                    errs[_tile_name(cfg, "half2_prefetch")] = rel_err(a, ref)
                 except Exception as e:  # noqa: BLE001 - a tile that fails is a finding
                     errs[_tile_name(cfg, "half2_prefetch")] = f"{type(e).__name__}: {e}"[:200]
             for form in ("prefetch", "planes", "half2", "half2_prefetch"):
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                               block_m=1, **kw)
                 b = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group",
                               block_m=1, **kw)
-                errs[form] = float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+                errs[form] = rel_err(a, ref)
                 same[form] = bool(torch.equal(a, b))
             chosen = {form: {str(k): str(v) for k, v in _tuner(form).cache.items()} for form in all_configs}
             us = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in rounds.items()}
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             result["rows"].append(row)
             print(json.dumps({k: row[k] for k in row if k != "rounds"}), flush=True)
     write_labelled(args.out, result, args.label)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -21,8 +21,8 @@ CUDA graph. Per token count, in interleaved rounds (``common.interleaved_graph_u
 
 Each row gives the median µs per MoE call, the rows per active expert, the bytes of the active experts' weights and
 their rate against the copy rate of the same run, each setting's time over FP8's, and which ``block_m``
-``choose_block_m`` takes now. The INT4 settings are checked against ``fused_moe_reference`` on the first routing
-(max error over max |reference|). The MoE autotuners key on the widths, not the token count: every tile is picked at
+``choose_block_m`` takes now. Every INT4 setting, each fragment tile included, is checked against
+``fused_moe_reference`` on the first routing (max error over max |reference|). The MoE autotuners key on the widths, not the token count: every tile is picked at
 the first token count of the run.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ from mla_quant.kernels.fused_moe import fragments as frag
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import E, FORMATS, HIDDEN, SETS, TOP_K, _expert_bytes, _random_experts, _routings
-from .common import Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args, write_labelled
+from .common import (Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, rel_err, sweep_args,
+                     write_labelled)
 
 TOKENS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 INT4_SETTINGS = {"int4_gemv": {"block_m": 1}, "int4_gemv_direct": {"block_m": 1, "decode_fusion": True},
@@ -112,20 +113,20 @@ def main(argv: list[str] | None = None) -> int:
             fns = {k: routed("int4_g32", **form) for k, form in INT4_SETTINGS.items()}
             for tile in (FRAG_TILES if args.frag_tiles else ()):
                 fns[frag_tile_name(tile)] = frag_tile_setting(routed("int4_g32", **INT4_SETTINGS["int4_frag16"]), tile)
+            int4 = [k for k in fns if k.startswith("int4")]
             fns.update({name: routed(name) for name in names if name != "int4_g32"})
             rounds = interleaved_graph_us(fns, reps=SETS, rounds=args.rounds)
-            x0, (w0, ids0) = xs[0], routings[0]
+            # every INT4 setting (its tile included) checked on the first routing: fns[k]() returns one result per
+            # routing
             p = experts["int4_g32"]
-            ref = fused_moe_reference(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"],
-                                      kind="int4_group").float()
-            errors = {}
-            for k, form in INT4_SETTINGS.items():
-                got = fused_moe(x0, w0, ids0, p["gate_proj"], p["up_proj"], p["down_proj"], kind="int4_group", **form)
-                errors[k] = float((got.float() - ref).abs().max() / ref.abs().max())
+            ref = fused_moe_reference(xs[0], *routings[0], p["gate_proj"], p["up_proj"], p["down_proj"],
+                                      kind="int4_group")
+            errors = {k: rel_err(fns[k]()[0], ref) for k in int4}
             row = token_row(t, rounds, active, errors, ctx.copy_tbps)
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
     write_labelled(args.out, result, args.label)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -19,8 +19,8 @@ import torch
 
 from mla_quant.kernels.w4a16_gemm import _frag_launch, w4a16_gemm_reference
 
-from .common import interleaved_graph_us, sweep_args
-from .sweep_w4a16_gemv import GROUP, NKS, _rel_err, _sets, _shape_list, _write, timing_rows
+from .common import interleaved_graph_us, rel_err, sweep_args
+from .sweep_w4a16_gemv import GROUP, NKS, _sets, _shape_list, _write, timing_rows
 
 
 def _extra(ap) -> None:
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
             for name, stream in (("plain", False), ("stream", True)):
                 y.fill_(float("nan"))
                 _frag_launch(x, sets[0]["p4"], sets[0]["s4"], y, GROUP, counters, False, stream=stream)
-                errors[name] = _rel_err(y, ref)
+                errors[name] = rel_err(y, ref)
                 fns[name] = lambda stream=stream: [_frag_launch(x, s["p4"], s["s4"], y, GROUP, counters, False,
                                                                 stream=stream) for s in sets]
             rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)

@@ -28,8 +28,6 @@ the shapes' runs go under that key of an existing results file (written after ea
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import sys
 
 import torch
@@ -42,7 +40,8 @@ from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_launch_x
 from mla_quant.kernels import w4a16_gemm as W
 
 from .bench_gemm import _tinygemm_pack
-from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, sweep_args
+from .common import (L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, rel_err, sweep_args,
+                     write_labelled)
 
 GROUP = 32
 NKS = ((2048, 7168), (4096, 7168), (7168, 2048))
@@ -116,10 +115,6 @@ def _extra(ap) -> None:
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
 
 
-def _rel_err(y, ref) -> float:
-    return float((y.float() - ref).abs().max() / ref.abs().max())
-
-
 def main(argv=None) -> None:
     args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_gemv_h200.json", None, argv, _extra)
     if args is None:
@@ -156,7 +151,7 @@ def main(argv=None) -> None:
                 y.fill_(float("nan"))
                 launch(sets[0])
                 torch.cuda.synchronize()
-                errors[name] = _rel_err(y, ref)
+                errors[name] = rel_err(y, ref)
             except Exception as e:  # noqa: BLE001
                 errors[name] = f"{type(e).__name__}: {e}"[:300]
                 return False
@@ -263,17 +258,8 @@ def half2_tile_rule(n: int, k: int) -> tuple:
 def _write(args, runs: list, about: str | None = None, ctx: Context | None = None) -> None:
     """The results so far: the whole file (headed ``about``, default this sweep's), or (``--label``) one key of the
     file (the other keys kept); ``ctx``: the run's measured ceilings for the meta."""
-    ctx = ctx or Context()
-    if args.label:
-        doc = {}
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                doc = json.load(f)
-        doc[args.label] = {"meta": meta(ctx), "runs": runs}
-    else:
-        doc = {"about": about or __doc__.splitlines()[0], "meta": meta(ctx), "runs": runs}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    doc = {"meta": meta(ctx or Context()), "runs": runs}
+    write_labelled(args.out, doc if args.label else {"about": about or __doc__.splitlines()[0], **doc}, args.label)
 
 
 if __name__ == "__main__":

@@ -766,6 +766,35 @@ def test_frag_block_m_follows_choose_block_m():
     assert frag_block_m(768, 384) == 16 and frag_block_m(8192, 384) == 16
 
 
+def test_auto_tile_takes_fragment_blocks_only_where_they_apply(triton_backend, monkeypatch):
+    """int4_tile="auto": the fragment blocks with block_m None between the GEMV's switch and FRAG_AUTO_MAX_ROWS rows
+    per expert, for operands they take; the plane tile (or the GEMV) otherwise — decided before any kernel runs."""
+    from mla_quant.kernels import fused_moe as F
+
+    taken = []
+
+    class Taken(Exception):
+        pass
+
+    def spy(*args):
+        taken.append(args[7])  # block_m
+        raise Taken
+
+    monkeypatch.setattr(F, "_fused_moe_frag_blocks", spy)
+    e, k = 4, 2
+    gate, up, down = _frag_experts(e, 64, 32, 32, torch.bfloat16, triton_backend, seed=2)
+    tokens = 6  # 3 rows per expert: past the GEMV's 1.75, within FRAG_AUTO_MAX_ROWS
+    w, ids = routing(tokens, e, k, device=triton_backend)
+    x = torch.randn(tokens, 64, device=triton_backend)
+    with pytest.raises(Taken):
+        fused_moe(x.to(torch.bfloat16), w, ids, gate, up, down, kind="int4_group")
+    assert taken == [16]
+    fused_moe(x, w, ids, gate, up, down, kind="int4_group")                      # fp32 x: the plane tile
+    fused_moe(x.to(torch.bfloat16), w, ids, gate, up, down, kind="int4_group", block_m=16)   # block_m given
+    fused_moe(x.to(torch.bfloat16)[:1], w[:1], ids[:1], gate, up, down, kind="int4_group")  # one token: the GEMV
+    assert taken == [16]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,block_m", [(16, 8), (64, 8), (64, 16), (256, None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -275,20 +275,23 @@ def fused_moe(
         if problem is not None:
             raise ValueError(f"gemv='fragments': {problem}")
         return _fused_moe_fragments(x, topk_weights, topk_ids, gate, up, down, group_size, shared_out, out)
-    if int4_tile == "auto":
-        frag_tile = kind == "int4_group" and block_m is None and \
-            topk_ids.numel() <= FRAG_AUTO_MAX_ROWS * num_experts and _frag_operand_problem(x, gate, up, down) is None
-        int4_tile = "fragments" if frag_tile else "planes"
-    if frag_tile:
+    # "auto" tries the fragment blocks (block_m None, up to FRAG_AUTO_MAX_ROWS rows per expert) and keeps the plane
+    # tile where the operands do not allow them; "fragments" asked for raises instead
+    auto_frag = int4_tile == "auto" and kind == "int4_group" and block_m is None and \
+        topk_ids.numel() <= FRAG_AUTO_MAX_ROWS * num_experts
+    if frag_tile or auto_frag:
         bm = block_m or frag_block_m(topk_ids.numel(), num_experts)
-        if bm > 1:
+        if bm > 1:  # (at block_m 1 the GEMV runs, whatever the tile)
             problem = _frag_operand_problem(x, gate, up, down)
-            if problem is not None:
+            if problem is None:
+                if bm not in FRAG_BLOCK_MS:
+                    raise ValueError(f"int4_tile='fragments': block_m {bm} must be one of {FRAG_BLOCK_MS}")
+                return _fused_moe_frag_blocks(x, topk_weights, topk_ids, gate, up, down, group_size, bm,
+                                              shared_out, out)
+            if frag_tile:
                 raise ValueError(f"int4_tile='fragments': {problem}")
-            if bm not in FRAG_BLOCK_MS:
-                raise ValueError(f"int4_tile='fragments': block_m {bm} must be one of {FRAG_BLOCK_MS}")
-            return _fused_moe_frag_blocks(x, topk_weights, topk_ids, gate, up, down, group_size, bm, shared_out,
-                                          out)
+    if int4_tile == "auto":
+        int4_tile = "planes"
     from .._gemm_utils import PLANE_BLOCK_K, plane_order, plane_width
     from .._half2_gemv import inline_pairs_ok, pair_order
     from .kernel import (KIND_DENSE, KIND_FP8, KIND_INT4, _moe_gemm_kernel, moe_gemm_autotuned,
