@@ -22,8 +22,8 @@ CUDA graph. Per token count, in interleaved rounds (``common.interleaved_graph_u
 Each row gives the median µs per MoE call, the rows per active expert, the bytes of the active experts' weights and
 their rate against the copy rate of the same run, each setting's time over FP8's, and which ``block_m``
 ``choose_block_m`` takes now. Every INT4 setting, each fragment tile included, is checked against
-``fused_moe_reference`` on the first routing (max error over max |reference|). The MoE autotuners key on the widths, not the token count: every tile is picked at
-the first token count of the run.
+``fused_moe_reference`` on the first routing (max error over max |reference|). The MoE autotuners key on the widths,
+not the token count: every tile is picked at the first token count of the run.
 """
 from __future__ import annotations
 
