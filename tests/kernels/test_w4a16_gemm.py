@@ -233,6 +233,73 @@ def test_gpu_bf16_output_rounds_like_the_reference():
     assert_rel_close(w4a16_gemm(x, packed, scale, 32).float(), ref, 1e-2, "auto at 8 rows")
 
 
+# --- dequant_gemm: the whole weight dequantized by int4_dequantize, then torch.mm (prefill) ---
+
+@pytest.mark.parametrize("m,n,k,group", [(1, 24, 256, 32), (7, 33, 384, 128), (130, 40, 256, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_gemm_matches_reference(triton_backend, m, n, k, group, dtype):
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=m)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    out = poisoned_empty((m, n), dtype, dev)
+    y = w4a16_gemm(x, packed, scale, group, out=out, dequant_gemm=True)
+    assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    # the weight rounded to x's dtype exactly as the reference rounds it; only the sums' order and rounding differ
+    assert_rel_close(y.float(), ref.float(), 1e-5 if dtype == torch.float32 else 1e-2, f"{m}x{n}x{k}")
+
+
+def test_dequant_gemm_leading_dims_and_strided_rows(triton_backend):
+    dev = triton_backend
+    packed, scale = _weights(20, 128, 32, dev, seed=3)
+    x = torch.randn(2, 3, 160, device=dev)[..., 16:144]  # rows 160 apart, not contiguous
+    y = w4a16_gemm(x, packed, scale, 32, dequant_gemm=True)
+    assert y.shape == (2, 3, 20)
+    assert_rel_close(y, w4a16_gemm_reference(x, packed, scale, 32), 1e-5)
+
+
+def test_dequant_gemm_auto_rule_and_errors(triton_backend, monkeypatch):
+    """"auto" dequantizes first from DEQUANT_GEMM_MIN_M tokens when nothing is pinned; a pinned config or
+    fast_dequant level keeps the tiles; impossible combinations name the argument."""
+    from mla_quant.kernels import w4a16_gemm as module
+
+    dev = triton_backend
+    monkeypatch.setattr(module, "DEQUANT_GEMM_MIN_M", 4)  # keep the interpreter's tiles small
+    calls = []
+    real = module.int4_dequantize
+    monkeypatch.setattr(module, "int4_dequantize", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    packed, scale = _weights(24, 256, 32, dev, seed=2)
+    x = torch.randn(4, 256, device=dev)
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    assert_rel_close(w4a16_gemm(x, packed, scale, 32), ref, 1e-5)
+    assert calls == [(24, 32)], "4 tokens: dequantized first"
+    assert_rel_close(w4a16_gemm(x[:3], packed, scale, 32), ref[:3], 1e-5)
+    assert_rel_close(w4a16_gemm(x, packed, scale, 32, dequant_gemm=False), ref, 1e-5)
+    assert_rel_close(w4a16_gemm(x, packed, scale, 32, config=_cfg(16, 16, 128)), ref, 1e-5)
+    assert_rel_close(w4a16_gemm(x, packed, scale, 32, fast_dequant=1), ref, 1e-2)
+    assert len(calls) == 1, "3 tokens, dequant_gemm=False, a pinned config and a fast_dequant level: the tiles"
+    with pytest.raises(ValueError, match="dequant_gemm: 'yes'"):
+        w4a16_gemm(x, packed, scale, 32, dequant_gemm="yes")
+    with pytest.raises(ValueError, match="dequant_gemm=True with a pinned config"):
+        w4a16_gemm(x, packed, scale, 32, dequant_gemm=True, config=_cfg(16, 16, 128))
+    with pytest.raises(ValueError, match="pick one path"):
+        w4a16_gemm(x.bfloat16(), packed, scale, 32, dequant_gemm=True, fragments=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 512, 2048])
+@pytest.mark.parametrize("n,k", [(18432, 7168), (7168, 18432), (576, 7168)])
+def test_gpu_dequant_gemm_real_shapes(m, n, k):
+    """Prefill shapes: "auto" dequantizes first (the same bits as dequant_gemm=True), within a bf16 ulp plus the sums'
+    order of the reference and of the tile that dequantizes in its main loop."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_gemm(x, packed, scale, 32)
+    assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, dequant_gemm=True))
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m} {n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, dequant_gemm=False).float(), 1e-2, "vs the tile")
+
+
 # --- FAST_DEQUANT (fast_dequant=True): codes from 16-bit lanes, the group scale applied to each group's dot ---
 
 def test_bf16_magic_number_gives_every_code_exactly():

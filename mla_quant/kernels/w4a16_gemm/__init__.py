@@ -1,5 +1,7 @@
 """W4A16 GEMM: bf16/fp16 activations times INT4 group-quantized weights (compressed-tensors
-``pack-quantized``), dequantized in registers. ``y = x @ W.T``; see ``kernel.py`` for the tiling."""
+``pack-quantized``). ``y = x @ W.T``. Up to ``DEQUANT_GEMM_MIN_M`` tokens the weights are dequantized in registers
+(``kernel.py`` for the tiling, ``gemv*.py`` and ``fragments.py`` for the decode paths); from there on the whole weight
+is dequantized once by ``int4_dequantize`` and multiplied by cuBLAS."""
 from __future__ import annotations
 
 import math
@@ -11,7 +13,7 @@ from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from .._host import cdiv
 from .._pdl import pdl_launch
-from ..int4_quant import GROUP_SIZES, SCALE_DTYPES
+from ..int4_quant import GROUP_SIZES, SCALE_DTYPES, int4_dequantize
 from .._half2_gemv import swiglu_pair_order_reference
 from .reference import w4a16_gemm_reference, w4a16_gemv_pairs_reference, w4a16_swiglu_gemv_reference
 
@@ -39,7 +41,7 @@ CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages"
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "w4a16_gemv_pairs", "w4a16_gemv_pairs_reference",
            "swiglu_pair_order", "swiglu_pair_order_reference", "w4a16_swiglu_gemv", "w4a16_swiglu_gemv_reference",
            "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
-           "FRAG_MAX_M"]
+           "FRAG_MAX_M", "DEQUANT_GEMM_MIN_M"]
 
 
 def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
@@ -163,6 +165,24 @@ def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
     return True
 
 
+# dequant_gemm="auto" dequantizes the weight to x's dtype (int4_dequantize, ~82 % of copy) and multiplies it by cuBLAS
+# from this many tokens on. The tiles that dequantize in their main loop ran at 0.32-0.34x bf16 cuBLAS at M = 512 and
+# 4096 (H200, bench gemm of session 34), a third of the bf16 MMA rate; dequantizing first costs 2.56 bytes of traffic
+# per weight (codes and scales read, the weight written) once per call, and cuBLAS then runs at the bf16 rate. The
+# two meet where 2/3 of a bf16 GEMM's time equals that traffic: 4·M / 700 TFLOP/s = 2.56 B / 3.5 TB/s, M ≈ 128.
+# Placed by benchmarks/sweep_w4a16_prefill (docs/recipes.md "INT4 at prefill")
+DEQUANT_GEMM_MIN_M = 128
+
+
+def _takes_dequant_gemm(dequant_gemm, m: int, unpinned: bool) -> bool:
+    """Whether this call dequantizes the whole weight and runs cuBLAS (``dequant_gemm``: "auto", True or False)."""
+    if isinstance(dequant_gemm, str) and dequant_gemm == "auto":
+        return unpinned and m >= DEQUANT_GEMM_MIN_M
+    if dequant_gemm is not True and dequant_gemm is not False:
+        raise ValueError(f"dequant_gemm: {dequant_gemm!r} must be True, False or 'auto'")
+    return dequant_gemm
+
+
 def _interpreter_config(m: int, group_size: int, fast: int = 0) -> dict:
     """A small fixed config for the CPU interpreter (autotuning there would only cost time; few, large
     programs run fastest there). The tests pin the other configs, split-K included. ``fast`` uses the
@@ -177,7 +197,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                group_size: int = 32, *, out: torch.Tensor | None = None, config: dict | None = None,
                fast_dequant: int | str = "auto", gemv: str = "auto",
                counters: torch.Tensor | None = None, swap_ab: bool | str = "auto",
-               fragments: bool | str = "auto", prefetch_weights: bool = False) -> torch.Tensor:
+               fragments: bool | str = "auto", prefetch_weights: bool = False,
+               dequant_gemm: bool | str = "auto") -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -231,6 +252,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     ``counters`` (optional, any path): int32 zeros, contiguous, at least one per output tile when the launch
     may split K (at one token N entries suffice); the split-K arrival counters, which every launch leaves at
     zero again — a buffer kept across calls (on one stream) saves the ``torch.zeros`` launch of each call.
+
+    ``dequant_gemm`` ("auto", the default; True; False): dequantize the whole weight to x's dtype with
+    ``int4_dequantize`` (the reference's rounding: ``q · scale`` rounded once), then ``torch.mm`` (cuBLAS; fp32 sums).
+    "auto" takes it from ``DEQUANT_GEMM_MIN_M`` tokens when neither ``config`` nor a ``fast_dequant`` level is given:
+    prefill, where the tiles that dequantize in their main loop run at a third of the bf16 MMA rate. It holds an
+    [N, K] temporary in x's dtype for the call (264 MB for Kimi's 18432 × 7168 gate projection in bf16).
     """
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
@@ -238,11 +265,16 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m = x2.shape[0]
     unpinned = config is None and isinstance(fast_dequant, str) and fast_dequant == "auto"
-    swap = _takes_swap(swap_ab, m, x.dtype, unpinned)
     if fragments is True and swap_ab is True:
         raise ValueError("fragments=True and swap_ab=True: pick one kernel")
-    frag = _takes_frag(fragments, m, x2, weight_packed, weight_scale.dtype,
-                       unpinned and not isinstance(swap_ab, bool))
+    small_auto = fragments is not True and swap_ab is not True  # neither small-batch kernel forced
+    dequant = _takes_dequant_gemm(dequant_gemm, m, unpinned and small_auto)
+    if dequant and not (unpinned and small_auto):
+        raise ValueError("dequant_gemm=True with a pinned config, a fast_dequant level, fragments=True or "
+                         "swap_ab=True: pick one path")
+    swap = not dequant and _takes_swap(swap_ab, m, x.dtype, unpinned)
+    frag = not dequant and _takes_frag(fragments, m, x2, weight_packed, weight_scale.dtype,
+                                       unpinned and not isinstance(swap_ab, bool))
     swap = swap and not frag
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
                                m, config is not None)
@@ -258,6 +290,11 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     if not use_triton(x, weight_packed, weight_scale):
         y = w4a16_gemm_reference(x, weight_packed, weight_scale, group_size)
         return y if out is None else out.copy_(y)
+    if dequant:
+        y = torch.empty((*lead, n), dtype=x.dtype, device=x.device) if out is None else out
+        w = int4_dequantize(weight_packed, weight_scale, group_size, x.dtype)  # [N, K], freed on return
+        torch.mm(x2, w.T, out=y.view(m, n))
+        return y
     if gemv == "auto":
         gemv = "rows_half2" if x.dtype != torch.float32 and k // 8 >= HALF2_MIN_ROW_WORDS else "rows"
     if gemv == "rows_half2" and x.dtype == torch.float32:
