@@ -349,9 +349,9 @@ def cases_w4a16_gemm() -> Iterator[Case]:
     n, k = 2048, 7168
     packed, scale = _zero_int4(n, k)
     for x_dtype in (BF16, torch.float16):  # 2..16 tokens: the fragment kernel ("auto"), the swapped-operand kernel
-        for m in (2, 8, 16):   # every launch tile of fragments.frag_tile
+        for m in (2, 8, 16, 32, 64):   # every launch tile of fragments.frag_tile, 4 token tiles, two chunks
             yield f"M={m} fragments {n}x{k} x={_dt(x_dtype)}", partial(
-                w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32)
+                w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32, fragments=True)
         yield f"M=16 swap_ab {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(16, k, dtype=x_dtype),
                                                               packed, scale.to(x_dtype), 32, swap_ab=True)
     for x_dtype in (BF16, torch.float32):

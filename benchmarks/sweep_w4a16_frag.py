@@ -1,13 +1,16 @@
-"""Sweep of the 2-16-token W4A16 fragment kernel (``w4a16_gemm(..., fragments=True)``, ``fragments.py``) with its
-weights loaded plainly and streamed past L1 (``fragments.STREAM_WEIGHTS``), against tinygemm, in interleaved
+"""Sweep of the W4A16 fragment kernel (``w4a16_gemm(..., fragments=True)``, ``fragments.py``) at 2-64 tokens, with its
+weights loaded plainly and streamed past L1 (``fragments.STREAM_WEIGHTS``) and, past 16 tokens, at other launch tiles
+and token chunks, against tinygemm, the tiles that dequantize in their main loop and bf16 cuBLAS, in interleaved
 CUDA-graph rounds.
 
     python -m benchmarks.sweep_w4a16_frag [--ms 2,4,8,16] [--shapes 4096x7168,...] [--rounds 5] [--label NAME]
         [--out benchmarks/results/sweep_w4a16_frag_h200.json]
 
 For each M and N×K (group 32, bf16 x and scales) one graph per setting holds one call per weight set, over enough
-sets to miss L2 (``sweep_w4a16_gemv._sets``), all with the same x: ``tinygemm`` (the peer), ``plain`` and
-``stream`` (the kernel with kept split-K counters, as QuantLinear launches it). Each setting is first checked against
+sets to miss L2 (``sweep_w4a16_gemv._sets``), all with the same x: ``tinygemm`` (the peer), ``bf16`` (cuBLAS on the
+same weights in bf16), ``tiles`` (``fragments=False``: what ``"auto"`` ran past 16 tokens until session 41), ``plain``
+and ``stream`` (the kernel with kept split-K counters, as QuantLinear launches it) and, past 16 tokens, ``plain`` at
+each ``CHUNK_TILES`` setting (``FRAG_CHUNK_TOKENS`` and the launch tile). Each INT4 setting is first checked against
 ``w4a16_gemm_reference`` (max error over max |y| into a NaN-poisoned y). With ``--label`` the runs go under that key
 of an existing results file (written after each shape).
 """
@@ -17,14 +20,30 @@ import sys
 
 import torch
 
-from mla_quant.kernels.w4a16_gemm import _frag_launch, w4a16_gemm_reference
+from mla_quant.kernels.w4a16_gemm import _frag_launch, fragments, w4a16_gemm, w4a16_gemm_reference
 
-from .common import interleaved_graph_us, rel_err, sweep_args
+from .common import interleaved_graph_us, module_attrs, rel_err, sweep_args
 from .sweep_w4a16_gemv import GROUP, NKS, _sets, _shape_list, _write, timing_rows
+
+# past 16 tokens: (FRAG_CHUNK_TOKENS, launch tile (row tiles per warp, BK, warps, programs per SM)); the first is the
+# default
+CHUNK_TILES = ((32, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (32, (1, 256, 4, 8)), (32, (2, 128, 4, 4)),
+               (32, (1, 128, 8, 4)))
+
+
+def chunk_tile_name(setting) -> str:
+    chunk, (mt, bk, w, per_sm) = setting
+    return f"c{chunk}_mt{mt}_bk{bk}_w{w}_ps{per_sm}"
+
+
+def chunk_tile_attrs(setting) -> dict:
+    """The fragments module's constants one CHUNK_TILES setting patches (every token count up to 64 on its tile)."""
+    chunk, tile = setting
+    return {"FRAG_CHUNK_TOKENS": chunk, "FRAG_TILE_BY_TOKENS": ((64, tile),)}
 
 
 def _extra(ap) -> None:
-    ap.add_argument("--ms", default="2,4,8,16", help="token counts, comma-separated (2-16)")
+    ap.add_argument("--ms", default="2,4,8,16", help="token counts, comma-separated (2-64)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
@@ -36,7 +55,7 @@ def main(argv=None) -> None:
         sys.exit(1)
     dev, runs = "cuda", []
     for n, k in _shape_list(args.shapes):
-        sets = _sets(n, k, dev)
+        sets = _sets(n, k, dev, bf16=True)
         counters = torch.zeros(n, dtype=torch.int32, device=dev)  # kept: every launch leaves them at zero
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -45,15 +64,33 @@ def main(argv=None) -> None:
             fns = {"tinygemm": lambda: [torch.ops.aten._weight_int4pack_mm(x, s["tiny"][0], GROUP, s["tiny"][1])
                                         for s in sets]}
             errors = {}
-            for name, stream in (("plain", False), ("stream", True)):
+
+            def frag(stream=False, attrs=None, weights=sets):
+                def run():
+                    with module_attrs(fragments, attrs or {}):
+                        return [_frag_launch(x, s["p4"], s["s4"], y, GROUP, counters, False, stream=stream)
+                                for s in weights]
+                return run
+
+            settings = {"plain": {}, "stream": {"stream": True}}
+            if m > 16:
+                settings.update({chunk_tile_name(c): {"attrs": chunk_tile_attrs(c)} for c in CHUNK_TILES[1:]})
+            for name, form in settings.items():
                 y.fill_(float("nan"))
-                _frag_launch(x, sets[0]["p4"], sets[0]["s4"], y, GROUP, counters, False, stream=stream)
+                frag(**form, weights=sets[:1])()  # checked on the first set, the reference's
                 errors[name] = rel_err(y, ref)
-                fns[name] = lambda stream=stream: [_frag_launch(x, s["p4"], s["s4"], y, GROUP, counters, False,
-                                                                stream=stream) for s in sets]
+                fns[name] = frag(**form)
+            fns["tiles"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, fragments=False) for s in sets]
+            errors["tiles"] = rel_err(fns["tiles"]()[0], ref)
+            fns["bf16"] = lambda: [x @ s["w"].T for s in sets]
             rows = timing_rows(interleaved_graph_us(fns, reps=len(sets), rounds=args.rounds), errors, n, k)
-            print(f"{m} x {n} x {k}: " + "  ".join(f"{r['setting']} {r.get('median_us')} µs (x{r.get('vs_tinygemm')}, "
-                                                   f"err {r['rel_err']})" for r in rows), flush=True)
+            bf16_us = next((r.get("median_us") for r in rows if r["setting"] == "bf16"), None)
+            for r in rows:
+                if bf16_us and r.get("median_us"):
+                    r["vs_bf16"] = round(bf16_us / r["median_us"], 3)
+            print(f"{m} x {n} x {k}: " + "  ".join(f"{r['setting']} {r.get('median_us')} µs (x{r.get('vs_tinygemm')} "
+                                                   f"tinygemm, x{r.get('vs_bf16')} bf16, err {r['rel_err']})"
+                                                   for r in rows), flush=True)
             runs.append({"M": m, "N": n, "K": k, "sets": len(sets), "rows": rows})
         del sets
         torch.cuda.empty_cache()

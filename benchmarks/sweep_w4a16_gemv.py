@@ -92,13 +92,15 @@ def _half2_tiles(k: int) -> list[tuple]:
     return out
 
 
-def _sets(n: int, k: int, dev: str) -> list[dict]:
+def _sets(n: int, k: int, dev: str, bf16: bool = False) -> list[dict]:
+    """Enough INT4 weight sets (``p4`` / ``s4``, and tinygemm's ``tiny``) to miss L2; ``bf16``: each keeps its bf16
+    weight too (``w``)."""
     count = max(2, -(-3 * L2_BYTES // (n * k // 2)))
     out = []
     for _ in range(count):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         p4, s4 = int4_quantize(w, GROUP)
-        out.append({"p4": p4, "s4": s4, "tiny": _tinygemm_pack(n, k, dev)})
+        out.append({"p4": p4, "s4": s4, "tiny": _tinygemm_pack(n, k, dev), **({"w": w} if bf16 else {})})
     return out
 
 

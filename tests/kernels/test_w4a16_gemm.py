@@ -1081,9 +1081,10 @@ def test_gpu_swapped_kernel_real_shapes(m, n, k, dtype):
     assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, swap_ab=True)), "deterministic"
 
 
-# --- 1-16 tokens: the fragment kernel (fragments.py), mma.sync on fragments built in each thread's registers ---
+# --- 1-64 tokens: the fragment kernel (fragments.py), mma.sync on fragments built in each thread's registers ---
 FRAG_CASES = [(2, 40, 320, 32), (5, 72, 256, 64), (8, 130, 512, 128), (9, 64, 7 * 32, 32), (16, 96, 384, 32),
-              (1, 48, 128, 32)]  # N and K ragged (K % 128), 1-2 token tiles
+              (1, 48, 128, 32),  # N and K ragged (K % 128), 1-2 token tiles
+              (27, 40, 256, 32), (41, 72, 7 * 64, 64)]  # 4 token tiles; two chunks of 4 (the second mostly padding)
 
 
 @pytest.mark.parametrize("m,n,k,group", FRAG_CASES, ids=str)
@@ -1179,16 +1180,38 @@ def test_fragments_auto_rule_and_errors(triton_backend):
 
 
 def test_fragment_split_and_launch_rule():
-    from mla_quant.kernels.w4a16_gemm.fragments import FRAG_INTERPRETER_TILE, frag_plan, frag_split, frag_tile
+    from mla_quant.kernels.w4a16_gemm.fragments import (FRAG_INTERPRETER_TILE, frag_chunks, frag_plan, frag_split,
+                                                        frag_tile)
 
     assert frag_split(2048, 7168, 64, 128, 132) == 16 and frag_split(4096, 7168, 64, 128, 132) == 8
     assert frag_split(64, 128, 64, 128, 132) == 1 and frag_split(64, 384, 64, 128, 132) == 2
     assert frag_split(4096, 7168, 64, 128, 132, per_sm=8) == 16
     assert [frag_tile(m)[1:] for m in (1, 4, 5, 8, 9, 16)] == [(256, 4, 8)] * 2 + [(128, 4, 4)] * 4
     with pytest.raises(StopIteration):
-        frag_tile(17)
+        frag_tile(65)
+    # token chunks of at most 32 tokens, each a power of two of token tiles of 8
+    assert [frag_chunks(m) for m in (1, 8, 9, 17, 32, 33, 40, 64)] == [(1, 1), (1, 1), (1, 2), (1, 4), (1, 4), (2, 4),
+                                                                      (2, 4), (2, 4)]
+    # two chunks share the programs per SM: the split of 64 tokens is that of 4 programs per SM over twice the rows
+    assert frag_plan(4096, 7168, 64, 132)[0] == frag_split(4096, 7168, 64, 128, 132, 2) == 4
     assert frag_plan(4096, 7168, 2, 132) == (frag_split(4096, 7168, 64, 256, 132, 8), frag_tile(2)) == (16, (1, 256, 4, 8))
     assert frag_plan(4096, 7168, 16, 132, interpreted=True)[1] == FRAG_INTERPRETER_TILE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 24, 32, 40, 64])
+@pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048), (4096, 7168)])
+def test_gpu_fragment_kernel_token_chunks(m, n, k):
+    """17-64 tokens on fragments=True: 4 token tiles per program, two chunks past 32 tokens. Against the reference
+    (relative) and the tiles "auto" ran there before; deterministic; kept counters stay zero."""
+    packed, scale = _weights(n, k, 32, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(n, dtype=torch.int32, device="cuda")
+    y = w4a16_gemm(x, packed, scale, 32, fragments=True, counters=counters)
+    assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m} {n}x{k}")
+    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, fragments=False).float(), 1e-2, "vs the tiles")
+    assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, fragments=True, counters=counters)), "deterministic"
+    assert not counters.any()
 
 
 @pytest.mark.gpu

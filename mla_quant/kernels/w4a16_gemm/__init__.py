@@ -41,7 +41,7 @@ CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages"
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "w4a16_gemv_pairs", "w4a16_gemv_pairs_reference",
            "swiglu_pair_order", "swiglu_pair_order_reference", "w4a16_swiglu_gemv", "w4a16_swiglu_gemv_reference",
            "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
-           "FRAG_MAX_M", "DEQUANT_GEMM_MIN_M"]
+           "FRAG_MAX_M", "FRAG_AUTO_MAX_M", "DEQUANT_GEMM_MIN_M"]
 
 
 def _check(x, weight_packed, weight_scale, group_size) -> tuple[int, int]:
@@ -93,11 +93,13 @@ SWAP_MAX_M = 16
 
 
 # fragments="auto" runs the fragment kernel (fragments.py: mma.sync on fragments built in each thread's registers, no
-# shared memory for the operands) for 2..FRAG_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on
+# shared memory for the operands) for 2..FRAG_AUTO_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on
 # the H200 (24b2d41, bench gemm) 1.1-1.9x faster than the swapped kernel it replaced there at 2048 / 4096 x 7168;
 # 1.06-2.24x tinygemm with kept counters (QuantLinear), 0.97-2.11x for a bare call (docs/moe.md "W4A16 at 2-16 tokens:
 # MMA fragments in registers")
-FRAG_MAX_M = 16
+FRAG_AUTO_MAX_M = 16
+# the fragment kernel takes up to this many tokens (fragments=True; chunks of fragments.FRAG_CHUNK_TOKENS past 32)
+FRAG_MAX_M = 64
 
 
 def _frag_problem(m: int, x: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
@@ -119,7 +121,7 @@ def _takes_frag(fragments, m: int, x2: torch.Tensor, weight_packed: torch.Tensor
                 unpinned: bool) -> bool:
     """Whether this call runs the fragment kernel (``fragments``: "auto", True or False; x2 [M, K])."""
     if isinstance(fragments, str) and fragments == "auto":
-        return unpinned and m >= 2 and _frag_problem(m, x2, weight_packed, scale_dtype) is None
+        return unpinned and 2 <= m <= FRAG_AUTO_MAX_M and _frag_problem(m, x2, weight_packed, scale_dtype) is None
     if fragments is False:
         return False
     if fragments is not True:
@@ -135,18 +137,19 @@ def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
     small tile under the interpreter) for x2 [M <= FRAG_MAX_M, K] into y [M, N]; ``stream``: the kernel's STREAM
     (the weights past L1; default ``fragments.STREAM_WEIGHTS``)."""
     from . import fragments
-    from .fragments import _w4a16_frag_kernel, frag_plan
+    from .fragments import _w4a16_frag_kernel, frag_chunks, frag_plan
 
     (m, k), n = x2.shape, y.shape[1]
     split, (mt, bk, warps, _) = frag_plan(n, k, m, num_sms(x2.device), interpreted)
-    tiles = cdiv(n, 16 * mt * warps)
+    chunks, nt = frag_chunks(m)
+    tiles = cdiv(n, 16 * mt * warps) * chunks
     part, count = split_k_workspace(m, n, split, tiles, x2.device, counters)
     _w4a16_frag_kernel[(tiles, split)](
         x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
-        GROUP=group_size, MT=mt, NT=cdiv(m, 8), BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0,
+        GROUP=group_size, MT=mt, NT=nt, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0,
         X_VEC=x2.data_ptr() % 16 == 0 and (m == 1 or (x2.stride(0) * x2.element_size()) % 16 == 0),
         INTERPRET=interpreted, W=warps, STREAM=fragments.STREAM_WEIGHTS if stream is None else stream,
-        num_warps=warps)
+        CHUNKS=chunks, num_warps=warps)
     return y
 
 
@@ -238,7 +241,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     fragments each thread builds in its own registers (the weight scaled and rounded to x's dtype on the way, as
     ``int4_dequantize`` stores it; no shared memory; ``fragments.py``; docs/moe.md "W4A16 at 2-16 tokens: MMA fragments
     in registers"). It takes 1 to ``FRAG_MAX_M`` tokens of bf16 / fp16 activations with scales of the same dtype and
-    4-byte aligned rows; "auto" takes it for 2 to ``FRAG_MAX_M`` such tokens when neither ``config``, a
+    4-byte aligned rows (past 32 tokens as chunks of up to 32, each its own programs); "auto" takes it for 2 to
+    ``FRAG_AUTO_MAX_M`` such tokens when neither ``config``, a
     ``fast_dequant`` level nor ``swap_ab`` True / False is given (``swap_ab`` then decides between the swapped kernel
     and the tile). True forces it (a call it cannot take raises, naming why), False keeps it off.
 

@@ -1,4 +1,4 @@
-"""W4A16 for 1-16 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
+"""W4A16 for 1-64 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
 
 y^T [rows, tokens] = W · x^T as m16n8k16 MMAs (bf16 or fp16, fp32 accumulation): the INT4 weight is the A operand
 (16 rows per tile), the tokens the N side (one or two tiles of 8; rows past M re-read valid ones and are not stored).
@@ -52,7 +52,12 @@ frag_split = planes1_split
 # programs per SM was the best of 4 tiles or within 0.4 %; at 5-8 tokens BK 128 with ~4 within 2 %; at 9-16 tokens BK
 # 128 with ~4 within 1 % (BK 256 was 8 % slower at 4096 x 7168 and ~8 programs per SM 15-35 % slower). Two tiles per
 # warp, eight warps or a loop that issues every load of a BK 256 / 512 iteration first were no faster (sessions 14-15)
-FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)))
+# 17-64 tokens (session 41): the 9-16 token tile per chunk of up to FRAG_CHUNK_TOKENS tokens
+FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (64, (1, 128, 4, 4)))
+# A program's token columns: at most this many (4 token tiles of 8: 16 activation words per lane and 128 K, 16
+# accumulators); more tokens run as several chunks, each its own program over the same rows (consecutive programs,
+# so the later chunks read the weights from L2)
+FRAG_CHUNK_TOKENS = 32
 FRAG_INTERPRETER_TILE = (1, 128, 2, 4)  # small, and two warps: the CPU tests cover the warp index too
 # The weights' words and scales without L1 lines (each is read once), as the one-token GEMVs load theirs since session
 # 33 (gemv.STREAM_WEIGHTS: 4-7 % there); a sweep setting, off: H200, sweep_w4a16_frag (session 34, kept counters,
@@ -62,8 +67,15 @@ STREAM_WEIGHTS = False
 
 
 def frag_tile(m: int) -> tuple[int, int, int, int]:
-    """(row tiles per warp, BK, warps, programs per SM) of the GPU launch for ``m`` tokens (1..16)."""
+    """(row tiles per warp, BK, warps, programs per SM) of the GPU launch for ``m`` tokens (1..64)."""
     return next(tile for most, tile in FRAG_TILE_BY_TOKENS if m <= most)
+
+
+def frag_chunks(m: int) -> tuple[int, int]:
+    """(chunks, NT): ``m`` tokens as chunks of at most FRAG_CHUNK_TOKENS, each 8 · NT token columns wide; NT a power
+    of two (the epilogue joins the accumulators pairwise: ``_stacked``)."""
+    chunks = -(-m // FRAG_CHUNK_TOKENS)
+    return chunks, triton.next_power_of_2(-(-(-(-m // chunks)) // 8))
 
 
 @triton.jit
@@ -275,24 +287,29 @@ def _w4a16_frag_kernel(
     M, N, K, stride_xm, stride_ym, stride_part,
     GROUP: tl.constexpr, MT: tl.constexpr, NT: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, X_VEC: tl.constexpr, INTERPRET: tl.constexpr, W: tl.constexpr, STREAM: tl.constexpr = False,
+    CHUNKS: tl.constexpr = 1,
 ):
-    """y [M <= 8 NT, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's dtype; a
-    program takes BN = 16 · MT · W rows (each warp MT tiles of 16) and a K range of whole BK blocks (split-K).
-    Per block of 128 K lane (r, c) holds words 4c .. 4c + 3 of rows r and r + 8 (one 128-bit load each) and the
-    matching 32 activations of token r; the weights are scaled before the MMAs, so one accumulator sums all K."""
+    """y [M <= 8 NT CHUNKS, N] = x @ W^T. x [M, K] (row stride stride_xm), w int32 [N, K/8], s [N, K/GROUP] in x's
+    dtype; a program takes BN = 16 · MT · W rows (each warp MT tiles of 16), a K range of whole BK blocks (split-K)
+    and one chunk of 8 · NT tokens. The chunks of a row block are consecutive programs (grid axis 0: row block ·
+    CHUNKS + chunk), so all but the first read its weights from L2. Per block of 128 K lane (r, c) holds words
+    4c .. 4c + 3 of rows r and r + 8 (one 128-bit load each) and the matching 32 activations of token r; the weights
+    are scaled before the MMAs, so one accumulator sums all K."""
     T: tl.constexpr = 32 * W
     DT: tl.constexpr = x_ptr.dtype.element_ty
     BN: tl.constexpr = 16 * MT * W
     tl.static_assert(BK % 128 == 0, "the fragment kernel takes K blocks of 128")
-    pid_n = tl.program_id(0)
+    pid = tl.program_id(0)           # row block · CHUNKS + token chunk: its split-K counter too
+    pid_n = pid // CHUNKS
+    tok0 = (pid % CHUNKS) * (8 * NT)
     pid_k = tl.program_id(1)
     lane = tl.arange(0, T) % 32
     r = lane // 4
     c = lane % 4
     row0 = pid_n * BN + (tl.arange(0, T) // 32) * (16 * MT) + r   # row r of the warp's first tile
-    x_rows = ()   # token 8n + r of each token tile n (rows past M re-read valid ones)
+    x_rows = ()   # token tok0 + 8n + r of each token tile n (rows past M re-read valid ones)
     for n in tl.static_range(NT):
-        x_rows = x_rows + (x_ptr + ((8 * n + r) % M).to(tl.int64) * stride_xm,)
+        x_rows = x_rows + (x_ptr + ((tok0 + 8 * n + r) % M).to(tl.int64) * stride_xm,)
     k_iters = tl.cdiv(K, BK)
     per_split = tl.cdiv(k_iters, SPLIT_K)
     it_lo = pid_k * per_split
@@ -316,13 +333,13 @@ def _w4a16_frag_kernel(
         for n in tl.static_range(NT):
             for q in tl.static_range(4):
                 row = row0 + 16 * t + 8 * (q // 2)
-                tok = (8 * n + 2 * c + q % 2).to(tl.int64)
+                tok = (tok0 + 8 * n + 2 * c + q % 2).to(tl.int64)
                 offs = offs + (tok * N + row,)
                 y_offs = y_offs + (tok * stride_ym + row,)
                 masks = masks + ((tok < M) & (row < N),)
     COUNT: tl.constexpr = 4 * MT * NT   # the shared split-K store on one [T, 2, 2, ...] tensor: each thread keeps its
     store_split_k(_stacked(accs, COUNT), y_ptr + _stacked(y_offs, COUNT), _stacked(masks, COUNT),  # own elements
-                  part_ptr + _stacked(offs, COUNT), stride_part, pid_k, count_ptr + pid_n, SPLIT_K)
+                  part_ptr + _stacked(offs, COUNT), stride_part, pid_k, count_ptr + pid, SPLIT_K)
 
 
 @triton.jit
@@ -341,6 +358,7 @@ def _stacked(vals, COUNT: tl.constexpr):
 
 def frag_plan(n: int, k: int, m: int, sms: int, interpreted: bool = False) -> tuple[int, tuple[int, int, int, int]]:
     """(split, tile) of the launch for ``m`` tokens: the tile of :func:`frag_tile` (or the interpreter's) and its
-    split-K."""
+    split-K, with the programs per SM shared among the token chunks (:func:`frag_chunks`)."""
     mt, bk, w, per_sm = FRAG_INTERPRETER_TILE if interpreted else frag_tile(m)
-    return frag_split(n, k, 16 * mt * w, bk, sms, per_sm), (mt, bk, w, per_sm)
+    chunks = frag_chunks(m)[0]
+    return frag_split(n, k, 16 * mt * w, bk, sms, max(1, per_sm // chunks)), (mt, bk, w, per_sm)
