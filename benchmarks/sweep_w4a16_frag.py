@@ -1,4 +1,4 @@
-"""Sweep of the W4A16 fragment kernel (``w4a16_gemm(..., fragments=True)``, ``fragments.py``) at 2-64 tokens, with its
+"""Sweep of the W4A16 fragment kernel (``w4a16_gemm(..., fragments=True)``, ``fragments.py``) at 2-128 tokens, with its
 weights loaded plainly and streamed past L1 (``fragments.STREAM_WEIGHTS``) and, past 16 tokens, at other launch tiles
 and token chunks, against tinygemm, the tiles that dequantize in their main loop and bf16 cuBLAS, in interleaved
 CUDA-graph rounds.
@@ -37,13 +37,13 @@ def chunk_tile_name(setting) -> str:
 
 
 def chunk_tile_attrs(setting) -> dict:
-    """The fragments module's constants one CHUNK_TILES setting patches (every token count up to 64 on its tile)."""
+    """The fragments module's constants one CHUNK_TILES setting patches (every token count up to 128 on its tile)."""
     chunk, tile = setting
-    return {"FRAG_CHUNK_TOKENS": chunk, "FRAG_TILE_BY_TOKENS": ((64, tile),)}
+    return {"FRAG_CHUNK_TOKENS": chunk, "FRAG_TILE_BY_TOKENS": ((128, tile),)}
 
 
 def _extra(ap) -> None:
-    ap.add_argument("--ms", default="2,4,8,16", help="token counts, comma-separated (2-64)")
+    ap.add_argument("--ms", default="2,4,8,16", help="token counts, comma-separated (2-128)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")

@@ -1081,7 +1081,7 @@ def test_gpu_swapped_kernel_real_shapes(m, n, k, dtype):
     assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, swap_ab=True)), "deterministic"
 
 
-# --- 1-64 tokens: the fragment kernel (fragments.py), mma.sync on fragments built in each thread's registers ---
+# --- 1-128 tokens: the fragment kernel (fragments.py), mma.sync on fragments built in each thread's registers ---
 FRAG_CASES = [(2, 40, 320, 32), (5, 72, 256, 64), (8, 130, 512, 128), (9, 64, 7 * 32, 32), (16, 96, 384, 32),
               (1, 48, 128, 32),  # N and K ragged (K % 128), 1-2 token tiles
               (27, 40, 256, 32), (41, 72, 7 * 64, 64)]  # 4 token tiles; two chunks of 4 (the second mostly padding)
@@ -1188,7 +1188,7 @@ def test_fragment_split_and_launch_rule():
     assert frag_split(4096, 7168, 64, 128, 132, per_sm=8) == 16
     assert [frag_tile(m)[1:] for m in (1, 4, 5, 8, 9, 16)] == [(256, 4, 8)] * 2 + [(128, 4, 4)] * 4
     with pytest.raises(StopIteration):
-        frag_tile(65)
+        frag_tile(129)
     # token chunks of at most 32 tokens, each a power of two of token tiles of 8
     assert [frag_chunks(m) for m in (1, 8, 9, 17, 32, 33, 40, 64)] == [(1, 1), (1, 1), (1, 2), (1, 4), (1, 4), (2, 4),
                                                                       (2, 4), (2, 4)]
@@ -1199,10 +1199,10 @@ def test_fragment_split_and_launch_rule():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [17, 24, 32, 40, 64])
+@pytest.mark.parametrize("m", [17, 24, 32, 40, 64, 100])
 @pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048), (4096, 7168)])
 def test_gpu_fragment_kernel_token_chunks(m, n, k):
-    """17-64 tokens on fragments=True: 4 token tiles per program, two chunks past 32 tokens. Against the reference
+    """17-128 tokens on fragments=True: 4 token tiles per program, chunks of 32 tokens past 32. Against the reference
     (relative) and the tiles "auto" ran there before; deterministic; kept counters stay zero."""
     packed, scale = _weights(n, k, 32, "cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

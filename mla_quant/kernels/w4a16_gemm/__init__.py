@@ -99,7 +99,7 @@ SWAP_MAX_M = 16
 # MMA fragments in registers")
 FRAG_AUTO_MAX_M = 16
 # the fragment kernel takes up to this many tokens (fragments=True; chunks of fragments.FRAG_CHUNK_TOKENS past 32)
-FRAG_MAX_M = 64
+FRAG_MAX_M = 128
 
 
 def _frag_problem(m: int, x: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:

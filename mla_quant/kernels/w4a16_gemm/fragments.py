@@ -1,4 +1,4 @@
-"""W4A16 for 1-64 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
+"""W4A16 for 1-128 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
 
 y^T [rows, tokens] = W · x^T as m16n8k16 MMAs (bf16 or fp16, fp32 accumulation): the INT4 weight is the A operand
 (16 rows per tile), the tokens the N side (one or two tiles of 8; rows past M re-read valid ones and are not stored).
@@ -52,8 +52,8 @@ frag_split = planes1_split
 # programs per SM was the best of 4 tiles or within 0.4 %; at 5-8 tokens BK 128 with ~4 within 2 %; at 9-16 tokens BK
 # 128 with ~4 within 1 % (BK 256 was 8 % slower at 4096 x 7168 and ~8 programs per SM 15-35 % slower). Two tiles per
 # warp, eight warps or a loop that issues every load of a BK 256 / 512 iteration first were no faster (sessions 14-15)
-# 17-64 tokens (session 41): the 9-16 token tile per chunk of up to FRAG_CHUNK_TOKENS tokens
-FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (64, (1, 128, 4, 4)))
+# 17-128 tokens (session 41): the 9-16 token tile per chunk of up to FRAG_CHUNK_TOKENS tokens
+FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (128, (1, 128, 4, 4)))
 # A program's token columns: at most this many (4 token tiles of 8: 16 activation words per lane and 128 K, 16
 # accumulators); more tokens run as several chunks, each its own program over the same rows (consecutive programs,
 # so the later chunks read the weights from L2)
@@ -67,7 +67,7 @@ STREAM_WEIGHTS = False
 
 
 def frag_tile(m: int) -> tuple[int, int, int, int]:
-    """(row tiles per warp, BK, warps, programs per SM) of the GPU launch for ``m`` tokens (1..64)."""
+    """(row tiles per warp, BK, warps, programs per SM) of the GPU launch for ``m`` tokens (1..128)."""
     return next(tile for most, tile in FRAG_TILE_BY_TOKENS if m <= most)
 
 
