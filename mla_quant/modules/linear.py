@@ -11,7 +11,8 @@ format                                 compute path (each op runs its Triton ker
 ``FP8Block(act_quant=True)``  (W8A8)   ``act_quant_fp8`` (1×128 per token) then the block-scaled ``fp8_gemm``
 ``FP8Block(act_quant=False)``          weight-only: ``block_dequant_fp8`` to the activation dtype, then cuBLAS;
                                        the reference (CPU, fp32 activations) multiplies in fp32
-``Int4Group``                          ``w4a16_gemm``: nibbles unpacked and scaled in registers
+``Int4Group``                          ``w4a16_gemm``: nibbles unpacked and scaled in registers; from
+                                       ``DEQUANT_GEMM_MIN_M`` tokens (prefill) ``int4_dequantize``, then cuBLAS
 =====================================  ===========================================================================
 
 A format's ``kernel`` field set to ``"torch"`` forces the reference math on any device.
