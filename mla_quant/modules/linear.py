@@ -49,8 +49,9 @@ def _fp8_weight_only(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.T
     return F.linear(x2, fmt.dequantize(tensors, x2.dtype))  # dequantize on the GPU, then cuBLAS
 
 
-# Up to this many tokens every w4a16_gemm path needs at most N split-K counters (one per output column tile)
-COUNTERS_MAX_TOKENS = 16
+# Up to this many tokens every w4a16_gemm path needs at most N split-K counters (one per output column tile; the
+# fragment kernel, "auto" up to 32 tokens, one chunk of token columns)
+COUNTERS_MAX_TOKENS = 32
 
 
 def _int4(x2: torch.Tensor, fmt: Int4Group, tensors: dict[str, torch.Tensor], reference: bool,
@@ -117,7 +118,7 @@ class PairedActivations(NamedTuple):
 class QuantLinear(nn.Module):
     """A linear layer whose weight lives in any :class:`WeightFormat`. ``x: [..., in] -> [..., out]``.
 
-    An ``Int4Group`` layer keeps its W4A16 split-K counters (:meth:`split_k_counters`), so a call of up to 16 tokens is
+    An ``Int4Group`` layer keeps its W4A16 split-K counters (:meth:`split_k_counters`), so a call of up to 32 tokens is
     one kernel launch; one layer must not run on two streams at the same time. From its second call on the same
     weight tensors (same objects, storage and version counter: :meth:`weights_settled`) a one-token call lets the
     GEMV load the weights before it waits for the kernel before it (``w4a16_gemm(prefetch_weights=True)``); the

@@ -1146,9 +1146,9 @@ def test_fragment_kernel_rows_strides_and_alignment(triton_backend):
 
 
 def test_fragments_auto_rule_and_errors(triton_backend):
-    """"auto": 2..FRAG_MAX_M tokens of bf16 / fp16 with scales of the same dtype, no pinned config, FAST_DEQUANT
+    """"auto": 2..FRAG_AUTO_MAX_M tokens of bf16 / fp16 with scales of the same dtype, no pinned config, FAST_DEQUANT
     level or swap_ab=True; otherwise the other paths. Bad values and impossible calls name the argument."""
-    from mla_quant.kernels.w4a16_gemm import FRAG_MAX_M
+    from mla_quant.kernels.w4a16_gemm import FRAG_AUTO_MAX_M, FRAG_MAX_M
 
     dev = triton_backend
     packed, scale = _weights(24, 256, 32, dev, seed=5)
@@ -1177,6 +1177,11 @@ def test_fragments_auto_rule_and_errors(triton_backend):
     with pytest.raises(ValueError, match="fragments=True.*tokens"):
         w4a16_gemm(torch.randn(FRAG_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32,
                    fragments=True)
+    # "auto" up to FRAG_AUTO_MAX_M tokens (4 token tiles), the tiles past it
+    many = torch.randn(FRAG_AUTO_MAX_M + 1, 256, device=dev).to(torch.bfloat16)
+    assert torch.equal(w4a16_gemm(many[:-1], packed, scale, 32), w4a16_gemm(many[:-1], packed, scale, 32,
+                                                                            fragments=True))
+    assert torch.equal(w4a16_gemm(many, packed, scale, 32), w4a16_gemm(many, packed, scale, 32, fragments=False))
 
 
 def test_fragment_split_and_launch_rule():
@@ -1215,19 +1220,21 @@ def test_gpu_fragment_kernel_token_chunks(m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 5, 8, 16])
+@pytest.mark.parametrize("m", [2, 5, 8, 16, 24, 32])
 @pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048), (4096, 7168)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_fragment_kernel_real_shapes(m, n, k, dtype):
-    """"auto" runs the fragment kernel: the reference (1 ulp of the output dtype, relative), the swapped kernel,
-    deterministic; kept counters give the same bits and stay zero."""
+    """"auto" runs the fragment kernel: the reference (1 ulp of the output dtype, relative), the swapped kernel (the
+    tiles past its 16 tokens), deterministic; kept counters give the same bits and stay zero."""
     packed, scale = _weights(n, k, 32, "cuda")
     scale = scale.to(dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     y = w4a16_gemm(x, packed, scale, 32)
     assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, fragments=True))
     assert_rel_close(y.float(), w4a16_gemm_reference(x.float(), packed, scale, 32), 1e-2, f"M={m} {n}x{k}")
-    assert_rel_close(y.float(), w4a16_gemm(x, packed, scale, 32, swap_ab=True).float(), 1e-2, "vs swapped")
+    other = w4a16_gemm(x, packed, scale, 32, swap_ab=True) if m <= 16 else w4a16_gemm(x, packed, scale, 32,
+                                                                                      fragments=False)
+    assert_rel_close(y.float(), other.float(), 1e-2, "vs swapped / tiles")
     counters = torch.zeros(n, dtype=torch.int32, device="cuda")
     assert torch.equal(y, w4a16_gemm(x, packed, scale, 32, counters=counters)) and not counters.any()
 

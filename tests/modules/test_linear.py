@@ -117,12 +117,13 @@ def test_convert_format_requantizes_and_state_dict_keys_follow():
     assert layer.weight.dtype == fp8_quant.FP8
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
+@pytest.mark.parametrize("m", [1, 5, 16, 27, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_layer_keeps_its_split_k_counters_zero(triton_backend, m, dtype):
     """An Int4Group layer passes its kept counters (N entries, a plain attribute: not in the state dict or the
-    buffers) to the W4A16 GEMM for up to 16 tokens: the output equals the functional call bit for bit and the
-    counters are zero after every call; above 16 tokens the GEMM allocates its own."""
+    buffers) to the W4A16 GEMM for up to COUNTERS_MAX_TOKENS (32) tokens (27 bf16 tokens: the fragment kernel's four
+    token tiles; fp32: the tiles): the output equals the functional call bit for bit and the counters are zero after
+    every call; above that the GEMM allocates its own."""
     from mla_quant.kernels.w4a16_gemm import w4a16_gemm
 
     layer, _ = _layer(Int4Group(32), n=72, k=1024, dtype=dtype, device=triton_backend)  # 4 K blocks: split-K runs

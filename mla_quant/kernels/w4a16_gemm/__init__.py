@@ -93,11 +93,13 @@ SWAP_MAX_M = 16
 
 
 # fragments="auto" runs the fragment kernel (fragments.py: mma.sync on fragments built in each thread's registers, no
-# shared memory for the operands) for 2..FRAG_AUTO_MAX_M tokens of bf16 / fp16 activations whose scales have their dtype: on
-# the H200 (24b2d41, bench gemm) 1.1-1.9x faster than the swapped kernel it replaced there at 2048 / 4096 x 7168;
-# 1.06-2.24x tinygemm with kept counters (QuantLinear), 0.97-2.11x for a bare call (docs/moe.md "W4A16 at 2-16 tokens:
-# MMA fragments in registers")
-FRAG_AUTO_MAX_M = 16
+# shared memory for the operands) for 2..FRAG_AUTO_MAX_M tokens of bf16 / fp16 activations whose scales have their
+# dtype: on the H200 (24b2d41, bench gemm) 1.1-1.9x faster than the swapped kernel it replaced there at 2048 / 4096 x
+# 7168; 1.06-2.24x tinygemm with kept counters (QuantLinear), 0.97-2.11x for a bare call (docs/moe.md "W4A16 at 2-16
+# tokens: MMA fragments in registers"). Up to 32 since session 41 (H100, sweep_w4a16_frag, kept counters, interleaved
+# rounds): 32 tokens 26.0 µs against the tiles' 31.6 at 4096 x 7168, 106.2 against 128.6 at 7168 x 18432 (cuBLAS on
+# bf16 weights 26.2 / 102.1); at 64 tokens the tiles were faster (32.1 against 41.4, 129.8 against 202.8)
+FRAG_AUTO_MAX_M = 32
 # the fragment kernel takes up to this many tokens (fragments=True; chunks of fragments.FRAG_CHUNK_TOKENS past 32)
 FRAG_MAX_M = 128
 
