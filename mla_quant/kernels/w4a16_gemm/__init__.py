@@ -175,7 +175,9 @@ def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
 # 4096 (H200, bench gemm of session 34), a third of the bf16 MMA rate; dequantizing first costs 2.56 bytes of traffic
 # per weight (codes and scales read, the weight written) once per call, and cuBLAS then runs at the bf16 rate. The
 # two meet where 2/3 of a bf16 GEMM's time equals that traffic: 4·M / 700 TFLOP/s = 2.56 B / 3.5 TB/s, M ≈ 128.
-# Placed by benchmarks/sweep_w4a16_prefill (docs/recipes.md "INT4 at prefill")
+# Measured (H100, session 41, benchmarks/sweep_w4a16_prefill, a Kimi dense layer's projections): 842 against the
+# tiles' 908 µs at 128 tokens, 1172 against 2537 at 512, 3124 against 8756 at 2048 (bf16 cuBLAS 2731); at 64 tokens
+# the tiles win (docs/recipes.md "INT4 at prefill")
 DEQUANT_GEMM_MIN_M = 128
 
 

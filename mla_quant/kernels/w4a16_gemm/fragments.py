@@ -1,7 +1,8 @@
 """W4A16 for 1-128 tokens on ``mma.sync``, every operand fragment built in the registers of the thread that owns it.
 
 y^T [rows, tokens] = W · x^T as m16n8k16 MMAs (bf16 or fp16, fp32 accumulation): the INT4 weight is the A operand
-(16 rows per tile), the tokens the N side (one or two tiles of 8; rows past M re-read valid ones and are not stored).
+(16 rows per tile), the tokens the N side (one, two or four tiles of 8 per program, more tokens as chunks of 32
+programs of their own; rows past M re-read valid ones and are not stored).
 ``tl.dot`` stages one operand through shared memory and re-packs the weight bytes with byte permutes (the swapped
 kernel: ~54 SASS instructions per word and thread, 71 LDS / 32 STS per K block); here each thread loads exactly the
 words and activations of its own fragment registers and issues the MMA as inline PTX: no shared memory at all. The
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .._gemm_utils import _load_in_place, four_words, ld4, store_split_k
+from .._host import cdiv
 from .kernel import planes1_split
 
 # split-K of the fragment kernel: the one-launch GEMV's rule (double while every split keeps a K block and the grid
@@ -55,8 +57,9 @@ frag_split = planes1_split
 # 17-128 tokens (session 41): the 9-16 token tile per chunk of up to FRAG_CHUNK_TOKENS tokens
 FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (128, (1, 128, 4, 4)))
 # A program's token columns: at most this many (4 token tiles of 8: 16 activation words per lane and 128 K, 16
-# accumulators); more tokens run as several chunks, each its own program over the same rows (consecutive programs,
-# so the later chunks read the weights from L2)
+# accumulators; 92 registers at sm_90); more tokens run as several chunks, each its own program over the same rows
+# (consecutive programs, so the later chunks read the weights from L2). Two chunks took 1.6-1.9x one chunk's time on
+# an H100 (session 41): at 32 tokens the kernel is bound by its instructions, so "auto" stops there
 FRAG_CHUNK_TOKENS = 32
 FRAG_INTERPRETER_TILE = (1, 128, 2, 4)  # small, and two warps: the CPU tests cover the warp index too
 # The weights' words and scales without L1 lines (each is read once), as the one-token GEMVs load theirs since session
@@ -74,8 +77,8 @@ def frag_tile(m: int) -> tuple[int, int, int, int]:
 def frag_chunks(m: int) -> tuple[int, int]:
     """(chunks, NT): ``m`` tokens as chunks of at most FRAG_CHUNK_TOKENS, each 8 · NT token columns wide; NT a power
     of two (the epilogue joins the accumulators pairwise: ``_stacked``)."""
-    chunks = -(-m // FRAG_CHUNK_TOKENS)
-    return chunks, triton.next_power_of_2(-(-(-(-m // chunks)) // 8))
+    chunks = cdiv(m, FRAG_CHUNK_TOKENS)
+    return chunks, triton.next_power_of_2(cdiv(cdiv(m, chunks), 8))
 
 
 @triton.jit
