@@ -11,8 +11,11 @@ Rows (case keys ``format``, ``M``, ``N``, ``K``):
                 ``cublas_bf16_us`` and ``act_quant_us`` (the 1×128 activation quantization it needs);
 * ``int4_g32``  the Triton W4A16 GEMM (group 32, bf16 scales); peer ``tinygemm_int4``
                 (``torch.ops.aten._weight_int4pack_mm``, group 32); also ``cublas_bf16_us``.
-* ``int4_g32`` at 2-16 tokens is the fragment kernel (``fragments="auto"``, from session 14: mma.sync on
-                fragments built in registers); ``int4_g32_frag_ws`` the same with split-K counters kept across
+* ``int4_g32`` at 2-32 tokens is the fragment kernel (``fragments="auto"``, from session 14 — up to 16 tokens until
+                session 41: mma.sync on fragments built in registers), from ``DEQUANT_GEMM_MIN_M`` (128) tokens the
+                weight dequantized once, then cuBLAS (``dequant_gemm``, session 41), whose rows ``int4_g32_tiles``
+                run the tiles that dequantize in their main loop (``dequant_gemm=False``, the default before);
+                ``int4_g32_frag_ws`` the fragment kernel with split-K counters kept across
                 calls; ``int4_g32_swap`` the swapped-operand kernel (``swap_ab=True``, the default of session 13;
                 its rows with kept counters, ``int4_g32_swap_ws``, are in the results of that session);
                 ``int4_g32_fast`` the default before it.
@@ -42,7 +45,7 @@ import torch
 from mla_quant.kernels.fp8_gemm import fp8_gemm
 from mla_quant.kernels.fp8_quant import FP8, act_quant_fp8, block_quant_fp8
 from mla_quant.kernels.int4_quant import int4_quantize
-from mla_quant.kernels.w4a16_gemm import FAST_AUTO_MAX_M, FRAG_MAX_M, SWAP_MAX_M, w4a16_gemm
+from mla_quant.kernels.w4a16_gemm import DEQUANT_GEMM_MIN_M, FAST_AUTO_MAX_M, FRAG_AUTO_MAX_M, SWAP_MAX_M, w4a16_gemm
 
 from .common import Context, case, graph_us, rotating
 
@@ -53,7 +56,8 @@ M_QUICK = (1, 2, 4, 8, 16, 32, 64, 512, 4096)
 NK_ALL = ((7168, 2048), (2048, 7168), (4096, 7168), (7168, 18432), (6144, 12288))
 GROUP = 32
 FAST_FORMATS = {0: "int4_g32_fast0", 1: "int4_g32_fast", 2: "int4_g32_fast2"}  # FAST_DEQUANT level -> row format
-FRAG_WS_FORMAT = "int4_g32_frag_ws"  # 2..FRAG_MAX_M tokens: the default (the fragment kernel) with kept counters
+FRAG_WS_FORMAT = "int4_g32_frag_ws"  # 2..FRAG_AUTO_MAX_M tokens: the default (the fragment kernel), kept counters
+TILES_FORMAT = "int4_g32_tiles"  # from DEQUANT_GEMM_MIN_M tokens: the tiles the default ran before (dequant_gemm=False)
 SWAP_FORMAT = "int4_g32_swap"  # 2..SWAP_MAX_M tokens: the swapped-operand kernel (swap_ab=True)
 TILE_FORMAT = "int4_g32_tile"  # w4a16_gemm(gemv="tile") at M = 1: the previous GEMV
 # M = 1 variants beside int4_g32 (the whole-row GEMV launched plainly): row format -> (gemv form, pass kept split-K
@@ -179,8 +183,10 @@ def run(ctx: Context) -> list[dict]:
                         for fmt, (form, kept, early) in (GEMV_FORMATS.items() if m == 1 else ())]
             variants += [(fmt, {"fast_dequant": level}) for level, fmt in FAST_FORMATS.items()
                          if level or 1 < m <= FAST_AUTO_MAX_M]  # level 0: where level 1 was the default
-            if 1 < m <= FRAG_MAX_M:  # the default there (fragments="auto"), with split-K counters kept across calls
+            if 1 < m <= FRAG_AUTO_MAX_M:  # the default there (fragments="auto"), split-K counters kept across calls
                 variants.append((FRAG_WS_FORMAT, {"counters": torch.zeros(n, dtype=torch.int32, device=dev)}))
+            if m >= DEQUANT_GEMM_MIN_M:
+                variants.append((TILES_FORMAT, {"dequant_gemm": False}))
             if 1 < m <= SWAP_MAX_M:
                 variants.append((SWAP_FORMAT, {"swap_ab": True}))
             n_fast = 0

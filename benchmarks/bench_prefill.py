@@ -6,8 +6,9 @@ q_b 1536→12288, kv_a 7168→576, kv_b 512→16384, o 8192→7168; MLP: gate/up
 W8A8 with its activation quantization, int4_g32 = W4A16), ``tokens``, ``phase`` (prefill: 2048 / 8192
 tokens, compute-bound; decode: 1 / 16 / 64 tokens, weight-bandwidth-bound). The peer of fp8_block is
 int4_g32 and the other way round (``speedup_vs_peer`` > 1: this format is faster). Expected: FP8 wins
-prefill (INT4 dequantizes in the main loop of a compute-bound GEMM; Cloudflare's GLM 5.2 prefill
-10,160 tok/s in FP8 against 8,660 in INT4), INT4 wins decode (half the bytes of FP8).
+prefill (INT4 dequantizes each weight once, then multiplies at the bf16 rate — in the main loop of the tiles
+before session 41; Cloudflare's GLM 5.2 prefill 10,160 tok/s in FP8 against 8,660 in INT4), INT4 wins decode
+(half the bytes of FP8).
 
 The stack's eight calls are timed as one CUDA-graph replay (``graph_us``; ``graph`` in the row says whether the
 capture worked). Timed eagerly (before session 17) the FP8 rows measured the host's launch overhead: one token
