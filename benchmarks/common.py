@@ -183,6 +183,15 @@ def measure_ceilings(ctx: Context) -> None:
     ctx.bf16_tflops = 2 * m**3 / (t * 1e-6) / 1e12
 
 
+def measured_context() -> Context:
+    """A sweep's CUDA :class:`Context` with this run's ceilings measured and printed (its rates are fractions of
+    them)."""
+    ctx = Context(device="cuda")
+    measure_ceilings(ctx)
+    print(f"copy {ctx.copy_tbps:.3f} TB/s, bf16 matmul {ctx.bf16_tflops:.0f} TFLOP/s", flush=True)
+    return ctx
+
+
 def case(bench: str, case: dict, median_us: float, bytes: int = 0, flops: int = 0,
          peer: str | None = None, peer_median_us: float | None = None, **extra) -> dict:
     """One results row; derived rates are added for convenience (readers may recompute them)."""

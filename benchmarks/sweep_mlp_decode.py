@@ -42,7 +42,7 @@ from mla_quant.modules import mlp as mlp_module
 from mla_quant.modules.mlp import MLP
 
 from .bench_gemm import _tinygemm_pack
-from .common import L2_BYTES, Context, interleaved_graph_us, measure_ceilings, module_attrs, rel_err, sweep_args
+from .common import L2_BYTES, interleaved_graph_us, measured_context, module_attrs, rel_err, sweep_args
 from .sweep_w4a16_gemv import _write
 
 GROUP = 32
@@ -85,9 +85,7 @@ def main(argv=None) -> None:
     if args is None:
         sys.exit(1)
     dev = "cuda"
-    ctx = Context(device=dev)
-    measure_ceilings(ctx)
-    print(f"copy {ctx.copy_tbps:.3f} TB/s")
+    ctx = measured_context()
     shapes = SHAPES if not args.shapes else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     runs = []
     for hidden, inter in shapes:

@@ -37,7 +37,7 @@ from mla_quant.kernels.fused_moe import fragments as frag
 from mla_quant.modules.experts import kernel_args
 
 from .bench_moe import E, FORMATS, HIDDEN, SETS, TOP_K, _expert_bytes, _random_experts, _routings
-from .common import (Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, rel_err, sweep_args,
+from .common import (interleaved_graph_us, measured_context, meta, module_attrs, rel_err, sweep_args,
                      write_labelled)
 
 TOKENS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sweep_args(__doc__, "benchmarks/results/sweep_moe_rows_h200.json", None, argv, _extra)
     if args is None:
         return 1
-    ctx = Context(device="cuda", quick=False)
-    measure_ceilings(ctx)
-    print(f"copy {ctx.copy_tbps:.3f} TB/s", flush=True)
+    ctx = measured_context()
     dev = "cuda"
     names = ["int4_g32", "fp8_block"] + (["bf16"] if args.bf16 else [])
     result = {"meta": meta(ctx), "about": __doc__.splitlines()[0], "rows": []}

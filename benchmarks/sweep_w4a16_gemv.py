@@ -40,7 +40,7 @@ from mla_quant.kernels.w4a16_gemm.gemv_half2 import half2_launch, half2_launch_x
 from mla_quant.kernels import w4a16_gemm as W
 
 from .bench_gemm import _tinygemm_pack
-from .common import (L2_BYTES, Context, interleaved_graph_us, measure_ceilings, meta, module_attrs, rel_err, sweep_args,
+from .common import (L2_BYTES, Context, interleaved_graph_us, measured_context, meta, module_attrs, rel_err, sweep_args,
                      write_labelled)
 
 GROUP = 32
@@ -122,9 +122,7 @@ def main(argv=None) -> None:
     if args is None:
         sys.exit(1)
     dev = "cuda"
-    ctx = Context(device=dev)
-    measure_ceilings(ctx)  # the copy rate of this card, this run: the weights' bytes per second as its fraction
-    print(f"copy {ctx.copy_tbps:.3f} TB/s")
+    ctx = measured_context()  # the copy rate of this card, this run: the weights' bytes per second as its fraction
     forms = set(args.forms.split(","))
     runs = []
     for n, k in _shape_list(args.shapes):

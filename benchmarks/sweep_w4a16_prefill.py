@@ -32,7 +32,7 @@ from mla_quant.kernels.int4_quant import int4_dequantize
 from mla_quant.kernels.w4a16_gemm import DEQUANT_GEMM_MIN_M, w4a16_gemm, w4a16_gemm_reference
 
 from .bench_prefill import KIMI_DENSE_LAYER, _stack
-from .common import Context, interleaved_graph_us, measure_ceilings, meta, rel_err, sweep_args, write_labelled
+from .common import interleaved_graph_us, measured_context, meta, rel_err, sweep_args, write_labelled
 
 TOKENS = (32, 64, 96, 128, 192, 256, 512, 2048)
 INT4_SETTINGS = {"int4_tiles": {"dequant_gemm": False}, "int4_dequant": {"dequant_gemm": True}, "int4_default": {}}
@@ -46,9 +46,13 @@ def _extra(ap) -> None:
     ap.add_argument("--label", default=None, help="write the run under this key of the --out file (others kept)")
 
 
+def _weight(lin) -> tuple:
+    """An ``Int4Group`` layer's (weight_packed, weight_scale, group_size)."""
+    return lin.tensors["weight_packed"], lin.tensors["weight_scale"], lin.fmt.group_size
+
+
 def _int4(lin, x, **form):
-    t = lin.tensors
-    return w4a16_gemm(x, t["weight_packed"], t["weight_scale"], 32, **form)
+    return w4a16_gemm(x, *_weight(lin), **form)
 
 
 def _row(tokens: int, us: dict, nweights: int, copy_tbps: float) -> dict:
@@ -69,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sweep_args(__doc__, "benchmarks/results/sweep_w4a16_prefill_h200.json", None, argv, _extra)
     if args is None:
         return 1
-    ctx = Context(device="cuda", quick=False)
-    measure_ceilings(ctx)
-    print(f"copy {ctx.copy_tbps:.3f} TB/s, bf16 {ctx.bf16_tflops:.0f} TFLOP/s", flush=True)
+    ctx = measured_context()
     dev = "cuda"
     result = {"meta": meta(ctx), "about": __doc__.splitlines()[0], "dequant_gemm_min_m": DEQUANT_GEMM_MIN_M,
               "rows": [], "per_layer": []}
@@ -84,17 +86,15 @@ def main(argv: list[str] | None = None) -> int:
                 return lambda: [_int4(lin, x, **form) for lin, x in zip(stacks["int4"], xs)]
 
             fns = {name: int4_stack(**form) for name, form in INT4_SETTINGS.items()}
-            fns["dequant_only"] = lambda: [int4_dequantize(lin.tensors["weight_packed"], lin.tensors["weight_scale"],
-                                                           32, torch.bfloat16) for lin in stacks["int4"]]
+            fns["dequant_only"] = lambda: [int4_dequantize(*_weight(lin), torch.bfloat16) for lin in stacks["int4"]]
             for name in ("bf16", "fp8_block"):
                 fns[name] = (lambda layers: lambda: [lin(x) for lin, x in zip(layers, xs)])(stacks[name])
             row = _row(t, interleaved_graph_us(fns, rounds=args.rounds), N_WEIGHTS, ctx.copy_tbps)
             row["err_vs_reference"] = {}
             for name in INT4_SETTINGS:
                 ys = fns[name]()
-                row["err_vs_reference"][name] = max(
-                    rel_err(y, w4a16_gemm_reference(x, lin.tensors["weight_packed"], lin.tensors["weight_scale"], 32))
-                    for y, x, lin in zip(ys, xs, stacks["int4"]))
+                row["err_vs_reference"][name] = max(rel_err(y, w4a16_gemm_reference(x, *_weight(lin)))
+                                                    for y, x, lin in zip(ys, xs, stacks["int4"]))
             result["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
             if args.per_layer:

@@ -29,7 +29,7 @@ from ..formats import BF16, FP8Block, Int4Group, WeightFormat
 from ..kernels import fp8_quant
 from ..kernels._backend import use_triton
 from ..kernels.fp8_gemm import fp8_gemm, fp8_gemm_reference
-from ..kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_reference, w4a16_gemv_pairs
+from ..kernels.w4a16_gemm import FRAG_AUTO_MAX_M, w4a16_gemm, w4a16_gemm_reference, w4a16_gemv_pairs
 
 
 def _fp8_w8a8(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.Tensor], reference: bool) -> torch.Tensor:
@@ -49,9 +49,9 @@ def _fp8_weight_only(x2: torch.Tensor, fmt: FP8Block, tensors: dict[str, torch.T
     return F.linear(x2, fmt.dequantize(tensors, x2.dtype))  # dequantize on the GPU, then cuBLAS
 
 
-# Up to this many tokens every w4a16_gemm path needs at most N split-K counters (one per output column tile; the
-# fragment kernel, "auto" up to 32 tokens, one chunk of token columns)
-COUNTERS_MAX_TOKENS = 32
+# Up to this many tokens the layer passes its N split-K counters: every w4a16_gemm path needs at most one per output
+# column tile there (the fragment kernel that "auto" takes up to FRAG_AUTO_MAX_M tokens: one per 64 rows)
+COUNTERS_MAX_TOKENS = FRAG_AUTO_MAX_M
 
 
 def _int4(x2: torch.Tensor, fmt: Int4Group, tensors: dict[str, torch.Tensor], reference: bool,
@@ -118,11 +118,12 @@ class PairedActivations(NamedTuple):
 class QuantLinear(nn.Module):
     """A linear layer whose weight lives in any :class:`WeightFormat`. ``x: [..., in] -> [..., out]``.
 
-    An ``Int4Group`` layer keeps its W4A16 split-K counters (:meth:`split_k_counters`), so a call of up to 32 tokens is
-    one kernel launch; one layer must not run on two streams at the same time. From its second call on the same
-    weight tensors (same objects, storage and version counter: :meth:`weights_settled`) a one-token call lets the
-    GEMV load the weights before it waits for the kernel before it (``w4a16_gemm(prefetch_weights=True)``); the
-    first call after the weights were set, loaded or written in place launches plainly."""
+    An ``Int4Group`` layer keeps its W4A16 split-K counters (:meth:`split_k_counters`), so a call of up to
+    ``COUNTERS_MAX_TOKENS`` (32) tokens is one kernel launch; one layer must not run on two streams at the same time.
+    From its second call on the same weight tensors (same objects, storage and version counter:
+    :meth:`weights_settled`) a one-token call lets the GEMV load the weights before it waits for the kernel before it
+    (``w4a16_gemm(prefetch_weights=True)``); the first call after the weights were set, loaded or written in place
+    launches plainly."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  fmt: WeightFormat | None = None, dtype: torch.dtype = torch.bfloat16,

@@ -199,3 +199,16 @@ def test_moe_rows_sweep_rows_and_tile_settings():
     assert seen == {"gate_up": (256, 8, False), "down": (256, 8, False)}
     assert fragments.MOE_FRAG_BLOCK_TILES == before
     assert frag_tile_name((256, 8, False)) == "int4_frag16_bk256w8_noprefetch"
+
+
+def test_measured_context_measures_and_prints_the_ceilings(monkeypatch, capsys):
+    """The sweeps' shared start: a CUDA Context whose copy rate and matmul rate this run measured, both printed."""
+    import benchmarks.common as common
+
+    def fake(ctx):
+        ctx.copy_tbps, ctx.bf16_tflops = 3.0159, 757.6
+
+    monkeypatch.setattr(common, "measure_ceilings", fake)
+    ctx = common.measured_context()
+    assert ctx.device == "cuda" and (ctx.copy_tbps, ctx.bf16_tflops) == (3.0159, 757.6)
+    assert capsys.readouterr().out == "copy 3.016 TB/s, bf16 matmul 758 TFLOP/s\n"

@@ -275,9 +275,9 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     unpinned = config is None and isinstance(fast_dequant, str) and fast_dequant == "auto"
     if fragments is True and swap_ab is True:
         raise ValueError("fragments=True and swap_ab=True: pick one kernel")
-    small_auto = fragments is not True and swap_ab is not True  # neither small-batch kernel forced
-    dequant = _takes_dequant_gemm(dequant_gemm, m, unpinned and small_auto)
-    if dequant and not (unpinned and small_auto):
+    free = unpinned and fragments is not True and swap_ab is not True  # no config, level or small-batch kernel forced
+    dequant = _takes_dequant_gemm(dequant_gemm, m, free)
+    if dequant and not free:
         raise ValueError("dequant_gemm=True with a pinned config, a fast_dequant level, fragments=True or "
                          "swap_ab=True: pick one path")
     swap = not dequant and _takes_swap(swap_ab, m, x.dtype, unpinned)

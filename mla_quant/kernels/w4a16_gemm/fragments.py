@@ -54,8 +54,8 @@ frag_split = planes1_split
 # programs per SM was the best of 4 tiles or within 0.4 %; at 5-8 tokens BK 128 with ~4 within 2 %; at 9-16 tokens BK
 # 128 with ~4 within 1 % (BK 256 was 8 % slower at 4096 x 7168 and ~8 programs per SM 15-35 % slower). Two tiles per
 # warp, eight warps or a loop that issues every load of a BK 256 / 512 iteration first were no faster (sessions 14-15)
-# 17-128 tokens (session 41): the 9-16 token tile per chunk of up to FRAG_CHUNK_TOKENS tokens
-FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (128, (1, 128, 4, 4)))
+# 17-128 tokens (session 41): the same tile per chunk of up to FRAG_CHUNK_TOKENS tokens
+FRAG_TILE_BY_TOKENS = ((4, (1, 256, 4, 8)), (8, (1, 128, 4, 4)), (128, (1, 128, 4, 4)))
 # A program's token columns: at most this many (4 token tiles of 8: 16 activation words per lane and 128 K, 16
 # accumulators; 92 registers at sm_90); more tokens run as several chunks, each its own program over the same rows
 # (consecutive programs, so the later chunks read the weights from L2). Two chunks took 1.6-1.9x one chunk's time on
