@@ -352,8 +352,9 @@ def cases_w4a16_gemm() -> Iterator[Case]:
         for m in (2, 8, 16, 32, 64):   # every launch tile of fragments.frag_tile, 4 token tiles, two chunks
             yield f"M={m} fragments {n}x{k} x={_dt(x_dtype)}", partial(
                 w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32, fragments=True)
-        yield f"M=16 swap_ab {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(16, k, dtype=x_dtype),
-                                                              packed, scale.to(x_dtype), 32, swap_ab=True)
+        for m in (16, 32, 64, 128):  # swap_ab=True: token tiles of 16-128 (X_SPLIT loads past 16)
+            yield f"M={m} swap_ab {n}x{k} x={_dt(x_dtype)}", partial(
+                w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32, swap_ab=True)
     for x_dtype in (BF16, torch.float32):
         yield f"M=1 gemv=planes1 {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(1, k, dtype=x_dtype),
                                                                    packed, scale, 32, gemv="planes1")

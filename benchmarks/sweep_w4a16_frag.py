@@ -4,15 +4,17 @@ and token chunks, against tinygemm, the tiles that dequantize in their main loop
 CUDA-graph rounds.
 
     python -m benchmarks.sweep_w4a16_frag [--ms 2,4,8,16] [--shapes 4096x7168,...] [--rounds 5] [--label NAME]
-        [--out benchmarks/results/sweep_w4a16_frag_h200.json]
+        [--swap] [--no-chunks] [--out benchmarks/results/sweep_w4a16_frag_h200.json]
 
 For each M and N×K (group 32, bf16 x and scales) one graph per setting holds one call per weight set, over enough
 sets to miss L2 (``sweep_w4a16_gemv._sets``), all with the same x: ``tinygemm`` (the peer), ``bf16`` (cuBLAS on the
 same weights in bf16), ``tiles`` (``fragments=False``: what ``"auto"`` ran past 16 tokens until session 41), ``plain``
 and ``stream`` (the kernel with kept split-K counters, as QuantLinear launches it) and, past 16 tokens, ``plain`` at
-each ``CHUNK_TILES`` setting (``FRAG_CHUNK_TOKENS`` and the launch tile). Each INT4 setting is first checked against
-``w4a16_gemm_reference`` (max error over max |y| into a NaN-poisoned y). With ``--label`` the runs go under that key
-of an existing results file (written after each shape).
+each ``CHUNK_TILES`` setting (``FRAG_CHUNK_TOKENS`` and the launch tile; not with ``--no-chunks``) and, with
+``--swap``, the swapped-operand kernel's settings (``swap_settings``: token tiles of 32-128 columns, as
+``swap_ab=True`` runs it, with kept counters). Each INT4 setting is first checked against ``w4a16_gemm_reference``
+(max error over max |y| into a NaN-poisoned y). With ``--label`` the runs go under that key of an existing results
+file (written after each shape).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import sys
 
 import torch
 
-from mla_quant.kernels.w4a16_gemm import _frag_launch, fragments, w4a16_gemm, w4a16_gemm_reference
+from mla_quant.kernels.w4a16_gemm import _frag_launch, _swap_launch, fragments, w4a16_gemm, w4a16_gemm_reference
+from mla_quant.kernels.w4a16_gemm.kernel import SWAP_TILE, swap_plan
 
 from .common import interleaved_graph_us, module_attrs, rel_err, sweep_args
 from .sweep_w4a16_gemv import GROUP, NKS, _sets, _shape_list, _write, timing_rows
@@ -29,6 +32,17 @@ from .sweep_w4a16_gemv import GROUP, NKS, _sets, _shape_list, _write, timing_row
 # default
 CHUNK_TILES = ((32, (1, 128, 4, 4)), (16, (1, 128, 4, 4)), (32, (1, 256, 4, 8)), (32, (2, 128, 4, 4)),
                (32, (1, 128, 8, 4)))
+
+
+# --swap past 16 tokens: the swapped-operand kernel (swap_ab=True, kernel.swap_plan's token tile) as
+# name -> _swap_launch keywords: the plan, the 2-byte gathers of each parity instead of X_SPLIT, half / twice the
+# planned split, 8 warps (two warp groups share the token columns), K blocks of 128
+def swap_settings(m: int, n: int, k: int, sms: int = 132) -> dict[str, dict]:
+    split = swap_plan(m, n, k, sms)[1]
+    bn, bk, _, stages = SWAP_TILE
+    return {"swap": {}, "swap_gathers": {"x_split": False}, "swap_half_split": {"split": max(1, split // 2)},
+            "swap_twice_split": {"split": min(2 * split, 32)}, "swap_w8": {"tile": (bn, bk, 8, stages)},
+            "swap_bk128": {"tile": (bn, 128, 4, stages)}}
 
 
 def chunk_tile_name(setting) -> str:
@@ -47,6 +61,8 @@ def _extra(ap) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
+    ap.add_argument("--swap", action="store_true", help="past 16 tokens also the swapped-operand kernel's settings")
+    ap.add_argument("--no-chunks", action="store_true", help="past 16 tokens skip the CHUNK_TILES settings")
 
 
 def main(argv=None) -> None:
@@ -72,14 +88,21 @@ def main(argv=None) -> None:
                                 for s in weights]
                 return run
 
-            settings = {"plain": {}, "stream": {"stream": True}}
-            if m > 16:
-                settings.update({chunk_tile_name(c): {"attrs": chunk_tile_attrs(c)} for c in CHUNK_TILES[1:]})
-            for name, form in settings.items():
+            def swap(weights=sets, **form):
+                def run():
+                    return [_swap_launch(x, s["p4"], s["s4"], y, GROUP, counters, False, **form) for s in weights]
+                return run
+
+            settings = {"plain": (frag, {}), "stream": (frag, {"stream": True})}
+            if m > 16 and not args.no_chunks:
+                settings.update({chunk_tile_name(c): (frag, {"attrs": chunk_tile_attrs(c)}) for c in CHUNK_TILES[1:]})
+            if m > 16 and args.swap:
+                settings.update({name: (swap, form) for name, form in swap_settings(m, n, k).items()})
+            for name, (make, form) in settings.items():
                 y.fill_(float("nan"))
-                frag(**form, weights=sets[:1])()  # checked on the first set, the reference's
+                make(**form, weights=sets[:1])()  # checked on the first set, the reference's
                 errors[name] = rel_err(y, ref)
-                fns[name] = frag(**form)
+                fns[name] = make(**form)
             fns["tiles"] = lambda: [w4a16_gemm(x, s["p4"], s["s4"], GROUP, fragments=False) for s in sets]
             errors["tiles"] = rel_err(fns["tiles"]()[0], ref)
             fns["bf16"] = lambda: [x @ s["w"].T for s in sets]

@@ -1024,13 +1024,14 @@ def test_swap_ab_auto_rule_and_errors(triton_backend):
     """"auto": the swapped kernel for 2..SWAP_MAX_M tokens of bf16 / fp16 without a pinned config or FAST_DEQUANT
     level where the fragment kernel is off (bit-equal to swap_ab=True there); fp32 activations, one token, more
     tokens, a config or an explicit level keep the other paths."""
-    from mla_quant.kernels.w4a16_gemm import SWAP_MAX_M, _takes_swap
+    from mla_quant.kernels.w4a16_gemm import SWAP_FORCED_MAX_M, SWAP_MAX_M, _takes_swap
 
     assert _takes_swap("auto", 2, torch.bfloat16, True) and _takes_swap("auto", SWAP_MAX_M, torch.float16, True)
     assert not _takes_swap("auto", 1, torch.bfloat16, True)
     assert not _takes_swap("auto", SWAP_MAX_M + 1, torch.bfloat16, True)
     assert not _takes_swap("auto", 8, torch.float32, True) and not _takes_swap("auto", 8, torch.bfloat16, False)
     assert not _takes_swap(False, 8, torch.bfloat16, True) and _takes_swap(True, 1, torch.bfloat16, False)
+    assert _takes_swap(True, SWAP_FORCED_MAX_M, torch.bfloat16, True)
     dev = triton_backend
     packed, scale = _weights(24, 256, 32, dev, seed=5)
     x = torch.randn(6, 256, device=dev).to(torch.bfloat16)
@@ -1040,8 +1041,9 @@ def test_swap_ab_auto_rule_and_errors(triton_backend):
                        w4a16_gemm(x, packed, scale, 32, swap_ab=False))
     with pytest.raises(ValueError, match="swap_ab"):
         w4a16_gemm(x.float(), packed, scale, 32, swap_ab=True)
-    with pytest.raises(ValueError, match="swap_ab"):
-        w4a16_gemm(torch.randn(SWAP_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab=True: needs at most 128 tokens"):
+        w4a16_gemm(torch.randn(SWAP_FORCED_MAX_M + 1, 256, device=dev).to(torch.bfloat16), packed, scale, 32,
+                   swap_ab=True)
     with pytest.raises(ValueError, match="swap_ab"):
         w4a16_gemm(x, packed, scale, 32, swap_ab="yes")
 
@@ -1051,6 +1053,54 @@ def test_swap_split_leaves_every_split_a_block():
 
     assert swap_split(7168, 256) == SWAP_MAX_SPLIT == 16  # 28 blocks: the measured split at 2048 / 4096 x 7168
     assert swap_split(2048, 256) == 8 and swap_split(256, 256) == 1 and swap_split(320, 256) == 2
+    assert swap_split(7168, 256, cap=6) == 4 and swap_split(7168, 256, cap=0) == 1
+
+
+def test_swap_plan_token_tile_and_split():
+    """BM: the power of two >= M from 16; up to 16 tokens the split of swap_split, past them at most
+    SWAP_WIDE_PER_SM programs per SM (fp32 partials [M, N] per split)."""
+    from mla_quant.kernels.w4a16_gemm.kernel import SWAP_WIDE_PER_SM, swap_plan, swap_split
+
+    assert swap_plan(2, 4096, 7168, 132) == (16, swap_split(7168, 256)) == swap_plan(16, 4096, 7168, 132)
+    assert [swap_plan(m, 4096, 7168, 132)[0] for m in (17, 32, 33, 64, 65, 128)] == [32, 32, 64, 64, 128, 128]
+    for m in (17, 64, 128):
+        for n, k in ((4096, 7168), (7168, 18432), (2048, 7168), (7168, 2048), (576, 7168)):
+            bm, split = swap_plan(m, n, k, 132)
+            assert split & (split - 1) == 0 and 1 <= split <= swap_split(k, 256)
+            assert -(-n // 64) * split <= max(SWAP_WIDE_PER_SM * 132, -(-n // 64)), (m, n, k, split)
+    assert swap_plan(64, 4096, 7168, 132)[1] == 8 and swap_plan(64, 7168, 18432, 132)[1] == 4
+
+
+# past 16 tokens: token tiles of 32, 64, 128 (rows past M padding), both activation load forms, ragged N and K blocks
+SWAP_WIDE_CASES = [(17, 40, 320, 32), (33, 72, 512, 64), (70, 64, 7 * 32, 32), (128, 24, 256, 128)]
+
+
+@pytest.mark.parametrize("m,n,k,group", SWAP_WIDE_CASES, ids=str)
+@pytest.mark.parametrize("x_split", [False, True], ids=["gathers", "x_split"])
+def test_swapped_kernel_wide_token_tiles(triton_backend, m, n, k, group, x_split):
+    from mla_quant.kernels.w4a16_gemm import _swap_launch
+
+    dev = triton_backend
+    packed, scale = _weights(n, k, group, dev, seed=m + n)
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    x[m // 2, -group:] *= 50  # an outlier group in the last (possibly ragged) K block
+    ref = w4a16_gemm_reference(x, packed, scale, group)
+    y = _swap_launch(x, packed, scale, poisoned_empty((m, n), torch.bfloat16, dev), group, None, True,
+                     x_split=x_split)
+    assert_rel_close(y.float(), ref.float(), 1e-2, f"{m}x{n}x{k} g{group}")
+    assert_bitwise_equal(w4a16_gemm(x, packed, scale, group, swap_ab=True),
+                         _swap_launch(x, packed, scale, torch.empty_like(y), group, None, True), "swap_ab=True")
+
+
+def test_swapped_kernel_exact_at_wide_tiles_in_both_load_forms(triton_backend):
+    """Every nibble at 40 tokens (a 64-token tile): the two activation load forms give the reference bit for bit."""
+    from mla_quant.kernels.w4a16_gemm import _swap_launch
+
+    packed, scale, x = _exact_case(16, 256, 40, 2, triton_backend)
+    ref = w4a16_gemm_reference(x, packed, scale, 32)
+    for x_split in (False, True):
+        y = _swap_launch(x, packed, scale, torch.empty_like(ref), 32, None, True, x_split=x_split)
+        assert_bitwise_equal(y, ref, f"x_split={x_split}")
 
 
 # swapped: 4 K blocks of 256 (split 4), two row tiles of 64; fragments: 4 K blocks of 128, three row tiles of 32
@@ -1068,7 +1118,7 @@ def test_small_batch_kernels_leave_caller_counters_zero(triton_backend, k, tiles
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("m", [2, 8, 16, 24, 64, 100])
 @pytest.mark.parametrize("n,k", [(2048, 7168), (7168, 2048), (4096, 7168)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_swapped_kernel_real_shapes(m, n, k, dtype):

@@ -40,7 +40,7 @@ CONFIG_KEYS = ("BM", "BN", "BK", "SPLIT_K", "GROUP_M", "num_warps", "num_stages"
 
 __all__ = ["w4a16_gemm", "w4a16_gemm_reference", "w4a16_gemv_pairs", "w4a16_gemv_pairs_reference",
            "swiglu_pair_order", "swiglu_pair_order_reference", "w4a16_swiglu_gemv", "w4a16_swiglu_gemv_reference",
-           "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M",
+           "CONFIG_KEYS", "GEMV_FORMS", "FAST_AUTO_MAX_M", "SWAP_MAX_M", "SWAP_FORCED_MAX_M",
            "FRAG_MAX_M", "FRAG_AUTO_MAX_M", "DEQUANT_GEMM_MIN_M"]
 
 
@@ -90,6 +90,8 @@ def _fast_level(value, m: int, pinned: bool) -> int:
 # 1.15 / 1.50x tinygemm at 16 tokens x 2048 / 4096 x 7168, 1.39 / 1.51x the FAST_DEQUANT tile it replaced; at 8 tokens
 # 0.79 / 1.00x tinygemm (still 1.46 / 1.52x the tile)
 SWAP_MAX_M = 16
+# swap_ab=True takes up to this many tokens (BM, the wgmma N side, the power of two >= M; kernel.swap_plan)
+SWAP_FORCED_MAX_M = 128
 
 
 # fragments="auto" runs the fragment kernel (fragments.py: mma.sync on fragments built in each thread's registers, no
@@ -164,8 +166,8 @@ def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
         return False
     if swap_ab is not True:
         raise ValueError(f"swap_ab: {swap_ab!r} must be True, False or 'auto'")
-    if not ok_dtype or m > SWAP_MAX_M:
-        raise ValueError(f"swap_ab=True: needs at most {SWAP_MAX_M} tokens of bf16 / fp16 activations, "
+    if not ok_dtype or m > SWAP_FORCED_MAX_M:
+        raise ValueError(f"swap_ab=True: needs at most {SWAP_FORCED_MAX_M} tokens of bf16 / fp16 activations, "
                          f"got {m} of {dtype}")
     return True
 
@@ -239,7 +241,8 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     bf16 / fp16 activations: the weight is the wgmma A operand (from registers, dequantized by elementwise ops on its
     packed bytes), the tokens the N side, one group of 32 K per pair of dots, the group scale once per output
     (``kernel._w4a16_swap_kernel``; docs/moe.md "W4A16 at 2-16 tokens: swapped operands"). "auto" takes it for 2 to
-    ``SWAP_MAX_M`` tokens when neither ``config`` nor a ``fast_dequant`` level is given.
+    ``SWAP_MAX_M`` tokens when neither ``config`` nor a ``fast_dequant`` level is given; True takes up to
+    ``SWAP_FORCED_MAX_M`` tokens (the token tile the power of two >= M).
 
     ``fragments`` ("auto", the default; True; False) picks the fragment kernel: m16n8k16 ``mma.sync`` whose operand
     fragments each thread builds in its own registers (the weight scaled and rounded to x's dtype on the way, as
@@ -502,16 +505,20 @@ def w4a16_swiglu_gemv(x: torch.Tensor, gate_packed: torch.Tensor, gate_scale: to
     return h
 
 
-def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted):
-    """Launch ``kernel._w4a16_swap_kernel`` for x2 [M <= SWAP_MAX_M, K] into y [M, N]."""
-    from .kernel import SWAP_TILE, _w4a16_swap_kernel, swap_split
+def _swap_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted, split=None, tile=None,
+                 x_split=None):
+    """Launch ``kernel._w4a16_swap_kernel`` for x2 [M <= SWAP_FORCED_MAX_M, K] into y [M, N]: BM and the split from
+    ``kernel.swap_plan``, the tile ``kernel.SWAP_TILE`` (BN, BK, warps, stages), the activations' load form
+    (``X_SPLIT``) from ``kernel.SWAP_X_SPLIT_MIN_M``; ``split`` / ``tile`` / ``x_split`` pin them (sweeps)."""
+    from .kernel import SWAP_TILE, SWAP_X_SPLIT_MIN_M, _w4a16_swap_kernel, swap_plan
 
     (m, k), n = x2.shape, y.shape[1]
-    bn, bk, warps, stages = SWAP_TILE
-    split = swap_split(k, bk)
+    bn, bk, warps, stages = tile or SWAP_TILE
+    bm, planned = swap_plan(m, n, k, num_sms(x2.device))
+    split = split or planned
     part, count = split_k_workspace(m, n, split, cdiv(n, bn), x2.device, counters)
     _w4a16_swap_kernel[(cdiv(n, bn), split)](
         x2, weight_packed, weight_scale, y, part, count, m, n, k, x2.stride(0), y.stride(0), m * n,
-        GROUP=group_size, BM=16, BN=bn, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERPRET=interpreted,
-        num_warps=warps, num_stages=stages)
+        GROUP=group_size, BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERPRET=interpreted,
+        X_SPLIT=m >= SWAP_X_SPLIT_MIN_M if x_split is None else x_split, num_warps=warps, num_stages=stages)
     return y

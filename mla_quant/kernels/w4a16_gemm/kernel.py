@@ -433,7 +433,7 @@ FAST_AUTOTUNED = {1: _autotuned(fast=1), 2: _autotuned(fast=2)}
 w4a16_gemv_planes1_autotuned = _planes1_autotuned()  # one token in one launch (gemv="planes1")
 
 
-# ------------------------------------------------ 2-16 tokens: swapped operands, a pair of dots per group of 32 K
+# ------------------- 2-16 tokens (swap_ab=True: up to 128): swapped operands, a pair of dots per group of 32 K
 # (BN, BK, num_warps, num_stages) of the swapped kernel and its largest split: on the H200 (c286741, bench gemm, bf16)
 # 17.3 / 25.2 µs at 16 tokens x 2048 / 4096 x 7168 against tinygemm's 19.8 / 37.8 and the FAST_DEQUANT tile's
 # 24.0 / 38.0; the best or within noise of every tile and split swept (results/sweep_w4a16_swap_h200.json)
@@ -441,23 +441,50 @@ SWAP_TILE = (64, 256, 4, 2)
 SWAP_MAX_SPLIT = 16
 
 
-def swap_split(k: int, bk: int) -> int:
-    """Split-K of the swapped kernel: the largest power of two <= SWAP_MAX_SPLIT that leaves every split at least
-    one K block (at 2048 x 7168, 4-8 splits were 1.2-1.7x slower than 16, and 32-64 splits of smaller blocks
+# past 16 tokens (BM 32-128) each split writes fp32 partials [M, N]: the split is capped so the row tiles times the
+# splits make about this many programs per SM (a guess to be swept: benchmarks.sweep_w4a16_frag --swap)
+SWAP_WIDE_PER_SM = 4
+# from this many tokens the activations load as whole groups split into parities in registers (X_SPLIT), not as
+# 2-byte gathers per parity (a guess to be swept like SWAP_WIDE_PER_SM)
+SWAP_X_SPLIT_MIN_M = 17
+
+
+def swap_split(k: int, bk: int, cap: int = SWAP_MAX_SPLIT) -> int:
+    """Split-K of the swapped kernel: the largest power of two <= min(SWAP_MAX_SPLIT, cap) that leaves every split
+    at least one K block (at 2048 x 7168, 4-8 splits were 1.2-1.7x slower than 16, and 32-64 splits of smaller blocks
     1.3-1.7x slower: results/sweep_w4a16_swap_h200.json)."""
     iters, split = cdiv(k, bk), 1
-    while split * 2 <= min(SWAP_MAX_SPLIT, iters):
+    while split * 2 <= min(SWAP_MAX_SPLIT, cap, iters):
         split *= 2
     return split
 
 
+def swap_plan(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(BM, split) of the swapped kernel for m tokens: BM the power of two >= m, at least 16 (the wgmma N side);
+    up to 16 tokens :func:`swap_split`, past them also at most ``SWAP_WIDE_PER_SM`` programs per SM (row tiles of
+    ``SWAP_TILE``'s BN times splits), since every split's partials grow with M."""
+    bm = max(16, 1 << max(0, m - 1).bit_length())
+    bn, bk = SWAP_TILE[0], SWAP_TILE[1]
+    if bm == 16:
+        return bm, swap_split(k, bk)
+    return bm, swap_split(k, bk, max(1, SWAP_WIDE_PER_SM * sms // cdiv(n, bn)))
+
+
 @triton.jit
-def _x_parity_pair(x_cols, kg, K, c, EVEN: tl.constexpr):
+def _x_parity_pair(x_cols, kg, K, c, EVEN: tl.constexpr, X_SPLIT: tl.constexpr = False):
     """The activations of one group as two B operands [16, BM]: elements kg + 2c (low nibbles) and kg + 2c + 1
     (high nibbles); zeros past K (a whole group is in or out, K being a multiple of 32). ``EVEN`` (BK divides K):
-    no mask."""
-    ok = (kg + 2 * c < K)[:, None]
-    return load_k(x_cols + (kg + 2 * c)[:, None], ok, EVEN), load_k(x_cols + (kg + 2 * c + 1)[:, None], ok, EVEN)
+    no mask. ``X_SPLIT``: the group's 32 contiguous elements per token in one load [32, BM], split into the two
+    parities in registers (2-byte gathers of each parity cost a load per element and token, which grows with BM)."""
+    if X_SPLIT:
+        k32 = kg + tl.arange(0, 32)
+        xg = load_k(x_cols + k32[:, None], (k32 < K)[:, None], EVEN)                 # [32, BM]
+        lo, hi = tl.split(tl.permute(tl.reshape(xg, (16, 2, xg.shape[1])), (0, 2, 1)))
+    else:
+        ok = (kg + 2 * c < K)[:, None]
+        lo = load_k(x_cols + (kg + 2 * c)[:, None], ok, EVEN)
+        hi = load_k(x_cols + (kg + 2 * c + 1)[:, None], ok, EVEN)
+    return lo, hi
 
 
 @triton.jit
@@ -490,9 +517,10 @@ def _w4a16_swap_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_ym, stride_part,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, X_SPLIT: tl.constexpr = False,
 ):
-    """y^T tile [BN, BM] = Σ_groups s_g · (lo(B_g) @ x_even,g^T + hi(B_g) @ x_odd,g^T) for M <= BM = 16 tokens.
+    """y^T tile [BN, BM] = Σ_groups s_g · (lo(B_g) @ x_even,g^T + hi(B_g) @ x_odd,g^T) for M <= BM tokens (BM a power
+    of two, 16 to 128: the wgmma N side; rows past M re-read valid ones and are not stored).
 
     The weight is the A operand (wgmma: 64 rows per warp group, from registers), the tokens the N side. Per group
     of 32 K, B_g int8 [BN, 16] are the group's packed bytes: byte c holds elements 2c (low nibble) and 2c + 1 (high),
@@ -517,15 +545,15 @@ def _w4a16_swap_kernel(
     # groups' activations (3-5 % faster than one group per step at 2048 / 4096 x 7168); the next pair's
     # activations are loaded while this pair computes (masked past the block's end: they may lie past K)
     tl.static_assert(BK % 64 == 0, "the swapped kernel takes K blocks of whole group pairs")
-    x_lo0, x_hi0 = _x_parity_pair(x_cols, it_lo * BK, K, c, False)
-    x_lo1, x_hi1 = _x_parity_pair(x_cols, it_lo * BK + 32, K, c, False)
+    x_lo0, x_hi0 = _x_parity_pair(x_cols, it_lo * BK, K, c, False, X_SPLIT)
+    x_lo1, x_hi1 = _x_parity_pair(x_cols, it_lo * BK + 32, K, c, False, X_SPLIT)
     for it in range(it_lo, it_hi):
         k0 = it * BK
         for g in tl.static_range(0, BK // 32, 2):
             kg = k0 + 32 * g
             xl0, xh0, xl1, xh1 = x_lo0, x_hi0, x_lo1, x_hi1
-            x_lo0, x_hi0 = _x_parity_pair(x_cols, kg + 64, K, c, EVEN_K and g + 2 < BK // 32)
-            x_lo1, x_hi1 = _x_parity_pair(x_cols, kg + 96, K, c, EVEN_K and g + 2 < BK // 32)
+            x_lo0, x_hi0 = _x_parity_pair(x_cols, kg + 64, K, c, EVEN_K and g + 2 < BK // 32, X_SPLIT)
+            x_lo1, x_hi1 = _x_parity_pair(x_cols, kg + 96, K, c, EVEN_K and g + 2 < BK // 32, X_SPLIT)
             p0 = _group_partial(w_rows, kg, K, c, xl0, xh0, DT, EVEN_K, INTERPRET)
             p1 = _group_partial(w_rows, kg + 32, K, c, xl1, xh1, DT, EVEN_K, INTERPRET)
             s0 = load_k(s_rows + kg // GROUP, kg + 0 * rn < K, EVEN_K).to(tl.float32)            # [BN]
