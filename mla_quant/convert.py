@@ -1,7 +1,8 @@
 """Convert an FP8 (block, ``weight_scale_inv``) or BF16 safetensors checkpoint: chosen linear layers to INT4.
 
-    python -m mla_quant.convert SRC DST [--plan experts|PLAN.json|'{"rules": ...}'] [--method rtn|mse]
-                                        [--group-size 32] [--device cuda] [--no-compare] [--quiet]
+    python -m mla_quant.convert SRC DST [--plan experts|PLAN.json|'{"rules": ...}'] [--method rtn|mse|gptq]
+                                        [--hessians FILE] [--gptq-clip absmax|mse] [--group-size 32]
+                                        [--device cuda] [--no-compare] [--quiet]
 
 Reads ``SRC`` shard by shard (memory: one input shard's converted tensors plus one weight at a time),
 applies a :class:`~mla_quant.formats.plan.QuantPlan` to the *checkpoint* module names (the key without
@@ -24,8 +25,12 @@ metadata (``QuantPlan.from_checkpoint``); ``conversion_report.json`` lists each 
 Methods: ``rtn`` rounds to nearest with ``scale = absmax / 7.5`` (compressed-tensors' ``minmax`` observer,
 bit-exact with ``Int4Group.quantize``); ``mse`` searches, per group, the clipping ``scale = absmax · c / 7.5``
 over a small grid of ``c`` (:data:`MSE_GRID`) and keeps the scale with the least squared error (never worse
-than ``rtn``, which is the grid's first entry). Both errors are reported per tensor (relative error and SQNR
-against the source weight) unless ``--no-compare``.
+than ``rtn``, which is the grid's first entry); ``gptq`` rounds column by column and passes each column's error on
+to the columns not yet rounded, weighted by the calibration inputs' Hessian ``X^T X`` (``mla_quant.gptq``; the
+Hessians come from ``--hessians``, a file that ``gptq.HessianCollector.save`` wrote while the model ran
+calibration text; ``--gptq-clip mse`` picks each group's scale by the MSE search). Each method's error is reported
+per tensor (relative error and SQNR against the source weight; with a Hessian for the tensor also the output
+error on the calibration inputs, ``out_rel_err`` / ``out_sqnr_db``) unless ``--no-compare``.
 """
 from __future__ import annotations
 
@@ -55,8 +60,8 @@ INDEX_FILE = "model.safetensors.index.json"
 REPORT_FILE = "conversion_report.json"
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj"
 PRESETS = {"experts": lambda g: QuantPlan({EXPERTS: Int4Group(g)})}
-METHODS = ("rtn", "mse")
-OBSERVERS = {"rtn": "minmax", "mse": "mse"}
+METHODS = ("rtn", "mse", "gptq")
+OBSERVERS = {"rtn": "minmax", "mse": "mse", "gptq": "minmax"}
 # Clipping factors tried by the ``mse`` method, first = plain absmax (ties keep it). 8/7.5 maps the largest
 # positive value onto code 7 exactly instead of rounding 7.5 up to 8 and clamping.
 MSE_GRID = (1.0, 8 / 7.5) + tuple(round(0.975 - 0.025 * i, 3) for i in range(11))
@@ -90,14 +95,23 @@ def int4_quantize_mse(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.
 
 
 def quantize_weight(w: torch.Tensor, fmt: WeightFormat, method: str = "rtn",
-                    dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype = torch.bfloat16, hessian: torch.Tensor | None = None,
+                    gptq_clip: str = "absmax") -> dict[str, torch.Tensor]:
     """A dense fp32 weight [N, K] in ``fmt``, as checkpoint tensors (suffix -> tensor). ``method`` applies
-    to ``Int4Group`` (``rtn`` = ``fmt.quantize``); ``dtype`` is the stored dtype of a ``BF16`` weight."""
+    to ``Int4Group`` (``rtn`` = ``fmt.quantize``; ``gptq`` needs the layer's ``hessian`` [K, K] and takes
+    ``gptq_clip``); ``dtype`` is the stored dtype of a ``BF16`` weight."""
     if method not in METHODS:
         raise ValueError(f"method: {method!r} not in {METHODS}")
-    if isinstance(fmt, Int4Group) and method == "mse":
+    if isinstance(fmt, Int4Group) and method in ("mse", "gptq"):
         fmt.check_shape(*w.shape)
-        packed, scale = int4_quantize_mse(w, fmt.group_size, fmt.torch_scale_dtype)
+        if method == "gptq":
+            if hessian is None:
+                raise ValueError("method 'gptq': needs the layer's hessian (calibration inputs' X^T X)")
+            from .gptq import gptq_quantize
+
+            packed, scale = gptq_quantize(w, hessian, fmt.group_size, fmt.torch_scale_dtype, clip=gptq_clip)
+        else:
+            packed, scale = int4_quantize_mse(w, fmt.group_size, fmt.torch_scale_dtype)
         return {"weight_packed": packed, "weight_scale": scale,
                 "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64, device=w.device)}
     if isinstance(fmt, BF16):
@@ -186,12 +200,15 @@ class ConversionReport:
                  f"{self.bytes_in / 2**30:.3f} GiB -> {self.bytes_out / 2**30:.3f} GiB in {self.seconds:.1f} s"]
         methods = [m for m in METHODS if any(m in r["errors"] for r in self.tensors)]
         if methods:
-            lines.append(f"{'method':8} {'mean rel err':>13} {'mean SQNR dB':>13} {'min SQNR dB':>12} {'tensors':>8}")
+            lines.append(f"{'method':8} {'mean rel err':>13} {'mean SQNR dB':>13} {'min SQNR dB':>12} {'tensors':>8}"
+                         f" {'mean output SQNR dB':>20}")
             for m in methods:
                 rows = [r["errors"][m] for r in self.tensors if m in r["errors"]]
+                outs = [r["out_sqnr_db"] for r in rows if "out_sqnr_db" in r]
                 lines.append(f"{m:8} {sum(r['rel_err'] for r in rows) / len(rows):13.5f} "
                              f"{sum(r['sqnr_db'] for r in rows) / len(rows):13.2f} "
-                             f"{min(r['sqnr_db'] for r in rows):12.2f} {len(rows):8d}")
+                             f"{min(r['sqnr_db'] for r in rows):12.2f} {len(rows):8d}"
+                             f" {f'{sum(outs) / len(outs):.2f} ({len(outs)})' if outs else '-':>20}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -224,14 +241,16 @@ def ignore_list(int4: list[str], others: list[str]) -> list[str]:
     return sorted(others)
 
 
-def quantization_config(fmts: dict[str, WeightFormat], method: str, fp8_block: tuple[int, int] | None) -> dict:
-    """compressed-tensors ``pack-quantized`` config for the INT4 layers (``fmts``: module -> format)."""
+def quantization_config(fmts: dict[str, WeightFormat], method: str, fp8_block: tuple[int, int] | None,
+                        observer: str | None = None) -> dict:
+    """compressed-tensors ``pack-quantized`` config for the INT4 layers (``fmts``: module -> format); ``observer``:
+    how the scales were chosen (default the method's, ``OBSERVERS``)."""
     int4 = {n: f for n, f in fmts.items() if isinstance(f, Int4Group)}
     groups = {f.group_size for f in int4.values()}
     if len(groups) != 1:
         raise ValueError(f"plan: the INT4 layers must share one group size, got {sorted(groups)}")
     scheme = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": groups.pop(),
-              "num_bits": 4, "observer": OBSERVERS[method], "observer_kwargs": {}, "strategy": "group",
+              "num_bits": 4, "observer": observer or OBSERVERS[method], "observer_kwargs": {}, "strategy": "group",
               "symmetric": True, "type": "int"}
     qc = {"config_groups": {"group_0": {"input_activations": None, "output_activations": None,
                                         "targets": ["Linear"], "weights": scheme}},
@@ -280,12 +299,21 @@ def _block_of(src: Path) -> tuple[int, int]:
 
 def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None = None, method: str = "rtn",
                        device: str | torch.device = "cpu", compare: bool = True,
-                       progress: bool = True) -> ConversionReport:
-    """Convert checkpoint folder ``src`` into ``dst`` (created; must not be ``src``). Returns the report."""
+                       progress: bool = True, hessians: str | Path | None = None,
+                       gptq_clip: str = "absmax") -> ConversionReport:
+    """Convert checkpoint folder ``src`` into ``dst`` (created; must not be ``src``). Returns the report.
+    ``hessians``: a file of ``gptq.HessianCollector.save`` (needed by ``method="gptq"``, which raises for an INT4
+    layer it holds no Hessian for; with another method it adds the output errors of the layers it covers)."""
     src, dst = Path(src), Path(dst)
     plan = plan if plan is not None else PRESETS["experts"](32)
     if method not in METHODS:
         raise ValueError(f"method: {method!r} not in {METHODS}")
+    if method == "gptq" and hessians is None:
+        raise ValueError("method 'gptq': pass hessians= (--hessians FILE), written by gptq.HessianCollector.save")
+    if hessians is not None:
+        from .gptq import HessianFile
+
+        hessians = HessianFile(hessians)
     if src.resolve() == dst.resolve():
         raise ValueError("DST: must differ from SRC")
     dst.mkdir(parents=True, exist_ok=True)
@@ -314,7 +342,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None 
                     src_fmt = _source_format(ckpt, module, t, block)
                     fmts[module] = src_fmt
                     if target is not None and not _same_storage(target, src_fmt):
-                        tensors, row = _convert_one(ckpt, module, t, src_fmt, target, method, block, device, compare)
+                        tensors, row = _convert_one(ckpt, module, t, src_fmt, target, method, block, device, compare,
+                                                    hessians, gptq_clip)
                         fmts[module] = target
                         report.tensors.append(row)
                         out.update({f"{module}.{k}": v.cpu().contiguous() for k, v in tensors.items()})
@@ -329,7 +358,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None 
         {"metadata": {"total_size": report.bytes_out}, "weight_map": dict(sorted(new_map.items()))}, indent=2) + "\n")
     made_int4 = any(isinstance(fmts[r["name"]], Int4Group) for r in report.tensors)
     fp8_left = any(isinstance(f, FP8Block) for f in fmts.values())
-    _write_config(src, dst, quantization_config(fmts, method, block if fp8_left else None) if made_int4 else None)
+    observer = "mse" if method == "gptq" and gptq_clip == "mse" else None
+    _write_config(src, dst, quantization_config(fmts, method, block if fp8_left else None, observer)
+                  if made_int4 else None)
     for extra in src.iterdir():  # tokenizer, generation config, remote code ...
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (INDEX_FILE, "config.json"):
             shutil.copy2(extra, dst / extra.name)
@@ -339,19 +370,29 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None 
 
 
 def _convert_one(ckpt: Checkpoint, module: str, t: torch.Tensor, src_fmt: WeightFormat, target: WeightFormat,
-                 method: str, block: tuple[int, int], device, compare: bool) -> tuple[dict, dict]:
+                 method: str, block: tuple[int, int], device, compare: bool, hessians=None,
+                 gptq_clip: str = "absmax") -> tuple[dict, dict]:
     """(the tensors of ``module`` in ``target``, its report row)."""
     stored = {"weight": t.to(device)}
     if isinstance(src_fmt, FP8Block):
         stored["weight_scale_inv"] = ckpt.get(module + ".weight_scale_inv").to(device)
     w = src_fmt.dequantize(stored, torch.float32)  # [N, K] fp32, exactly the source values
+    int4 = isinstance(target, Int4Group)
+    hessian = None
+    if int4 and hessians is not None and (method == "gptq" or hessians.find(module) is not None):
+        hessian = hessians.get(module, w.shape[1]).to(device)
     tensors = quantize_weight(w, target, method, dtype=t.dtype if t.is_floating_point() and t.element_size() > 1
-                              else torch.bfloat16)
+                              else torch.bfloat16, hessian=hessian, gptq_clip=gptq_clip)
     row = {"name": module, "shape": list(w.shape), "from": type(src_fmt).__name__, "to": repr(target), "errors": {}}
-    methods = METHODS if compare and isinstance(target, Int4Group) else (method,)
+    methods = [m for m in METHODS if m != "gptq" or hessian is not None] if compare and int4 else [method]
     for m in methods:
-        got = tensors if m == method else quantize_weight(w, target, m)
-        row["errors"][m] = weight_error(w, target.dequantize(got, torch.float32))
+        got = tensors if m == method else quantize_weight(w, target, m, hessian=hessian, gptq_clip=gptq_clip)
+        approx = target.dequantize(got, torch.float32)
+        row["errors"][m] = weight_error(w, approx)
+        if hessian is not None:
+            from .gptq import output_error
+
+            row["errors"][m].update(output_error(w, approx, hessian))
     return tensors, row
 
 
@@ -372,13 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dst", help="output folder")
     ap.add_argument("--plan", default="experts", help="'experts' (default), a plan JSON file, or inline JSON")
     ap.add_argument("--method", default="rtn", choices=METHODS)
+    ap.add_argument("--hessians", help="GPTQ: the calibration Hessians (gptq.HessianCollector.save); with another "
+                                       "method they add each layer's output error to the report")
+    ap.add_argument("--gptq-clip", default="absmax", choices=("absmax", "mse"), help="GPTQ: each group's scale")
     ap.add_argument("--group-size", type=int, default=32, help="INT4 group of the 'experts' preset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compare", action="store_true", help="report only the chosen method's error")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     report = convert_checkpoint(args.src, args.dst, parse_plan(args.plan, args.group_size), args.method,
-                                args.device, compare=not args.no_compare, progress=not args.quiet)
+                                args.device, compare=not args.no_compare, progress=not args.quiet,
+                                hessians=args.hessians, gptq_clip=args.gptq_clip)
     print(report.summary())
     return 0
 

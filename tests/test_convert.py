@@ -10,6 +10,7 @@ from mla_quant.convert import (EXPERTS, MSE_GRID, convert_checkpoint, ignore_lis
                                parse_plan, quantize_weight)
 from mla_quant.formats import BF16, FP8Block, Int4Group
 from mla_quant.formats.plan import QuantPlan
+from mla_quant.gptq import HESSIAN_SUFFIX, gptq_quantize
 from mla_quant.kernels import fp8_quant
 from mla_quant.kernels import int4_quant as I
 from mla_quant.modules import QuantLinear
@@ -180,10 +181,73 @@ def test_errors(tmp_path):
     src = tmp_path / "src"
     _write_checkpoint(src)
     with pytest.raises(ValueError, match="method"):
+        convert_checkpoint(src, tmp_path / "d", method="awq", progress=False)
+    with pytest.raises(ValueError, match="method 'gptq': pass hessians="):
         convert_checkpoint(src, tmp_path / "d", method="gptq", progress=False)
+    with pytest.raises(ValueError, match="method 'gptq': needs the layer's hessian"):
+        quantize_weight(torch.randn(4, 64), Int4Group(32), "gptq")
+    with pytest.raises(FileNotFoundError, match="hessians: no file"):
+        convert_checkpoint(src, tmp_path / "d", method="gptq", hessians=tmp_path / "none.safetensors", progress=False)
     with pytest.raises(ValueError, match="DST: must differ"):
         convert_checkpoint(src, src, progress=False)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         convert_checkpoint(tmp_path / "nothing", tmp_path / "d2", progress=False)
     with pytest.raises(ValueError, match="not divisible by group_size"):
         quantize_weight(torch.randn(4, 48), Int4Group(32))
+
+
+# --- GPTQ: per-layer Hessians of calibration inputs in a file (gptq.HessianCollector.save's layout) ---
+def _write_hessians(path, names, seed=0, skip=()):
+    """Correlated calibration rows per layer (gate and up of an expert share them), as X^T X / T."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, inputs = {}, {}
+    for name in names:
+        if name in skip:
+            continue
+        k = _shape(name)[1]
+        key = name.replace("up_proj", "gate_proj")
+        if key not in inputs:
+            x = torch.randn(512, 8, generator=g) @ torch.randn(8, k, generator=g) + 0.1 * torch.randn(512, k, generator=g)
+            inputs[key] = x.T @ x / 512
+        tensors[name + HESSIAN_SUFFIX] = inputs[key].clone()
+        tensors[name + ".tokens"] = torch.tensor([512])
+    save_file(tensors, str(path))
+    return {n: t for n, t in tensors.items() if n.endswith(HESSIAN_SUFFIX)}
+
+
+def test_gptq_method_is_bit_exact_with_gptq_quantize_and_lowers_the_output_error(tmp_path, capsys):
+    src, dst, hfile = tmp_path / "src", tmp_path / "dst", tmp_path / "h.safetensors"
+    _write_checkpoint(src)
+    hs = _write_hessians(hfile, EXPERT_KEYS)
+    assert main([str(src), str(dst), "--method", "gptq", "--hessians", str(hfile), "--device", "cpu", "--quiet"]) == 0
+    assert "converted 12 weights with 'gptq'" in capsys.readouterr().out
+    out = _load_all(dst)
+    for name in EXPERT_KEYS:
+        packed, scale = gptq_quantize(_source_weight(src, name), hs[name + HESSIAN_SUFFIX], 32)
+        assert_bitwise_equal(out[name + ".weight_packed"], packed, name)
+        assert_bitwise_equal(out[name + ".weight_scale"], scale, name)
+    report = json.loads((dst / "conversion_report.json").read_text())
+    for row in report["tensors"]:
+        errors = row["errors"]
+        assert set(errors) == {"rtn", "mse", "gptq"}
+        assert errors["gptq"]["out_sqnr_db"] > max(errors["rtn"]["out_sqnr_db"], errors["mse"]["out_sqnr_db"]) + 3
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["observer"] == "minmax"
+
+
+def test_gptq_needs_every_int4_layer_s_hessian_and_mse_clip_is_recorded(tmp_path):
+    src, hfile = tmp_path / "src", tmp_path / "h.safetensors"
+    _write_checkpoint(src)
+    _write_hessians(hfile, EXPERT_KEYS, skip=(EXPERT_KEYS[3],))
+    with pytest.raises(KeyError, match=f"no Hessian for '{EXPERT_KEYS[3]}'"):
+        convert_checkpoint(src, tmp_path / "d", method="gptq", hessians=hfile, progress=False)
+    # rtn with a partial file: the output errors of the layers it covers, nothing else changes
+    report = convert_checkpoint(src, tmp_path / "d2", method="rtn", hessians=hfile, progress=False)
+    rows = {r["name"]: r["errors"] for r in report.tensors}
+    assert "out_sqnr_db" not in rows[EXPERT_KEYS[3]]["rtn"] and "gptq" not in rows[EXPERT_KEYS[3]]
+    assert "out_sqnr_db" in rows[EXPERT_KEYS[0]]["rtn"] and "gptq" in rows[EXPERT_KEYS[0]]
+    assert "mean output SQNR dB" in report.summary()
+    _write_hessians(hfile, EXPERT_KEYS)
+    convert_checkpoint(src, tmp_path / "d3", method="gptq", hessians=hfile, gptq_clip="mse", progress=False)
+    qc = json.loads((tmp_path / "d3" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["observer"] == "mse"

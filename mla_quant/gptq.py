@@ -1,0 +1,256 @@
+"""GPTQ for INT4 group weights: round column by column, pushing each column's rounding error onto the columns not
+yet rounded, in the directions the calibration inputs say matter (Frantar et al., "GPTQ", 2022).
+
+For a linear layer ``y = x @ W.T`` with calibration inputs X [T, K], the output error of a quantized Q is
+``‖X (W − Q)^T‖² = Σ_rows (w − q) H (w − q)^T`` with the Hessian ``H = X^T X`` [K, K]. GPTQ rounds column j, then
+updates the remaining columns by the error times row j of the inverse Hessian's upper Cholesky factor U
+(``H^-1 = U^T U``): the best correction of the later columns for that error, given the inputs. Columns are taken in
+blocks of ``block_size`` (the updates inside a block are applied at once to the columns past it).
+
+The result is the library's ``Int4Group`` layout exactly (compressed-tensors ``pack-quantized``: symmetric codes
+in [-8, 7], one scale per row and group of ``group_size`` columns, stored in ``scale_dtype``): a group's scale is
+chosen when the loop reaches its first column, from the group's columns as updated so far (``clip="absmax"``:
+``absmax / 7.5`` as ``rtn``; ``"mse"``: the clipping search of ``convert.int4_quantize_mse``), and every column is
+rounded as ``int4_codes`` rounds it (times the once-rounded reciprocal of the stored scale). So
+``Int4Group.dequantize`` of the result is exactly the Q the loop accounted for.
+
+``HessianCollector`` accumulates H for the linear layers (``nn.Linear`` and ``QuantLinear``) and, per routed expert,
+for ``StackedExperts`` (gate / up: the tokens routed to the expert; down: silu(gate)·up of those tokens) while a
+model runs calibration batches. Columns that no calibration token touched (a zero diagonal) are rounded to nearest
+and pass no error on. See docs/recipes.md "GPTQ".
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .kernels.fp8_quant.reference import reciprocal
+from .kernels.int4_quant.reference import QMAX, QMIN, int4_group_scales, int4_pack_reference
+
+CLIPS = ("absmax", "mse")
+HESSIAN_SUFFIX, TOKENS_SUFFIX = ".hessian", ".tokens"
+
+
+# ---------------------------------------------------------------------------------------------- the algorithm
+def _group_scale(wg: torch.Tensor, scale_dtype: torch.dtype, clip: str, grid: tuple[float, ...]) -> torch.Tensor:
+    """The stored scale [N] of one group's columns wg [N, g]: absmax / 7.5 (``int4_group_scales``) or the clipping
+    search of ``convert.int4_quantize_mse`` over ``grid``."""
+    if clip == "mse":
+        from .convert import int4_quantize_mse
+
+        return int4_quantize_mse(wg, wg.shape[1], scale_dtype, grid)[1][:, 0]
+    return int4_group_scales(wg, wg.shape[1], scale_dtype)[:, 0]
+
+
+def _inverse_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """U, upper triangular with U^T U = (H + λ I)^-1, λ = ``damp`` · mean(diag H) (raised tenfold, up to 4 times,
+    while H + λ I is not positive definite). Zero-diagonal (never touched) columns get 1 on the diagonal."""
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, :] = 0
+    h[:, dead] = 0
+    h[dead, dead] = 1.0
+    mean_diag = torch.diagonal(h).mean().item()
+    for attempt in range(5):
+        lam = damp * 10**attempt * mean_diag
+        chol, info = torch.linalg.cholesky_ex(h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device))
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(chol)
+            return torch.linalg.cholesky(inverse, upper=True).float()
+    raise ValueError(f"hessian: not positive definite even with damping {lam:.3g} (damp={damp})")
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
+                  scale_dtype: torch.dtype = torch.bfloat16, *, damp: float = 0.01, block_size: int = 128,
+                  clip: str = "absmax", grid: tuple[float, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ-round w [N, K] for inputs whose Hessian is ``hessian`` [K, K] (``X^T X`` up to a positive factor).
+
+    Returns ``(weight_packed int32 [N, K/8], weight_scale [N, K/group_size] scale_dtype)``, the ``Int4Group``
+    tensors. ``damp``: the fraction of the mean diagonal added to H; ``block_size``: columns per lazy update (a
+    multiple of ``group_size``); ``clip``: "absmax" or "mse" (``grid``: the clipping factors, default
+    ``convert.MSE_GRID``). With a diagonal Hessian nothing is passed on, and the result equals round-to-nearest
+    (``clip="absmax"``) or the MSE search (``"mse"``) bit for bit."""
+    if w.dim() != 2:
+        raise ValueError(f"w: expected [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"hessian: shape {tuple(hessian.shape)}, expected {(k, k)} for w of {k} input columns")
+    if group_size <= 0 or k % group_size or k % 8:
+        raise ValueError(f"group_size: {group_size} must divide K = {k} (and K must be a multiple of 8)")
+    if block_size <= 0 or block_size % group_size:
+        raise ValueError(f"block_size: {block_size} must be a positive multiple of group_size {group_size}")
+    if clip not in CLIPS:
+        raise ValueError(f"clip: {clip!r} not in {CLIPS}")
+    if not (torch.isfinite(hessian).all() and torch.isfinite(w).all()):
+        raise ValueError("w and hessian must be finite")
+    if grid is None:
+        from .convert import MSE_GRID as grid  # noqa: N811 - the converter's grid, one definition
+    u = _inverse_factor(hessian.to(w.device), damp)
+    work = w.float().T.contiguous()                    # [K, N]: a column of w is a contiguous row here
+    codes = torch.empty(k, n, dtype=torch.int8, device=w.device)
+    scales = torch.empty(k // group_size, n, dtype=scale_dtype, device=w.device)
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        block, errors, ub = work[b0:b1].clone(), torch.empty(b1 - b0, n, device=w.device), u[b0:b1, b0:b1]
+        for j in range(b1 - b0):
+            col = b0 + j
+            if col % group_size == 0:  # the group's scale, from its columns as updated so far
+                g = col // group_size
+                scales[g] = _group_scale(block[j:j + group_size].T, scale_dtype, clip, grid)
+                s = scales[g].float()
+                zero, recip = s == 0, reciprocal(s.masked_fill(s == 0, 1.0))
+            q = torch.where(zero, 0.0, torch.round(block[j] * recip)).clamp_(QMIN, QMAX)
+            codes[col] = q.to(torch.int8)
+            err = (block[j] - q * s) / ub[j, j]
+            block[j:] -= ub[j, j:, None] * err[None, :]  # the later columns of this block take the error
+            errors[j] = err
+        work[b1:] -= u[b0:b1, b1:].T @ errors          # and the columns past the block, at once
+    # fresh row-major tensors (.contiguous() keeps odd strides on a size-1 dimension)
+    codes, scales = codes.T, torch.empty_like(scales.T, memory_format=torch.contiguous_format).copy_(scales.T)
+    return int4_pack_reference(codes), scales
+
+
+def output_error(w: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> dict[str, float]:
+    """The error a weight's outputs see on the calibration inputs: ``tr((W − Ŵ) H (W − Ŵ)^T)`` against
+    ``tr(W H W^T)`` as a relative error (square root of the ratio) and an SQNR in dB."""
+    d, w64, h = (w.double() - approx.double()), w.double(), hessian.double().to(w.device)
+    noise = ((d @ h) * d).sum().item()
+    signal = ((w64 @ h) * w64).sum().item()
+    rel = math.sqrt(max(noise, 0.0) / signal) if signal > 0 else 0.0
+    sqnr = math.inf if noise <= 0 else 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+    return {"out_rel_err": rel, "out_sqnr_db": sqnr}
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+class HessianCollector:
+    """Accumulate ``X^T X`` (fp32 on the inputs' device, or ``dtype``) of the linear layers and routed experts of
+    ``model`` whose names match ``pattern`` (a regex, ``re.search``; default every one) while the model runs.
+
+        with HessianCollector(model, r"mlp\\.experts") as hc:
+            for batch in calibration:
+                model(batch)
+        hc.save("hessians.safetensors")          # convert --method gptq --hessians hessians.safetensors
+
+    Names are the model's module names; a ``StackedExperts`` module ``...mlp.experts`` yields one per expert and
+    projection, ``...mlp.experts.{e}.{gate,up,down}_proj`` as the checkpoints name them (gate and up share one
+    Hessian tensor: the same inputs). ``hessians()`` returns ``{name: H / tokens}`` and ``tokens()`` the rows each
+    saw. Memory: K² floats per layer (7168² · 4 B = 205 MB for one of Kimi's gate / up inputs), so a real model is
+    calibrated layer by layer (a pattern per layer), not all at once."""
+
+    def __init__(self, model: nn.Module, pattern: str | None = None, dtype: torch.dtype = torch.float32):
+        from .modules.experts import StackedExperts
+        from .modules.linear import QuantLinear
+
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self._dtype, self._handles, self._experts = dtype, [], {}  # StackedExperts name -> its expert count
+        rx = re.compile(pattern) if pattern else None
+        for name, module in model.named_modules():
+            if isinstance(module, StackedExperts) and (rx is None or rx.search(name + ".0.gate_proj")):
+                self._handles.append(module.register_forward_pre_hook(self._experts_hook(name)))
+                self._experts[name] = module.num_experts
+            elif isinstance(module, (nn.Linear, QuantLinear)) and (rx is None or rx.search(name)):
+                self._handles.append(module.register_forward_pre_hook(self._linear_hook(name)))
+        if not self._handles:
+            raise ValueError(f"HessianCollector: no linear layer or StackedExperts matches {pattern!r}")
+
+    def _add(self, name: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self._dtype)
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(x.shape[1], x.shape[1], dtype=self._dtype, device=x.device)
+            self.counts[name] = 0
+        self.sums[name].addmm_(x.T, x)
+        self.counts[name] += x.shape[0]
+
+    def _linear_hook(self, name: str):
+        def hook(module, args):
+            self._add(name, args[0].detach())
+        return hook
+
+    def _experts_hook(self, name: str):
+        def hook(module, args):
+            x, topk_ids = args[0].detach(), args[2]
+            for e in torch.unique(topk_ids).tolist():
+                rows = (topk_ids == e).any(dim=-1)
+                xe = x[rows].float()
+                gate = xe @ module.expert_weight(e, "gate_proj").T
+                up = xe @ module.expert_weight(e, "up_proj").T
+                self._add(f"{name}.{e}.gate_proj", xe)
+                self._add(f"{name}.{e}.down_proj", torch.nn.functional.silu(gate) * up)
+        return hook
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> "HessianCollector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def hessians(self) -> dict[str, torch.Tensor]:
+        """``{name: X^T X / tokens}``, with ``up_proj`` entries sharing their expert's ``gate_proj`` tensor."""
+        out = {name: s / max(self.counts[name], 1) for name, s in self.sums.items()}
+        for name in [n for n in out if n.endswith(".gate_proj") and ".experts." in n]:
+            out[name[:-len("gate_proj")] + "up_proj"] = out[name]
+        return out
+
+    def tokens(self) -> dict[str, int]:
+        """Rows each layer saw; every projection of a hooked ``StackedExperts`` is listed, 0 for an expert that no
+        calibration token was routed to (GPTQ rounds it to nearest: an all-zero Hessian)."""
+        counts = {f"{name}.{e}.{p}": 0 for name, experts in self._experts.items() for e in range(experts)
+                  for p in ("gate_proj", "down_proj")}
+        counts.update(self.counts)
+        for name in [n for n in counts if n.endswith(".gate_proj") and ".experts." in n]:
+            counts[name[:-len("gate_proj")] + "up_proj"] = counts[name]
+        return counts
+
+    def save(self, path: str | Path) -> None:
+        """One safetensors file: ``{name}.hessian`` fp32 [K, K] and ``{name}.tokens`` int64 [1] per layer that saw
+        tokens (``up_proj`` entries written as their own copies: safetensors stores no shared tensors), and only
+        ``{name}.tokens`` = 0 for an expert that saw none."""
+        tensors = {name + TOKENS_SUFFIX: torch.tensor([count], dtype=torch.int64)
+                   for name, count in self.tokens().items()}
+        for name, h in self.hessians().items():
+            tensors[name + HESSIAN_SUFFIX] = h.float().cpu().contiguous().clone()
+        save_file(tensors, str(path), metadata={"format": "pt", "content": "mla_quant GPTQ hessians"})
+
+
+class HessianFile:
+    """A file written by :meth:`HessianCollector.save`, read lazily (one layer's Hessian at a time). ``get(name)``
+    also finds a checkpoint name whose model name is stored (Kimi K2.6's ``language_model.`` prefix dropped); an
+    expert that saw no calibration token gets an all-zero Hessian of ``size``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"hessians: no file {str(self.path)!r}")
+        self._file = safe_open(str(self.path), "pt")
+        keys = set(self._file.keys())
+        self.names = {k[:-len(TOKENS_SUFFIX)] for k in keys if k.endswith(TOKENS_SUFFIX)}
+        self.unseen = {n for n in self.names if n + HESSIAN_SUFFIX not in keys}
+
+    def find(self, name: str) -> str | None:
+        for candidate in (name, name.removeprefix("language_model.")):
+            if candidate in self.names:
+                return candidate
+        return None
+
+    def get(self, name: str, size: int | None = None) -> torch.Tensor:
+        found = self.find(name)
+        if found is None:
+            raise KeyError(f"hessians: no Hessian for {name!r} in {str(self.path)!r} (run the calibration with a "
+                           f"pattern that matches it)")
+        if found in self.unseen:
+            if size is None:
+                raise ValueError(f"hessians: {name!r} saw no calibration token; pass size= for its zero Hessian")
+            return torch.zeros(size, size)
+        return self._file.get_tensor(found + HESSIAN_SUFFIX)
