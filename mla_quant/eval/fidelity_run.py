@@ -14,9 +14,10 @@ weights in fp32, no KV rounding) and through each variant:
   (teacher forcing). Per-tensor FP8 uses per-layer scales calibrated (``calibrate_kv_scales``) on other
   validation windows.
 * Weight variants: INT4 routed experts by round-to-nearest (``quantize_``), by the MSE clipping search
-  (``mla_quant.convert``, ``method="mse"``), by QAT (``--qat-checkpoint``, exported by ``eval.train``); FP8
-  128×128 block weights with 1×128 FP8 activations (W8A8) on every linear layer but ``lm_head``. Plain
-  forward (no KV rounding): the weight format alone.
+  (``mla_quant.convert``, ``method="mse"``), by GPTQ (``method="gptq"``: the experts' Hessians from
+  ``--calib-windows`` windows of ``--calib-context`` bytes of the *training* split, ``gptq.HessianCollector``),
+  by QAT (``--qat-checkpoint``, exported by ``eval.train``); FP8 128×128 block weights with 1×128 FP8 activations
+  (W8A8) on every linear layer but ``lm_head``. Plain forward (no KV rounding): the weight format alone.
 
 A DSA model (GLM 5.2-shaped, ``eval.train --arch glm``) has two references: **dense** (every visible
 token attended: ``sparse.dense_attention``) and **sparse** (the checkpoint as served: each query attends to
@@ -64,7 +65,8 @@ KV_VARIANTS = {
     "kv fp8_e4m3 per-tensor": KVFormat("fp8_e4m3", "tensor"),
     "kv fp8_ds_mla": KVFormat("fp8_ds_mla"),
 }
-WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 qat", "weights fp8 block w8a8")
+WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 gptq", "experts int4 qat",
+                   "weights fp8 block w8a8")
 INDEXER_VARIANTS = ("indexer bf16 sparse", "indexer fp8 sparse")   # DSA models only
 # a DSA model's default rows, run in this order (under a time budget the last ones may not run)
 DSA_DEFAULT = INDEXER_VARIANTS + ("experts int4 rtn", "weights fp8 block w8a8", "kv fp8_ds_mla",
@@ -78,20 +80,31 @@ def _load(path, device: torch.device) -> nn.Module:
     return from_pretrained(path, dtype=torch.float32, device=device).eval()
 
 
-def weight_variant(name: str, reference: nn.Module, args, device: torch.device) -> nn.Module | None:
-    """The model of one weight variant (None: not available, e.g. no QAT checkpoint)."""
+def weight_variant(name: str, reference: nn.Module, args, device: torch.device,
+                   calib: torch.Tensor | None = None) -> nn.Module | None:
+    """The model of one weight variant (None: not available, e.g. no QAT checkpoint). ``calib``: ids [B, L] of
+    training text, the GPTQ variant's calibration windows."""
     if name == "experts int4 rtn":
         return quantize_(copy.deepcopy(reference), QuantPlan({EXPERTS: Int4Group(32)})).eval()
     if name == "weights fp8 block w8a8":   # a DSA indexer (its precision, its projections) stays as it is
         plan = QuantPlan({"lm_head": None, r"re:.*indexer(\..*)?": None, "_default": FP8Block()})
         return quantize_(copy.deepcopy(reference), plan).eval()
-    if name == "experts int4 mse":
+    if name in ("experts int4 mse", "experts int4 gptq"):
         from ..convert import convert_checkpoint
         from ..models import save_pretrained
 
         with tempfile.TemporaryDirectory() as tmp:
+            hessians = None
+            if name == "experts int4 gptq":   # the routed experts' inputs on training text
+                from ..gptq import HessianCollector
+
+                with HessianCollector(reference, r"mlp\.experts\.") as hc:
+                    forward_windows(reference, calib)
+                hessians = f"{tmp}/hessians.safetensors"
+                hc.save(hessians)
             save_pretrained(reference, f"{tmp}/src")
-            convert_checkpoint(f"{tmp}/src", f"{tmp}/dst", None, method="mse", device=device, progress=False)
+            convert_checkpoint(f"{tmp}/src", f"{tmp}/dst", None, method=name.split()[-1], device=device,
+                               progress=False, hessians=hessians)
             return _load(f"{tmp}/dst", device)
     if name == "experts int4 qat":
         return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
@@ -224,6 +237,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (later chunks read quantized pages)")
     p.add_argument("--bin", type=int, default=128, help="positions per bin of the KL-against-position curve")
+    p.add_argument("--calib-windows", type=int, default=16, help="GPTQ: calibration windows of training text")
+    p.add_argument("--calib-context", type=int, default=1024, help="GPTQ: bytes per calibration window")
     p.add_argument("--time-budget", type=float, default=float("inf"), help="start no new context after this (s)")
     p.add_argument("--val-every", type=int, default=20, help="as eval.train (the same held-out files)")
     p.add_argument("--max-files", type=int)
@@ -236,6 +251,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.contexts = [c for c in args.contexts if c <= 96] or [48, 96]
         args.kv_contexts = [c for c in (args.kv_contexts or args.contexts) if c <= 96] or None
         args.eval_tokens, args.batch, args.page_size, args.chunk, args.bin = 8, 1, 16, 32, 16
+        args.calib_windows, args.calib_context = 2, 64
         args.max_files, args.val_every, args.device = args.max_files or 60, min(args.val_every, 5), "cpu"
     return args
 
@@ -357,8 +373,13 @@ def main(argv=None) -> int:
             if name in KV_VARIANTS:
                 continue
             t = time.time()
+            calib = None
+            if name == "experts int4 gptq":   # training text, its own generator (the windows drawn below unchanged)
+                calib = windows(corpus.train, args.calib_windows, args.calib_context,
+                                torch.Generator().manual_seed(args.seed + 1)).to(device)
+                setting["gptq_calibration"] = f"{args.calib_windows} training windows of {args.calib_context} bytes"
             try:
-                models[name] = weight_variant(name, reference, args, device)
+                models[name] = weight_variant(name, reference, args, device, calib)
             except Exception as e:   # one failing format must not lose the others' rows (one-shot GPU runs)
                 traceback.print_exc()
                 models[name] = None
