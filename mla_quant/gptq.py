@@ -39,48 +39,54 @@ HESSIAN_SUFFIX, TOKENS_SUFFIX = ".hessian", ".tokens"
 
 # ---------------------------------------------------------------------------------------------- the algorithm
 def _group_scale(wg: torch.Tensor, scale_dtype: torch.dtype, clip: str, grid: tuple[float, ...]) -> torch.Tensor:
-    """The stored scale [N] of one group's columns wg [N, g]: absmax / 7.5 (``int4_group_scales``) or the clipping
-    search of ``convert.int4_quantize_mse`` over ``grid``."""
+    """The stored scales [..., N] of one group's columns wg [..., N, g]: absmax / 7.5 (``int4_group_scales``) or the
+    clipping search of ``convert.int4_quantize_mse`` over ``grid``."""
+    flat = wg.reshape(-1, wg.shape[-1])
     if clip == "mse":
         from .convert import int4_quantize_mse
 
-        return int4_quantize_mse(wg, wg.shape[1], scale_dtype, grid)[1][:, 0]
-    return int4_group_scales(wg, wg.shape[1], scale_dtype)[:, 0]
+        scale = int4_quantize_mse(flat, flat.shape[1], scale_dtype, grid)[1]
+    else:
+        scale = int4_group_scales(flat, flat.shape[1], scale_dtype)
+    return scale.reshape(wg.shape[:-1])
 
 
 def _inverse_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
-    """U, upper triangular with U^T U = (H + λ I)^-1, λ = ``damp`` · mean(diag H) (raised tenfold, up to 4 times,
-    while H + λ I is not positive definite). Zero-diagonal (never touched) columns get 1 on the diagonal."""
-    h = hessian.double().clone()
-    dead = torch.diagonal(h) == 0
-    h[dead, :] = 0
-    h[:, dead] = 0
-    h[dead, dead] = 1.0
-    mean_diag = torch.diagonal(h).mean().item()
-    for attempt in range(5):
-        lam = damp * 10**attempt * mean_diag
-        chol, info = torch.linalg.cholesky_ex(h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device))
-        if int(info) == 0:
-            inverse = torch.cholesky_inverse(chol)
-            return torch.linalg.cholesky(inverse, upper=True).float()
-    raise ValueError(f"hessian: not positive definite even with damping {lam:.3g} (damp={damp})")
+    """U [..., K, K], upper triangular with U^T U = (H + λ I)^-1, λ = ``damp`` · mean(diag H) per matrix (raised
+    tenfold, up to 4 times, for a matrix whose H + λ I is not positive definite). Zero-diagonal (never touched)
+    columns are decoupled, with 1 on the diagonal."""
+    h = hessian.double()
+    dead = torch.diagonal(h, dim1=-2, dim2=-1) == 0
+    live = (~dead).double()
+    h = h * live[..., :, None] * live[..., None, :] + torch.diag_embed(dead.double())
+    eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
+    lam = damp * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)               # [...]
+    for _ in range(5):
+        chol, info = torch.linalg.cholesky_ex(h + lam[..., None, None] * eye)
+        failed = info != 0
+        if not failed.any():
+            return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True).float()
+        lam = torch.where(failed, lam * 10, lam)
+    raise ValueError(f"hessian: not positive definite even with damping {lam.max().item():.3g} (damp={damp})")
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
                   scale_dtype: torch.dtype = torch.bfloat16, *, damp: float = 0.01, block_size: int = 128,
                   clip: str = "absmax", grid: tuple[float, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ-round w [N, K] for inputs whose Hessian is ``hessian`` [K, K] (``X^T X`` up to a positive factor).
+    """GPTQ-round w [..., N, K] for inputs whose Hessian is ``hessian`` [..., K, K] (``X^T X`` up to a positive
+    factor; the same leading dimensions: e.g. all experts of a layer at once, whose column loop then runs once).
 
-    Returns ``(weight_packed int32 [N, K/8], weight_scale [N, K/group_size] scale_dtype)``, the ``Int4Group``
-    tensors. ``damp``: the fraction of the mean diagonal added to H; ``block_size``: columns per lazy update (a
-    multiple of ``group_size``); ``clip``: "absmax" or "mse" (``grid``: the clipping factors, default
+    Returns ``(weight_packed int32 [..., N, K/8], weight_scale [..., N, K/group_size] scale_dtype)``, the
+    ``Int4Group`` tensors. ``damp``: the fraction of the mean diagonal added to H; ``block_size``: columns per lazy
+    update (a multiple of ``group_size``); ``clip``: "absmax" or "mse" (``grid``: the clipping factors, default
     ``convert.MSE_GRID``). With a diagonal Hessian nothing is passed on, and the result equals round-to-nearest
     (``clip="absmax"``) or the MSE search (``"mse"``) bit for bit."""
-    if w.dim() != 2:
-        raise ValueError(f"w: expected [N, K], got shape {tuple(w.shape)}")
-    n, k = w.shape
-    if tuple(hessian.shape) != (k, k):
-        raise ValueError(f"hessian: shape {tuple(hessian.shape)}, expected {(k, k)} for w of {k} input columns")
+    if w.dim() < 2:
+        raise ValueError(f"w: expected [..., N, K], got shape {tuple(w.shape)}")
+    *lead, n, k = w.shape
+    if tuple(hessian.shape) != (*lead, k, k):
+        raise ValueError(f"hessian: shape {tuple(hessian.shape)}, expected {(*lead, k, k)} for w of shape "
+                         f"{tuple(w.shape)}")
     if group_size <= 0 or k % group_size or k % 8:
         raise ValueError(f"group_size: {group_size} must divide K = {k} (and K must be a multiple of 8)")
     if block_size <= 0 or block_size % group_size:
@@ -92,28 +98,31 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
     if grid is None:
         from .convert import MSE_GRID as grid  # noqa: N811 - the converter's grid, one definition
     u = _inverse_factor(hessian.to(w.device), damp)
-    work = w.float().T.contiguous()                    # [K, N]: a column of w is a contiguous row here
-    codes = torch.empty(k, n, dtype=torch.int8, device=w.device)
-    scales = torch.empty(k // group_size, n, dtype=scale_dtype, device=w.device)
+    work = w.float().transpose(-1, -2).contiguous()   # [..., K, N]: a column of w is a contiguous row here
+    codes = torch.empty(*lead, k, n, dtype=torch.int8, device=w.device)
+    scales = torch.empty(*lead, k // group_size, n, dtype=scale_dtype, device=w.device)
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
-        block, errors, ub = work[b0:b1].clone(), torch.empty(b1 - b0, n, device=w.device), u[b0:b1, b0:b1]
+        block, ub = work[..., b0:b1, :].clone(), u[..., b0:b1, b0:b1]
+        errors = torch.empty_like(block)
         for j in range(b1 - b0):
             col = b0 + j
             if col % group_size == 0:  # the group's scale, from its columns as updated so far
                 g = col // group_size
-                scales[g] = _group_scale(block[j:j + group_size].T, scale_dtype, clip, grid)
-                s = scales[g].float()
+                scales[..., g, :] = _group_scale(block[..., j:j + group_size, :].transpose(-1, -2), scale_dtype,
+                                                 clip, grid)
+                s = scales[..., g, :].float()
                 zero, recip = s == 0, reciprocal(s.masked_fill(s == 0, 1.0))
-            q = torch.where(zero, 0.0, torch.round(block[j] * recip)).clamp_(QMIN, QMAX)
-            codes[col] = q.to(torch.int8)
-            err = (block[j] - q * s) / ub[j, j]
-            block[j:] -= ub[j, j:, None] * err[None, :]  # the later columns of this block take the error
-            errors[j] = err
-        work[b1:] -= u[b0:b1, b1:].T @ errors          # and the columns past the block, at once
-    # fresh row-major tensors (.contiguous() keeps odd strides on a size-1 dimension)
-    codes, scales = codes.T, torch.empty_like(scales.T, memory_format=torch.contiguous_format).copy_(scales.T)
-    return int4_pack_reference(codes), scales
+            q = torch.where(zero, 0.0, torch.round(block[..., j, :] * recip)).clamp_(QMIN, QMAX)
+            codes[..., col, :] = q.to(torch.int8)
+            err = (block[..., j, :] - q * s) / ub[..., j, j, None]
+            block[..., j:, :] -= ub[..., j, j:, None] * err[..., None, :]  # the block's later columns take it
+            errors[..., j, :] = err
+        work[..., b1:, :] -= u[..., b0:b1, b1:].transpose(-1, -2) @ errors   # the columns past the block, at once
+    packed = int4_pack_reference(codes.transpose(-1, -2).reshape(-1, k)).reshape(*lead, n, k // 8)
+    # a fresh row-major scale tensor (.contiguous() keeps odd strides on a size-1 dimension)
+    scale = torch.empty(*lead, n, k // group_size, dtype=scale_dtype, device=w.device)
+    return packed, scale.copy_(scales.transpose(-1, -2))
 
 
 def output_error(w: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> dict[str, float]:
@@ -254,3 +263,108 @@ class HessianFile:
                 raise ValueError(f"hessians: {name!r} saw no calibration token; pass size= for its zero Hessian")
             return torch.zeros(size, size)
         return self._file.get_tensor(found + HESSIAN_SUFFIX)
+
+
+# ---------------------------------------------------------------------------------------------- in memory
+EXPERTS_PATTERN = r"mlp\.experts\."   # the routed experts (every expert projection of a StackedExperts)
+
+
+def _layer_prefix(name: str) -> str:
+    """``model.layers.3.mlp.experts`` -> ``model.layers.3.``; a module outside the decoder layers -> ``""``."""
+    match = re.match(r"(.*?\blayers\.\d+\.)", name)
+    return match.group(1) if match else ""
+
+
+@torch.no_grad()
+def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, clip: str, damp: float, batch: int) -> list[dict]:
+    """Re-hold a ``StackedExperts`` module's experts in ``fmt`` by GPTQ on ``hc``'s Hessians, ``batch`` experts per
+    call (one column loop for them). An expert no calibration token reached rounds to nearest (zero Hessian)."""
+    from .modules.experts import PROJECTIONS
+
+    hessians, count = hc.hessians(), experts.num_experts
+    dense = {p: [experts.expert_weight(e, p) for e in range(count)] for p in PROJECTIONS}
+    experts.convert_format_(fmt)
+    rows = []
+    for p in PROJECTIONS:
+        n, k = experts.proj_shape(p)
+        for e0 in range(0, count, batch):
+            ids = list(range(e0, min(count, e0 + batch)))
+            w = torch.stack([dense[p][e] for e in ids])
+            h = torch.stack([hessians.get(f"{name}.{e}.{p}", torch.zeros(k, k, device=w.device)).to(w.device)
+                             for e in ids])
+            packed, scale = gptq_quantize(w, h, fmt.group_size, fmt.torch_scale_dtype, clip=clip, damp=damp)
+            experts.tensors(p)["weight_packed"][e0:e0 + len(ids)] = packed
+            experts.tensors(p)["weight_scale"][e0:e0 + len(ids)] = scale
+            for i, e in enumerate(ids):
+                if f"{name}.{e}.{p}" in hessians:
+                    rows.append(_error_row(f"{name}.{e}.{p}", w[i], fmt, (packed[i], scale[i]), h[i]))
+    return rows
+
+
+def _error_row(name: str, w: torch.Tensor, fmt, got: tuple, h: torch.Tensor) -> dict:
+    """Output errors on the calibration inputs of GPTQ's result and of round-to-nearest."""
+    from .kernels.int4_quant.reference import int4_dequantize_reference, int4_quantize_reference
+
+    def approx(tensors):
+        return int4_dequantize_reference(*tensors, fmt.group_size, torch.float32)
+
+    rtn = int4_quantize_reference(w, fmt.group_size, fmt.torch_scale_dtype)
+    return {"name": name, "gptq": output_error(w, approx(got), h), "rtn": output_error(w, approx(rtn), h)}
+
+
+@torch.no_grad()
+def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=None, *, clip: str = "absmax",
+          damp: float = 0.01, expert_batch: int = 32) -> list[dict]:
+    """Quantize ``model``'s layers matching ``pattern`` to INT4 by GPTQ, in memory and in order: decoder layer by
+    decoder layer, the Hessians of that layer's matching modules are collected while ``calibration`` runs (an
+    iterable of model inputs, run as ``model(batch)``, once per decoder layer), the layer is quantized, and the
+    next layer is calibrated on the outputs of the layers already quantized, the inputs it will see when served.
+    Only one decoder layer's Hessians are held at a time.
+
+    ``fmt``: an ``Int4Group`` (default group 32); routed experts (``StackedExperts``) go ``expert_batch`` experts
+    per ``gptq_quantize`` call; ``QuantLinear`` layers one at a time. Returns one row per quantized weight: its
+    output error on its calibration inputs after GPTQ and after round-to-nearest (``output_error``)."""
+    from .formats import Int4Group
+    from .modules.experts import StackedExperts
+    from .modules.linear import QuantLinear
+
+    fmt = fmt or Int4Group(32)
+    if not isinstance(fmt, Int4Group):
+        raise TypeError(f"gptq_: fmt must be an Int4Group, got {fmt!r}")
+    rx = re.compile(pattern)
+    targets = [(name, m) for name, m in model.named_modules()
+               if (isinstance(m, StackedExperts) and rx.search(name + ".0.gate_proj"))
+               or (isinstance(m, (QuantLinear, nn.Linear)) and rx.search(name))]
+    if not targets:
+        raise ValueError(f"gptq_: no linear layer or StackedExperts of the model matches {pattern!r}")
+    plain = [name for name, m in targets if type(m) is nn.Linear]
+    if plain:
+        raise TypeError(f"gptq_: {plain[:3]} are plain nn.Linear; hold them as QuantLinear first (quantize_ with "
+                        f"BF16())")
+    batches = list(calibration)
+    layers: dict[str, list[str]] = {}
+    for name, _ in targets:
+        layers.setdefault(_layer_prefix(name), []).append(name)
+    modules, rows = dict(targets), []
+    for prefix in sorted(layers, key=lambda p: (p == "", int(re.findall(r"\d+", p)[-1]) if p else 0)):
+        names = layers[prefix]
+        select = "^(?:" + "|".join(re.escape(n) + r"(?:\.\d+\.\w+)?$" for n in names) + ")"
+        with HessianCollector(model, select) as hc:
+            for batch in batches:
+                model(batch)
+        hessians = hc.hessians()
+        for name in names:
+            module = modules[name]
+            if isinstance(module, StackedExperts):
+                rows += _gptq_experts(module, name, hc, fmt, clip, damp, expert_batch)
+            else:
+                if name not in hessians:
+                    raise ValueError(f"gptq_: {name!r} saw no calibration input (is it on the calibration path?)")
+                w, h = module.weight_dequantized(torch.float32), hessians[name]
+                got = gptq_quantize(w, h.to(w.device), fmt.group_size, fmt.torch_scale_dtype, clip=clip, damp=damp)
+                module.convert_format_(fmt)
+                module.weight_packed.data.copy_(got[0])
+                module.weight_scale.data.copy_(got[1])
+                rows.append(_error_row(name, w, fmt, got, h))
+        del hc, hessians
+    return rows

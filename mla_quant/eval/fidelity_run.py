@@ -14,8 +14,8 @@ weights in fp32, no KV rounding) and through each variant:
   (teacher forcing). Per-tensor FP8 uses per-layer scales calibrated (``calibrate_kv_scales``) on other
   validation windows.
 * Weight variants: INT4 routed experts by round-to-nearest (``quantize_``), by the MSE clipping search
-  (``mla_quant.convert``, ``method="mse"``), by GPTQ (``method="gptq"``: the experts' Hessians from
-  ``--calib-windows`` windows of ``--calib-context`` bytes of the *training* split, ``gptq.HessianCollector``),
+  (``mla_quant.convert``, ``method="mse"``), by GPTQ (``gptq.gptq_``, layer by layer, on ``--calib-windows``
+  windows of ``--calib-context`` bytes of the *training* split),
   by QAT (``--qat-checkpoint``, exported by ``eval.train``); FP8 128×128 block weights with 1×128 FP8 activations
   (W8A8) on every linear layer but ``lm_head``. Plain forward (no KV rounding): the weight format alone.
 
@@ -89,23 +89,20 @@ def weight_variant(name: str, reference: nn.Module, args, device: torch.device,
     if name == "weights fp8 block w8a8":   # a DSA indexer (its precision, its projections) stays as it is
         plan = QuantPlan({"lm_head": None, r"re:.*indexer(\..*)?": None, "_default": FP8Block()})
         return quantize_(copy.deepcopy(reference), plan).eval()
-    if name in ("experts int4 mse", "experts int4 gptq"):
+    if name == "experts int4 mse":
         from ..convert import convert_checkpoint
         from ..models import save_pretrained
 
         with tempfile.TemporaryDirectory() as tmp:
-            hessians = None
-            if name == "experts int4 gptq":   # the routed experts' inputs on training text
-                from ..gptq import HessianCollector
-
-                with HessianCollector(reference, r"mlp\.experts\.") as hc:
-                    forward_windows(reference, calib)
-                hessians = f"{tmp}/hessians.safetensors"
-                hc.save(hessians)
             save_pretrained(reference, f"{tmp}/src")
-            convert_checkpoint(f"{tmp}/src", f"{tmp}/dst", None, method=name.split()[-1], device=device,
-                               progress=False, hessians=hessians)
+            convert_checkpoint(f"{tmp}/src", f"{tmp}/dst", None, method="mse", device=device, progress=False)
             return _load(f"{tmp}/dst", device)
+    if name == "experts int4 gptq":   # layer by layer on training text (gptq.gptq_), one window per forward
+        from ..gptq import gptq_
+
+        model = copy.deepcopy(reference)
+        gptq_(model, calib.split(1))
+        return model.eval()
     if name == "experts int4 qat":
         return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
     if name == "indexer fp8 sparse":
