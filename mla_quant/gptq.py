@@ -14,9 +14,12 @@ chosen when the loop reaches its first column, from the group's columns as updat
 rounded as ``int4_codes`` rounds it (times the once-rounded reciprocal of the stored scale). So
 ``Int4Group.dequantize`` of the result is exactly the Q the loop accounted for.
 
+``gptq_quantize`` also takes a batch ([E, N, K] weights, [E, K, K] Hessians: a layer's experts in one column loop).
 ``HessianCollector`` accumulates H for the linear layers (``nn.Linear`` and ``QuantLinear``) and, per routed expert,
 for ``StackedExperts`` (gate / up: the tokens routed to the expert; down: silu(gate)·up of those tokens) while a
-model runs calibration batches. Columns that no calibration token touched (a zero diagonal) are rounded to nearest
+model runs calibration batches; ``HessianFile`` reads its saved file for ``python -m mla_quant.convert --method
+gptq``. ``gptq_`` quantizes a loaded model in memory, decoder layer by decoder layer, each calibrated on the outputs
+of the layers already quantized. Columns that no calibration token touched (a zero diagonal) are rounded to nearest
 and pass no error on. See docs/recipes.md "GPTQ".
 """
 from __future__ import annotations
