@@ -165,7 +165,7 @@ class HessianCollector:
         rx = re.compile(pattern) if pattern else None
         for name, module in model.named_modules():
             if isinstance(module, StackedExperts) and (rx is None or rx.search(name + ".0.gate_proj")):
-                self._handles.append(module.register_forward_pre_hook(self._experts_hook(name)))
+                self._handles.append(module.register_forward_pre_hook(self._experts_hook(name), with_kwargs=True))
                 self._experts[name] = module.num_experts
             elif isinstance(module, (nn.Linear, QuantLinear)) and (rx is None or rx.search(name)):
                 self._handles.append(module.register_forward_pre_hook(self._linear_hook(name)))
@@ -186,8 +186,9 @@ class HessianCollector:
         return hook
 
     def _experts_hook(self, name: str):
-        def hook(module, args):
-            x, topk_ids = args[0].detach(), args[2]
+        def hook(module, args, kwargs):   # forward(x, topk_weights, topk_ids, shared_out=None), by position or name
+            named = dict(zip(("x", "topk_weights", "topk_ids"), args), **kwargs)
+            x, topk_ids = named["x"].detach(), named["topk_ids"]
             for e in torch.unique(topk_ids).tolist():
                 rows = (topk_ids == e).any(dim=-1)
                 xe = x[rows].float()

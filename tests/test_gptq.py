@@ -212,6 +212,15 @@ def test_hessian_collector_per_expert_and_linear(tmp_path):
         hf.get("mlp.experts.5.gate_proj")
 
 
+def test_hessian_collector_takes_the_experts_arguments_by_name():
+    moe = MoE(64, 32, n_routed_experts=4, num_experts_per_tok=2, dtype=torch.float32)
+    x = torch.randn(6, 64)
+    weights, ids = moe.gate(x)
+    with HessianCollector(moe.experts) as hc:
+        moe.experts(x, topk_weights=weights, topk_ids=ids)
+    assert sum(n for name, n in hc.tokens().items() if name.endswith("gate_proj")) == 12   # 6 tokens x top-2
+
+
 def test_hessian_collector_pattern():
     moe = MoE(64, 32, n_routed_experts=4, num_experts_per_tok=2, dtype=torch.float32)
     with HessianCollector(moe, r"shared_experts\.down_proj") as hc:
