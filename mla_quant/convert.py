@@ -1,7 +1,8 @@
 """Convert an FP8 (block, ``weight_scale_inv``) or BF16 safetensors checkpoint: chosen linear layers to INT4.
 
     python -m mla_quant.convert SRC DST [--plan experts|PLAN.json|'{"rules": ...}'] [--method rtn|mse|gptq]
-                                        [--hessians FILE] [--gptq-clip absmax|mse] [--group-size 32]
+                                        [--hessians FILE] [--gptq-clip absmax|mse] [--gptq-act-order]
+                                        [--group-size 32]
                                         [--device cuda] [--no-compare] [--quiet]
 
 Reads ``SRC`` shard by shard (memory: one input shard's converted tensors plus one weight at a time),
@@ -96,10 +97,10 @@ def int4_quantize_mse(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.
 
 def quantize_weight(w: torch.Tensor, fmt: WeightFormat, method: str = "rtn",
                     dtype: torch.dtype = torch.bfloat16, hessian: torch.Tensor | None = None,
-                    gptq_clip: str = "absmax") -> dict[str, torch.Tensor]:
+                    gptq_clip: str = "absmax", gptq_act_order: bool = False) -> dict[str, torch.Tensor]:
     """A dense fp32 weight [N, K] in ``fmt``, as checkpoint tensors (suffix -> tensor). ``method`` applies
     to ``Int4Group`` (``rtn`` = ``fmt.quantize``; ``gptq`` needs the layer's ``hessian`` [K, K] and takes
-    ``gptq_clip``); ``dtype`` is the stored dtype of a ``BF16`` weight."""
+    ``gptq_clip`` and ``gptq_act_order``); ``dtype`` is the stored dtype of a ``BF16`` weight."""
     if method not in METHODS:
         raise ValueError(f"method: {method!r} not in {METHODS}")
     if isinstance(fmt, Int4Group) and method in ("mse", "gptq"):
@@ -109,7 +110,8 @@ def quantize_weight(w: torch.Tensor, fmt: WeightFormat, method: str = "rtn",
                 raise ValueError("method 'gptq': needs the layer's hessian (calibration inputs' X^T X)")
             from .gptq import gptq_quantize
 
-            packed, scale = gptq_quantize(w, hessian, fmt.group_size, fmt.torch_scale_dtype, clip=gptq_clip)
+            packed, scale = gptq_quantize(w, hessian, fmt.group_size, fmt.torch_scale_dtype, clip=gptq_clip,
+                                          act_order=gptq_act_order)
         else:
             packed, scale = int4_quantize_mse(w, fmt.group_size, fmt.torch_scale_dtype)
         return {"weight_packed": packed, "weight_scale": scale,
@@ -242,14 +244,15 @@ def ignore_list(int4: list[str], others: list[str]) -> list[str]:
 
 
 def quantization_config(fmts: dict[str, WeightFormat], method: str, fp8_block: tuple[int, int] | None,
-                        observer: str | None = None) -> dict:
+                        observer: str | None = None, actorder: str | None = None) -> dict:
     """compressed-tensors ``pack-quantized`` config for the INT4 layers (``fmts``: module -> format); ``observer``:
-    how the scales were chosen (default the method's, ``OBSERVERS``)."""
+    how the scales were chosen (default the method's, ``OBSERVERS``); ``actorder``: "weight" after GPTQ in
+    activation order (the stored layout unchanged)."""
     int4 = {n: f for n, f in fmts.items() if isinstance(f, Int4Group)}
     groups = {f.group_size for f in int4.values()}
     if len(groups) != 1:
         raise ValueError(f"plan: the INT4 layers must share one group size, got {sorted(groups)}")
-    scheme = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": groups.pop(),
+    scheme = {"actorder": actorder, "block_structure": None, "dynamic": False, "group_size": groups.pop(),
               "num_bits": 4, "observer": observer or OBSERVERS[method], "observer_kwargs": {}, "strategy": "group",
               "symmetric": True, "type": "int"}
     qc = {"config_groups": {"group_0": {"input_activations": None, "output_activations": None,
@@ -300,7 +303,7 @@ def _block_of(src: Path) -> tuple[int, int]:
 def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None = None, method: str = "rtn",
                        device: str | torch.device = "cpu", compare: bool = True,
                        progress: bool = True, hessians: str | Path | None = None,
-                       gptq_clip: str = "absmax") -> ConversionReport:
+                       gptq_clip: str = "absmax", gptq_act_order: bool = False) -> ConversionReport:
     """Convert checkpoint folder ``src`` into ``dst`` (created; must not be ``src``). Returns the report.
     ``hessians``: a file of ``gptq.HessianCollector.save`` (needed by ``method="gptq"``, which raises for an INT4
     layer it holds no Hessian for; with another method it adds the output errors of the layers it covers)."""
@@ -343,7 +346,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None 
                     fmts[module] = src_fmt
                     if target is not None and not _same_storage(target, src_fmt):
                         tensors, row = _convert_one(ckpt, module, t, src_fmt, target, method, block, device, compare,
-                                                    hessians, gptq_clip)
+                                                    hessians, {"gptq_clip": gptq_clip,
+                                                               "gptq_act_order": gptq_act_order})
                         fmts[module] = target
                         report.tensors.append(row)
                         out.update({f"{module}.{k}": v.cpu().contiguous() for k, v in tensors.items()})
@@ -359,7 +363,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None 
     made_int4 = any(isinstance(fmts[r["name"]], Int4Group) for r in report.tensors)
     fp8_left = any(isinstance(f, FP8Block) for f in fmts.values())
     observer = "mse" if method == "gptq" and gptq_clip == "mse" else None
-    _write_config(src, dst, quantization_config(fmts, method, block if fp8_left else None, observer)
+    actorder = "weight" if method == "gptq" and gptq_act_order else None
+    _write_config(src, dst, quantization_config(fmts, method, block if fp8_left else None, observer, actorder)
                   if made_int4 else None)
     for extra in src.iterdir():  # tokenizer, generation config, remote code ...
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (INDEX_FILE, "config.json"):
@@ -371,7 +376,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan | None 
 
 def _convert_one(ckpt: Checkpoint, module: str, t: torch.Tensor, src_fmt: WeightFormat, target: WeightFormat,
                  method: str, block: tuple[int, int], device, compare: bool, hessians=None,
-                 gptq_clip: str = "absmax") -> tuple[dict, dict]:
+                 gptq: dict | None = None) -> tuple[dict, dict]:
     """(the tensors of ``module`` in ``target``, its report row)."""
     stored = {"weight": t.to(device)}
     if isinstance(src_fmt, FP8Block):
@@ -382,11 +387,11 @@ def _convert_one(ckpt: Checkpoint, module: str, t: torch.Tensor, src_fmt: Weight
     if int4 and hessians is not None and (method == "gptq" or hessians.find(module) is not None):
         hessian = hessians.get(module, w.shape[1]).to(device)
     tensors = quantize_weight(w, target, method, dtype=t.dtype if t.is_floating_point() and t.element_size() > 1
-                              else torch.bfloat16, hessian=hessian, gptq_clip=gptq_clip)
+                              else torch.bfloat16, hessian=hessian, **(gptq or {}))
     row = {"name": module, "shape": list(w.shape), "from": type(src_fmt).__name__, "to": repr(target), "errors": {}}
     methods = [m for m in METHODS if m != "gptq" or hessian is not None] if compare and int4 else [method]
     for m in methods:
-        got = tensors if m == method else quantize_weight(w, target, m, hessian=hessian, gptq_clip=gptq_clip)
+        got = tensors if m == method else quantize_weight(w, target, m, hessian=hessian, **(gptq or {}))
         approx = target.dequantize(got, torch.float32)
         row["errors"][m] = weight_error(w, approx)
         if hessian is not None:
@@ -416,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hessians", help="GPTQ: the calibration Hessians (gptq.HessianCollector.save); with another "
                                        "method they add each layer's output error to the report")
     ap.add_argument("--gptq-clip", default="absmax", choices=("absmax", "mse"), help="GPTQ: each group's scale")
+    ap.add_argument("--gptq-act-order", action="store_true",
+                    help="GPTQ: columns by decreasing Hessian diagonal (group scales fixed first; same layout)")
     ap.add_argument("--group-size", type=int, default=32, help="INT4 group of the 'experts' preset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compare", action="store_true", help="report only the chosen method's error")
@@ -423,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     report = convert_checkpoint(args.src, args.dst, parse_plan(args.plan, args.group_size), args.method,
                                 args.device, compare=not args.no_compare, progress=not args.quiet,
-                                hessians=args.hessians, gptq_clip=args.gptq_clip)
+                                hessians=args.hessians, gptq_clip=args.gptq_clip,
+                                gptq_act_order=args.gptq_act_order)
     print(report.summary())
     return 0
 

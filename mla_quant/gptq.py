@@ -75,15 +75,18 @@ def _inverse_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
                   scale_dtype: torch.dtype = torch.bfloat16, *, damp: float = 0.01, block_size: int = 128,
-                  clip: str = "absmax", grid: tuple[float, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  clip: str = "absmax", grid: tuple[float, ...] | None = None,
+                  act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ-round w [..., N, K] for inputs whose Hessian is ``hessian`` [..., K, K] (``X^T X`` up to a positive
     factor; the same leading dimensions: e.g. all experts of a layer at once, whose column loop then runs once).
 
     Returns ``(weight_packed int32 [..., N, K/8], weight_scale [..., N, K/group_size] scale_dtype)``, the
     ``Int4Group`` tensors. ``damp``: the fraction of the mean diagonal added to H; ``block_size``: columns per lazy
     update (a multiple of ``group_size``); ``clip``: "absmax" or "mse" (``grid``: the clipping factors, default
-    ``convert.MSE_GRID``). With a diagonal Hessian nothing is passed on, and the result equals round-to-nearest
-    (``clip="absmax"``) or the MSE search (``"mse"``) bit for bit."""
+    ``convert.MSE_GRID``). ``act_order``: round the columns by decreasing Hessian diagonal (the inputs' energy), with
+    every group's scale fixed first from w as given, so the groups and the stored layout stay as without it
+    (compressed-tensors' ``actorder: "weight"``). With a diagonal Hessian nothing is passed on, and the result equals
+    round-to-nearest (``clip="absmax"``) or the MSE search (``"mse"``) bit for bit, in either order."""
     if w.dim() < 2:
         raise ValueError(f"w: expected [..., N, K], got shape {tuple(w.shape)}")
     *lead, n, k = w.shape
@@ -100,17 +103,30 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
         raise ValueError("w and hessian must be finite")
     if grid is None:
         from .convert import MSE_GRID as grid  # noqa: N811 - the converter's grid, one definition
-    u = _inverse_factor(hessian.to(w.device), damp)
+    hessian = hessian.to(w.device)
     work = w.float().transpose(-1, -2).contiguous()   # [..., K, N]: a column of w is a contiguous row here
     codes = torch.empty(*lead, k, n, dtype=torch.int8, device=w.device)
     scales = torch.empty(*lead, k // group_size, n, dtype=scale_dtype, device=w.device)
+    if act_order:  # the loop runs over permuted columns; each column keeps its own group's scale, fixed first
+        perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+        rows = perm[..., :, None].expand(*lead, k, k)
+        hessian = hessian.gather(-2, rows).gather(-1, perm[..., None, :].expand(*lead, k, k))
+        groups = work.reshape(*lead, k // group_size, group_size, n).transpose(-1, -2)   # [..., G, N, g]
+        scales = _group_scale(groups, scale_dtype, clip, grid)                           # [..., G, N]
+        by_row = perm[..., :, None].expand(*lead, k, n)
+        column_scales = scales.float().repeat_interleave(group_size, dim=-2).gather(-2, by_row)
+        work = work.gather(-2, by_row)
+    u = _inverse_factor(hessian, damp)
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
         block, ub = work[..., b0:b1, :].clone(), u[..., b0:b1, b0:b1]
         errors = torch.empty_like(block)
         for j in range(b1 - b0):
             col = b0 + j
-            if col % group_size == 0:  # the group's scale, from its columns as updated so far
+            if act_order:
+                s = column_scales[..., col, :]
+                zero, recip = s == 0, reciprocal(s.masked_fill(s == 0, 1.0))
+            elif col % group_size == 0:  # the group's scale, from its columns as updated so far
                 g = col // group_size
                 scales[..., g, :] = _group_scale(block[..., j:j + group_size, :].transpose(-1, -2), scale_dtype,
                                                  clip, grid)
@@ -122,6 +138,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
             block[..., j:, :] -= ub[..., j, j:, None] * err[..., None, :]  # the block's later columns take it
             errors[..., j, :] = err
         work[..., b1:, :] -= u[..., b0:b1, b1:].transpose(-1, -2) @ errors   # the columns past the block, at once
+    if act_order:  # the codes back in the weight's own column order
+        codes = torch.empty_like(codes).scatter_(-2, by_row, codes)
     packed = int4_pack_reference(codes.transpose(-1, -2).reshape(-1, k)).reshape(*lead, n, k // 8)
     # a fresh row-major scale tensor (.contiguous() keeps odd strides on a size-1 dimension)
     scale = torch.empty(*lead, n, k // group_size, dtype=scale_dtype, device=w.device)
@@ -280,7 +298,7 @@ def _layer_prefix(name: str) -> str:
 
 
 @torch.no_grad()
-def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, clip: str, damp: float, batch: int) -> list[dict]:
+def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, batch: int, **options) -> list[dict]:
     """Re-hold a ``StackedExperts`` module's experts in ``fmt`` by GPTQ on ``hc``'s Hessians, ``batch`` experts per
     call (one column loop for them). An expert no calibration token reached rounds to nearest (zero Hessian)."""
     from .modules.experts import PROJECTIONS
@@ -296,7 +314,7 @@ def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, clip: str, damp
             w = torch.stack([dense[p][e] for e in ids])
             h = torch.stack([hessians.get(f"{name}.{e}.{p}", torch.zeros(k, k, device=w.device)).to(w.device)
                              for e in ids])
-            packed, scale = gptq_quantize(w, h, fmt.group_size, fmt.torch_scale_dtype, clip=clip, damp=damp)
+            packed, scale = gptq_quantize(w, h, fmt.group_size, fmt.torch_scale_dtype, **options)
             experts.tensors(p)["weight_packed"][e0:e0 + len(ids)] = packed
             experts.tensors(p)["weight_scale"][e0:e0 + len(ids)] = scale
             for i, e in enumerate(ids):
@@ -318,7 +336,7 @@ def _error_row(name: str, w: torch.Tensor, fmt, got: tuple, h: torch.Tensor) -> 
 
 @torch.no_grad()
 def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=None, *, clip: str = "absmax",
-          damp: float = 0.01, expert_batch: int = 32) -> list[dict]:
+          damp: float = 0.01, act_order: bool = False, expert_batch: int = 32) -> list[dict]:
     """Quantize ``model``'s layers matching ``pattern`` to INT4 by GPTQ, in memory and in order: decoder layer by
     decoder layer, the Hessians of that layer's matching modules are collected while ``calibration`` runs (an
     iterable of model inputs, run as ``model(batch)``, once per decoder layer), the layer is quantized, and the
@@ -326,7 +344,8 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
     Only one decoder layer's Hessians are held at a time.
 
     ``fmt``: an ``Int4Group`` (default group 32); routed experts (``StackedExperts``) go ``expert_batch`` experts
-    per ``gptq_quantize`` call; ``QuantLinear`` layers one at a time. Returns one row per quantized weight: its
+    per ``gptq_quantize`` call (``clip``, ``damp``, ``act_order`` passed on); ``QuantLinear`` layers one at a
+    time. Returns one row per quantized weight: its
     output error on its calibration inputs after GPTQ and after round-to-nearest (``output_error``)."""
     from .formats import Int4Group
     from .modules.experts import StackedExperts
@@ -360,12 +379,13 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
         for name in names:
             module = modules[name]
             if isinstance(module, StackedExperts):
-                rows += _gptq_experts(module, name, hc, fmt, clip, damp, expert_batch)
+                rows += _gptq_experts(module, name, hc, fmt, expert_batch, clip=clip, damp=damp, act_order=act_order)
             else:
                 if name not in hessians:
                     raise ValueError(f"gptq_: {name!r} saw no calibration input (is it on the calibration path?)")
                 w, h = module.weight_dequantized(torch.float32), hessians[name]
-                got = gptq_quantize(w, h.to(w.device), fmt.group_size, fmt.torch_scale_dtype, clip=clip, damp=damp)
+                got = gptq_quantize(w, h.to(w.device), fmt.group_size, fmt.torch_scale_dtype, clip=clip, damp=damp,
+                                    act_order=act_order)
                 module.convert_format_(fmt)
                 module.weight_packed.data.copy_(got[0])
                 module.weight_scale.data.copy_(got[1])

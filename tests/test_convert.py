@@ -247,7 +247,17 @@ def test_gptq_needs_every_int4_layer_s_hessian_and_mse_clip_is_recorded(tmp_path
     assert "out_sqnr_db" not in rows[EXPERT_KEYS[3]]["rtn"] and "gptq" not in rows[EXPERT_KEYS[3]]
     assert "out_sqnr_db" in rows[EXPERT_KEYS[0]]["rtn"] and "gptq" in rows[EXPERT_KEYS[0]]
     assert "mean output SQNR dB" in report.summary()
-    _write_hessians(hfile, EXPERT_KEYS)
+    hs = _write_hessians(hfile, EXPERT_KEYS)
     convert_checkpoint(src, tmp_path / "d3", method="gptq", hessians=hfile, gptq_clip="mse", progress=False)
     qc = json.loads((tmp_path / "d3" / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["observer"] == "mse"
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] is None
+    assert main([str(src), str(tmp_path / "d4"), "--method", "gptq", "--hessians", str(hfile), "--gptq-act-order",
+                 "--device", "cpu", "--quiet", "--no-compare"]) == 0
+    qc = json.loads((tmp_path / "d4" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"   # the stored layout is unchanged
+    out = _load_all(tmp_path / "d4")
+    name = EXPERT_KEYS[5]
+    packed, scale = gptq_quantize(_source_weight(src, name), hs[name + HESSIAN_SUFFIX], 32, act_order=True)
+    assert_bitwise_equal(out[name + ".weight_packed"], packed, name)
+    assert_bitwise_equal(out[name + ".weight_scale"], scale, name)

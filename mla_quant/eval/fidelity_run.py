@@ -15,7 +15,7 @@ weights in fp32, no KV rounding) and through each variant:
   validation windows.
 * Weight variants: INT4 routed experts by round-to-nearest (``quantize_``), by the MSE clipping search
   (``mla_quant.convert``, ``method="mse"``), by GPTQ (``gptq.gptq_``, layer by layer, on ``--calib-windows``
-  windows of ``--calib-context`` bytes of the *training* split),
+  windows of ``--calib-context`` bytes of the *training* split; also in activation order),
   by QAT (``--qat-checkpoint``, exported by ``eval.train``); FP8 128×128 block weights with 1×128 FP8 activations
   (W8A8) on every linear layer but ``lm_head``. Plain forward (no KV rounding): the weight format alone.
 
@@ -65,8 +65,8 @@ KV_VARIANTS = {
     "kv fp8_e4m3 per-tensor": KVFormat("fp8_e4m3", "tensor"),
     "kv fp8_ds_mla": KVFormat("fp8_ds_mla"),
 }
-WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 gptq", "experts int4 qat",
-                   "weights fp8 block w8a8")
+WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 gptq", "experts int4 gptq act-order",
+                   "experts int4 qat", "weights fp8 block w8a8")
 INDEXER_VARIANTS = ("indexer bf16 sparse", "indexer fp8 sparse")   # DSA models only
 # a DSA model's default rows, run in this order (under a time budget the last ones may not run)
 DSA_DEFAULT = INDEXER_VARIANTS + ("experts int4 rtn", "weights fp8 block w8a8", "kv fp8_ds_mla",
@@ -97,11 +97,11 @@ def weight_variant(name: str, reference: nn.Module, args, device: torch.device,
             save_pretrained(reference, f"{tmp}/src")
             convert_checkpoint(f"{tmp}/src", f"{tmp}/dst", None, method="mse", device=device, progress=False)
             return _load(f"{tmp}/dst", device)
-    if name == "experts int4 gptq":   # layer by layer on training text (gptq.gptq_), one window per forward
+    if name.startswith("experts int4 gptq"):   # layer by layer on training text (gptq.gptq_), a window per forward
         from ..gptq import gptq_
 
         model = copy.deepcopy(reference)
-        gptq_(model, calib.split(1))
+        gptq_(model, calib.split(1), act_order=name.endswith("act-order"))
         return model.eval()
     if name == "experts int4 qat":
         return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
                 continue
             t = time.time()
             calib = None
-            if name == "experts int4 gptq":   # training text, its own generator (the windows drawn below unchanged)
+            if name.startswith("experts int4 gptq"):   # training text, its own generator (later windows unchanged)
                 calib = windows(corpus.train, args.calib_windows, args.calib_context,
                                 torch.Generator().manual_seed(args.seed + 1)).to(device)
                 setting["gptq_calibration"] = f"{args.calib_windows} training windows of {args.calib_context} bytes"
