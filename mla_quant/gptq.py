@@ -125,12 +125,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
             col = b0 + j
             if act_order:
                 s = column_scales[..., col, :]
-                zero, recip = s == 0, reciprocal(s.masked_fill(s == 0, 1.0))
             elif col % group_size == 0:  # the group's scale, from its columns as updated so far
                 g = col // group_size
                 scales[..., g, :] = _group_scale(block[..., j:j + group_size, :].transpose(-1, -2), scale_dtype,
                                                  clip, grid)
                 s = scales[..., g, :].float()
+            if act_order or col % group_size == 0:  # a zero scale (an all-zero group) gives codes 0, as int4_codes
                 zero, recip = s == 0, reciprocal(s.masked_fill(s == 0, 1.0))
             q = torch.where(zero, 0.0, torch.round(block[..., j, :] * recip)).clamp_(QMIN, QMAX)
             codes[..., col, :] = q.to(torch.int8)
