@@ -2,8 +2,7 @@
 
     python -m mla_quant.convert SRC DST [--plan experts|PLAN.json|'{"rules": ...}'] [--method rtn|mse|gptq]
                                         [--hessians FILE] [--gptq-clip absmax|mse] [--gptq-act-order]
-                                        [--group-size 32]
-                                        [--device cuda] [--no-compare] [--quiet]
+                                        [--group-size 32] [--device cuda] [--no-compare] [--quiet]
 
 Reads ``SRC`` shard by shard (memory: one input shard's converted tensors plus one weight at a time),
 applies a :class:`~mla_quant.formats.plan.QuantPlan` to the *checkpoint* module names (the key without
