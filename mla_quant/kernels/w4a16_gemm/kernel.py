@@ -442,10 +442,12 @@ SWAP_MAX_SPLIT = 16
 
 
 # past 16 tokens (BM 32-128) each split writes fp32 partials [M, N]: the split is capped so the row tiles times the
-# splits make about this many programs per SM (a guess to be swept: benchmarks.sweep_w4a16_frag --swap)
-SWAP_WIDE_PER_SM = 4
+# splits make about SWAP_WIDE_TOKEN_PROGRAMS / BM programs per SM (4 at 32 tokens, 2 at 64). H100, session 42
+# (results/sweep_w4a16_frag_h200.json, session42_swap): the best split of the three swept at 3 of 4 shapes (at 64
+# tokens half of 4 per SM: 33.5 against 41.5 µs at 4096 x 7168, 149.0 against 155.2 at 7168 x 18432)
+SWAP_WIDE_TOKEN_PROGRAMS = 128
 # from this many tokens the activations load as whole groups split into parities in registers (X_SPLIT), not as
-# 2-byte gathers per parity (a guess to be swept like SWAP_WIDE_PER_SM)
+# 2-byte gathers per parity: 1.2-1.6x faster at 32 and 64 tokens (same sweep)
 SWAP_X_SPLIT_MIN_M = 17
 
 
@@ -461,13 +463,13 @@ def swap_split(k: int, bk: int, cap: int = SWAP_MAX_SPLIT) -> int:
 
 def swap_plan(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     """(BM, split) of the swapped kernel for m tokens: BM the power of two >= m, at least 16 (the wgmma N side);
-    up to 16 tokens :func:`swap_split`, past them also at most ``SWAP_WIDE_PER_SM`` programs per SM (row tiles of
-    ``SWAP_TILE``'s BN times splits), since every split's partials grow with M."""
+    up to 16 tokens :func:`swap_split`, past them also at most ``SWAP_WIDE_TOKEN_PROGRAMS / BM`` programs per SM (row
+    tiles of ``SWAP_TILE``'s BN times splits), since every split's partials grow with M."""
     bm = max(16, 1 << max(0, m - 1).bit_length())
     bn, bk = SWAP_TILE[0], SWAP_TILE[1]
     if bm == 16:
         return bm, swap_split(k, bk)
-    return bm, swap_split(k, bk, max(1, SWAP_WIDE_PER_SM * sms // cdiv(n, bn)))
+    return bm, swap_split(k, bk, max(1, SWAP_WIDE_TOKEN_PROGRAMS // bm * sms // cdiv(n, bn)))
 
 
 @triton.jit
