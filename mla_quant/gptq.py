@@ -319,19 +319,23 @@ def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, batch: int, **o
             experts.tensors(p)["weight_scale"][e0:e0 + len(ids)] = scale
             for i, e in enumerate(ids):
                 if f"{name}.{e}.{p}" in hessians:
-                    rows.append(_error_row(f"{name}.{e}.{p}", w[i], fmt, (packed[i], scale[i]), h[i]))
+                    rows.append(_error_row(f"{name}.{e}.{p}", w[i], fmt, (packed[i], scale[i]), h[i],
+                                           hc.tokens()[f"{name}.{e}.{p}"]))
     return rows
 
 
-def _error_row(name: str, w: torch.Tensor, fmt, got: tuple, h: torch.Tensor) -> dict:
-    """Output errors on the calibration inputs of GPTQ's result and of round-to-nearest."""
+def _error_row(name: str, w: torch.Tensor, fmt, got: tuple, h: torch.Tensor, tokens: int) -> dict:
+    """Output errors on the calibration inputs of GPTQ's result and of round-to-nearest, and the calibration rows
+    the weight saw (``tokens``: GPTQ fits those inputs; with fewer than a few times K rows it can do worse than
+    round-to-nearest on other inputs, docs/recipes.md)."""
     from .kernels.int4_quant.reference import int4_dequantize_reference, int4_quantize_reference
 
     def approx(tensors):
         return int4_dequantize_reference(*tensors, fmt.group_size, torch.float32)
 
     rtn = int4_quantize_reference(w, fmt.group_size, fmt.torch_scale_dtype)
-    return {"name": name, "gptq": output_error(w, approx(got), h), "rtn": output_error(w, approx(rtn), h)}
+    return {"name": name, "tokens": tokens, "gptq": output_error(w, approx(got), h),
+            "rtn": output_error(w, approx(rtn), h)}
 
 
 @torch.no_grad()
@@ -345,8 +349,8 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
 
     ``fmt``: an ``Int4Group`` (default group 32); routed experts (``StackedExperts``) go ``expert_batch`` experts
     per ``gptq_quantize`` call (``clip``, ``damp``, ``act_order`` passed on); ``QuantLinear`` layers one at a
-    time. Returns one row per quantized weight: its
-    output error on its calibration inputs after GPTQ and after round-to-nearest (``output_error``)."""
+    time. Returns one row per quantized weight: its calibration rows (``tokens``) and its output error on those
+    inputs after GPTQ and after round-to-nearest (``output_error``)."""
     from .formats import Int4Group
     from .modules.experts import StackedExperts
     from .modules.linear import QuantLinear
@@ -389,6 +393,6 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
                 module.convert_format_(fmt)
                 module.weight_packed.data.copy_(got[0])
                 module.weight_scale.data.copy_(got[1])
-                rows.append(_error_row(name, w, fmt, got, h))
+                rows.append(_error_row(name, w, fmt, got, h, hc.tokens()[name]))
         del hc, hessians
     return rows

@@ -67,6 +67,17 @@ def test_09_research_loop():
     assert numbers(line_of(out, "all bf16"))[0] < numbers(line_of(out, "all fp8 "))[0]
 
 
+def test_10_gptq_experts():
+    """GPTQ (in memory and converted from saved Hessians) lands closer to the fp32 model than round-to-nearest on
+    held-out tokens, and raises the experts' output SQNR on their calibration inputs."""
+    out = run("examples/10_gptq_experts.py")
+    rtn = numbers(line_of(out, "rtn "))[0]
+    assert numbers(line_of(out, "gptq (in memory)"))[0] < rtn and numbers(line_of(out, "gptq (converted)"))[0] < rtn
+    sqnr_rtn, sqnr_gptq = numbers(line_of(out, "output SQNR"))[-2:]
+    assert sqnr_gptq > sqnr_rtn + 0.5
+    assert "converted 96 weights with 'gptq'" in out
+
+
 def test_main_job_with_a_fault():
     out = run("-m", "mla_quant", "--requests", "4", "--new-tokens", "6", "--inject-fault", "--no-progress")
     assert "two instances, KV handed off" in out and "hand-off" in out
