@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .kernels.fp8_quant.reference import reciprocal
-from .kernels.int4_quant.reference import QMAX, QMIN, int4_group_scales, int4_pack_reference
+from .kernels.int4_quant.reference import (QMAX, QMIN, int4_dequantize_reference, int4_group_scales,
+                                           int4_pack_reference, int4_quantize_reference)
 
 CLIPS = ("absmax", "mse")
 HESSIAN_SUFFIX, TOKENS_SUFFIX = ".hessian", ".tokens"
@@ -158,6 +159,26 @@ def output_error(w: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+def _targets(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module]]:
+    """The modules whose inputs GPTQ needs, matching ``pattern`` (``re.search``; None: all): linear layers
+    (``nn.Linear``, ``QuantLinear``) by name, ``StackedExperts`` by their first expert's ``.0.gate_proj`` name."""
+    from .modules.experts import StackedExperts
+    from .modules.linear import QuantLinear
+
+    rx = re.compile(pattern) if pattern else None
+    return [(name, m) for name, m in model.named_modules()
+            if (isinstance(m, StackedExperts) and (rx is None or rx.search(name + ".0.gate_proj")))
+            or (isinstance(m, (nn.Linear, QuantLinear)) and (rx is None or rx.search(name)))]
+
+
+def _with_up_proj(per_layer: dict) -> dict:
+    """``per_layer`` with each routed expert's ``up_proj`` entry the same as its ``gate_proj`` one (same inputs)."""
+    out = dict(per_layer)
+    for name in [n for n in per_layer if n.endswith(".gate_proj") and ".experts." in n]:
+        out[name[:-len("gate_proj")] + "up_proj"] = per_layer[name]
+    return out
+
+
 class HessianCollector:
     """Accumulate ``X^T X`` (fp32 on the inputs' device, or ``dtype``) of the linear layers and routed experts of
     ``model`` whose names match ``pattern`` (a regex, ``re.search``; default every one) while the model runs.
@@ -170,22 +191,21 @@ class HessianCollector:
     Names are the model's module names; a ``StackedExperts`` module ``...mlp.experts`` yields one per expert and
     projection, ``...mlp.experts.{e}.{gate,up,down}_proj`` as the checkpoints name them (gate and up share one
     Hessian tensor: the same inputs). ``hessians()`` returns ``{name: H / tokens}`` and ``tokens()`` the rows each
-    saw. Memory: K² floats per layer (7168² · 4 B = 205 MB for one of Kimi's gate / up inputs), so a real model is
+    saw. ``targets`` (``[(name, module)]``, instead of matching ``pattern``) hooks exactly those modules. Memory: K² floats per layer (7168² · 4 B = 205 MB for one of Kimi's gate / up inputs), so a real model is
     calibrated layer by layer (a pattern per layer), not all at once."""
 
-    def __init__(self, model: nn.Module, pattern: str | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, pattern: str | None = None, dtype: torch.dtype = torch.float32, *,
+                 targets: list[tuple[str, nn.Module]] | None = None):
         from .modules.experts import StackedExperts
-        from .modules.linear import QuantLinear
 
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self._dtype, self._handles, self._experts = dtype, [], {}  # StackedExperts name -> its expert count
-        rx = re.compile(pattern) if pattern else None
-        for name, module in model.named_modules():
-            if isinstance(module, StackedExperts) and (rx is None or rx.search(name + ".0.gate_proj")):
+        for name, module in _targets(model, pattern) if targets is None else targets:
+            if isinstance(module, StackedExperts):
                 self._handles.append(module.register_forward_pre_hook(self._experts_hook(name), with_kwargs=True))
                 self._experts[name] = module.num_experts
-            elif isinstance(module, (nn.Linear, QuantLinear)) and (rx is None or rx.search(name)):
+            else:
                 self._handles.append(module.register_forward_pre_hook(self._linear_hook(name)))
         if not self._handles:
             raise ValueError(f"HessianCollector: no linear layer or StackedExperts matches {pattern!r}")
@@ -229,20 +249,14 @@ class HessianCollector:
 
     def hessians(self) -> dict[str, torch.Tensor]:
         """``{name: X^T X / tokens}``, with ``up_proj`` entries sharing their expert's ``gate_proj`` tensor."""
-        out = {name: s / max(self.counts[name], 1) for name, s in self.sums.items()}
-        for name in [n for n in out if n.endswith(".gate_proj") and ".experts." in n]:
-            out[name[:-len("gate_proj")] + "up_proj"] = out[name]
-        return out
+        return _with_up_proj({name: s / max(self.counts[name], 1) for name, s in self.sums.items()})
 
     def tokens(self) -> dict[str, int]:
         """Rows each layer saw; every projection of a hooked ``StackedExperts`` is listed, 0 for an expert that no
         calibration token was routed to (GPTQ rounds it to nearest: an all-zero Hessian)."""
         counts = {f"{name}.{e}.{p}": 0 for name, experts in self._experts.items() for e in range(experts)
                   for p in ("gate_proj", "down_proj")}
-        counts.update(self.counts)
-        for name in [n for n in counts if n.endswith(".gate_proj") and ".experts." in n]:
-            counts[name[:-len("gate_proj")] + "up_proj"] = counts[name]
-        return counts
+        return _with_up_proj({**counts, **self.counts})
 
     def save(self, path: str | Path) -> None:
         """One safetensors file: ``{name}.hessian`` fp32 [K, K] and ``{name}.tokens`` int64 [1] per layer that saw
@@ -251,7 +265,7 @@ class HessianCollector:
         tensors = {name + TOKENS_SUFFIX: torch.tensor([count], dtype=torch.int64)
                    for name, count in self.tokens().items()}
         for name, h in self.hessians().items():
-            tensors[name + HESSIAN_SUFFIX] = h.float().cpu().contiguous().clone()
+            tensors[name + HESSIAN_SUFFIX] = h.float().cpu().clone()
         save_file(tensors, str(path), metadata={"format": "pt", "content": "mla_quant GPTQ hessians"})
 
 
@@ -303,7 +317,7 @@ def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, batch: int, **o
     call (one column loop for them). An expert no calibration token reached rounds to nearest (zero Hessian)."""
     from .modules.experts import PROJECTIONS
 
-    hessians, count = hc.hessians(), experts.num_experts
+    hessians, tokens, count = hc.hessians(), hc.tokens(), experts.num_experts
     dense = {p: [experts.expert_weight(e, p) for e in range(count)] for p in PROJECTIONS}
     experts.convert_format_(fmt)
     rows = []
@@ -320,7 +334,7 @@ def _gptq_experts(experts, name: str, hc: HessianCollector, fmt, batch: int, **o
             for i, e in enumerate(ids):
                 if f"{name}.{e}.{p}" in hessians:
                     rows.append(_error_row(f"{name}.{e}.{p}", w[i], fmt, (packed[i], scale[i]), h[i],
-                                           hc.tokens()[f"{name}.{e}.{p}"]))
+                                           tokens[f"{name}.{e}.{p}"]))
     return rows
 
 
@@ -328,8 +342,6 @@ def _error_row(name: str, w: torch.Tensor, fmt, got: tuple, h: torch.Tensor, tok
     """Output errors on the calibration inputs of GPTQ's result and of round-to-nearest, and the calibration rows
     the weight saw (``tokens``: GPTQ fits those inputs; with fewer than a few times K rows it can do worse than
     round-to-nearest on other inputs, docs/recipes.md)."""
-    from .kernels.int4_quant.reference import int4_dequantize_reference, int4_quantize_reference
-
     def approx(tensors):
         return int4_dequantize_reference(*tensors, fmt.group_size, torch.float32)
 
@@ -353,15 +365,11 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
     inputs after GPTQ and after round-to-nearest (``output_error``)."""
     from .formats import Int4Group
     from .modules.experts import StackedExperts
-    from .modules.linear import QuantLinear
 
     fmt = fmt or Int4Group(32)
     if not isinstance(fmt, Int4Group):
         raise TypeError(f"gptq_: fmt must be an Int4Group, got {fmt!r}")
-    rx = re.compile(pattern)
-    targets = [(name, m) for name, m in model.named_modules()
-               if (isinstance(m, StackedExperts) and rx.search(name + ".0.gate_proj"))
-               or (isinstance(m, (QuantLinear, nn.Linear)) and rx.search(name))]
+    targets = _targets(model, pattern)
     if not targets:
         raise ValueError(f"gptq_: no linear layer or StackedExperts of the model matches {pattern!r}")
     plain = [name for name, m in targets if type(m) is nn.Linear]
@@ -369,19 +377,16 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
         raise TypeError(f"gptq_: {plain[:3]} are plain nn.Linear; hold them as QuantLinear first (quantize_ with "
                         f"BF16())")
     batches = list(calibration)
-    layers: dict[str, list[str]] = {}
-    for name, _ in targets:
-        layers.setdefault(_layer_prefix(name), []).append(name)
-    modules, rows = dict(targets), []
+    layers: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in targets:
+        layers.setdefault(_layer_prefix(name), []).append((name, module))
+    rows = []
     for prefix in sorted(layers, key=lambda p: (p == "", int(re.findall(r"\d+", p)[-1]) if p else 0)):
-        names = layers[prefix]
-        select = "^(?:" + "|".join(re.escape(n) + r"(?:\.\d+\.\w+)?$" for n in names) + ")"
-        with HessianCollector(model, select) as hc:
+        with HessianCollector(model, targets=layers[prefix]) as hc:
             for batch in batches:
                 model(batch)
-        hessians = hc.hessians()
-        for name in names:
-            module = modules[name]
+        hessians, tokens = hc.hessians(), hc.tokens()
+        for name, module in layers[prefix]:
             if isinstance(module, StackedExperts):
                 rows += _gptq_experts(module, name, hc, fmt, expert_batch, clip=clip, damp=damp, act_order=act_order)
             else:
@@ -393,6 +398,6 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
                 module.convert_format_(fmt)
                 module.weight_packed.data.copy_(got[0])
                 module.weight_scale.data.copy_(got[1])
-                rows.append(_error_row(name, w, fmt, got, h, hc.tokens()[name]))
+                rows.append(_error_row(name, w, fmt, got, h, tokens[name]))
         del hc, hessians
     return rows
