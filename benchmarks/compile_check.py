@@ -162,6 +162,7 @@ def install_fake_hopper(log: CompileLog, ptxas: bool = True) -> None:
             importlib.import_module(f"mla_quant.kernels.{op}.kernel")
     patches = {"use_triton": lambda *tensors: True, "triton_interpreted": lambda: False,
                "num_sms": lambda device=None: HOPPER_SMS, "_is_hopper": lambda device=None: True,
+               "is_hopper": lambda device=None: True,
                "pdl_launch": lambda device=None, op=None: {"PDL": 2 if _pdl.EARLY else 1, "launch_pdl": True}}
     for name, module in list(sys.modules.items()):
         if name == kernels_pkg.__name__ or name.startswith(kernels_pkg.__name__ + "."):
@@ -355,6 +356,11 @@ def cases_w4a16_gemm() -> Iterator[Case]:
         for m in (16, 32, 64, 128):  # swap_ab=True: token tiles of 16-128 (X_SPLIT loads past 16)
             yield f"M={m} swap_ab {n}x{k} x={_dt(x_dtype)}", partial(
                 w4a16_gemm, torch.randn(m, k, dtype=x_dtype), packed, scale.to(x_dtype), 32, swap_ab=True)
+    for x_dtype in (BF16, torch.float16):  # wgmma=True (Gluon): token tiles of 32-128, split-K and not
+        for m, (n2, k2) in ((17, (2048, 7168)), (64, (2048, 7168)), (128, (7168, 2048)), (64, (8192, 64))):
+            p2, s2 = _zero_int4(n2, k2)
+            yield f"M={m} wgmma {n2}x{k2} x={_dt(x_dtype)}", partial(
+                w4a16_gemm, torch.randn(m, k2, dtype=x_dtype), p2, s2.to(x_dtype), 32, wgmma=True)
     for x_dtype in (BF16, torch.float32):
         yield f"M=1 gemv=planes1 {n}x{k} x={_dt(x_dtype)}", partial(w4a16_gemm, torch.randn(1, k, dtype=x_dtype),
                                                                    packed, scale, 32, gemv="planes1")

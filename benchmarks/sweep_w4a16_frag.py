@@ -4,7 +4,7 @@ and token chunks, against tinygemm, the tiles that dequantize in their main loop
 CUDA-graph rounds.
 
     python -m benchmarks.sweep_w4a16_frag [--ms 2,4,8,16] [--shapes 4096x7168,...] [--rounds 5] [--label NAME]
-        [--swap] [--no-chunks] [--out benchmarks/results/sweep_w4a16_frag_h200.json]
+        [--swap] [--wgmma] [--no-chunks] [--out benchmarks/results/sweep_w4a16_frag_h200.json]
 
 For each M and N×K (group 32, bf16 x and scales) one graph per setting holds one call per weight set, over enough
 sets to miss L2 (``sweep_w4a16_gemv._sets``), all with the same x: ``tinygemm`` (the peer), ``bf16`` (cuBLAS on the
@@ -12,7 +12,8 @@ same weights in bf16), ``tiles`` (``fragments=False``: what ``"auto"`` ran past 
 and ``stream`` (the kernel with kept split-K counters, as QuantLinear launches it) and, past 16 tokens, ``plain`` at
 each ``CHUNK_TILES`` setting (``FRAG_CHUNK_TOKENS`` and the launch tile; not with ``--no-chunks``) and, with
 ``--swap``, the swapped-operand kernel's settings (``swap_settings``: token tiles of 32-128 columns, as
-``swap_ab=True`` runs it, with kept counters). Each INT4 setting is first checked against ``w4a16_gemm_reference``
+``swap_ab=True`` runs it, with kept counters) and, with ``--wgmma``, the Gluon wgmma kernel's settings
+(``wgmma_settings``: ``w4a16_gemm(..., wgmma=True)``, x's permutation included). Each INT4 setting is first checked against ``w4a16_gemm_reference``
 (max error over max |y| into a NaN-poisoned y). With ``--label`` the runs go under that key of an existing results
 file (written after each shape).
 """
@@ -22,8 +23,10 @@ import sys
 
 import torch
 
+from mla_quant.kernels._gemm_utils import num_sms
 from mla_quant.kernels.w4a16_gemm import _frag_launch, _swap_launch, fragments, w4a16_gemm, w4a16_gemm_reference
 from mla_quant.kernels.w4a16_gemm.kernel import SWAP_TILE, swap_plan
+from mla_quant.kernels.w4a16_gemm.wgmma import WGMMA_TILE, wgmma_launch, wgmma_plan
 
 from .common import interleaved_graph_us, module_attrs, rel_err, sweep_args
 from .sweep_w4a16_gemv import GROUP, NKS, _sets, _shape_list, _write, timing_rows
@@ -45,6 +48,18 @@ def swap_settings(m: int, n: int, k: int, sms: int = 132) -> dict[str, dict]:
             "swap_bk128": {"tile": (bn, 128, 4, stages)}}
 
 
+# --wgmma: the Gluon wgmma kernel (wgmma=True) as name -> wgmma_launch keywords: the default tile (8 warps = 128
+# weight rows, 6 stages) and plan, 4 / 16 warps (64 / 256 rows: the activation tile shared by fewer / more warp
+# groups), 4 and 8 stages, half / twice the planned split
+def wgmma_settings(m: int, n: int, k: int, sms: int = 132) -> dict[str, dict]:
+    warps, stages = WGMMA_TILE
+    split = wgmma_plan(m, n, k, sms)[1]
+    return {"wgmma": {}, "wgmma_w4": {"tile": (4, stages), "split": wgmma_plan(m, n, k, sms, 4, 4)[1]},
+            "wgmma_w16": {"tile": (16, 4), "split": wgmma_plan(m, n, k, sms, 16, 1)[1]},
+            "wgmma_s4": {"tile": (warps, 4)}, "wgmma_s8": {"tile": (warps, 8)},
+            "wgmma_half_split": {"split": max(1, split // 2)}, "wgmma_twice_split": {"split": 2 * split}}
+
+
 def chunk_tile_name(setting) -> str:
     chunk, (mt, bk, w, per_sm) = setting
     return f"c{chunk}_mt{mt}_bk{bk}_w{w}_ps{per_sm}"
@@ -62,6 +77,7 @@ def _extra(ap) -> None:
     ap.add_argument("--shapes", help="NxK,... (default: %s)" % ",".join(f"{n}x{k}" for n, k in NKS))
     ap.add_argument("--label", help="write the runs under this key of the --out file (kept: the other keys)")
     ap.add_argument("--swap", action="store_true", help="past 16 tokens also the swapped-operand kernel's settings")
+    ap.add_argument("--wgmma", action="store_true", help="also the Gluon wgmma kernel's settings (wgmma=True)")
     ap.add_argument("--no-chunks", action="store_true", help="past 16 tokens skip the CHUNK_TILES settings")
 
 
@@ -70,6 +86,7 @@ def main(argv=None) -> None:
     if args is None:
         sys.exit(1)
     dev, runs = "cuda", []
+    sms = num_sms(torch.device(dev))
     for n, k in _shape_list(args.shapes):
         sets = _sets(n, k, dev, bf16=True)
         counters = torch.zeros(n, dtype=torch.int32, device=dev)  # kept: every launch leaves them at zero
@@ -93,11 +110,18 @@ def main(argv=None) -> None:
                     return [_swap_launch(x, s["p4"], s["s4"], y, GROUP, counters, False, **form) for s in weights]
                 return run
 
+            def wgmma(weights=sets, **form):
+                def run():
+                    return [wgmma_launch(x, s["p4"], s["s4"], y, GROUP, counters, sms, **form) for s in weights]
+                return run
+
             settings = {"plain": (frag, {}), "stream": (frag, {"stream": True})}
             if m > 16 and not args.no_chunks:
                 settings.update({chunk_tile_name(c): (frag, {"attrs": chunk_tile_attrs(c)}) for c in CHUNK_TILES[1:]})
             if m > 16 and args.swap:
                 settings.update({name: (swap, form) for name, form in swap_settings(m, n, k).items()})
+            if args.wgmma:
+                settings.update({name: (wgmma, form) for name, form in wgmma_settings(m, n, k, sms).items()})
             for name, (make, form) in settings.items():
                 y.fill_(float("nan"))
                 make(**form, weights=sets[:1])()  # checked on the first set, the reference's

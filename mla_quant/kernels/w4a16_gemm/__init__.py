@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .._backend import triton_interpreted, use_triton
+from .._backend import is_hopper, triton_interpreted, use_triton
 from .._checks import check_divisible, check_same_device, check_tensor
 from .._gemm_utils import m_bucket, num_sms, split_k_workspace
 from .._host import cdiv
@@ -157,6 +157,30 @@ def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
     return y
 
 
+def _takes_wgmma(wgmma, m: int, x2: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype,
+                 unpinned: bool) -> bool:
+    """Whether this call runs the Gluon wgmma kernel (``wgmma``: "auto", True or False; x2 [M, K])."""
+    from .wgmma import wgmma_problem
+
+    if isinstance(wgmma, str) and wgmma == "auto":
+        return (unpinned and WGMMA_AUTO_MIN_M <= m <= WGMMA_AUTO_MAX_M and use_triton(x2) and is_hopper(x2.device)
+                and not triton_interpreted() and wgmma_problem(m, x2, weight_packed, scale_dtype) is None)
+    if wgmma is False:
+        return False
+    if wgmma is not True:
+        raise ValueError(f"wgmma: {wgmma!r} must be True, False or 'auto'")
+    problem = wgmma_problem(m, x2, weight_packed, scale_dtype)
+    if problem is None and use_triton(x2) and (triton_interpreted() or not is_hopper(x2.device)):
+        problem = "this device: it is a Gluon kernel for Hopper (sm_90); the interpreter cannot run it"
+    if problem is not None:
+        raise ValueError(f"wgmma=True: the wgmma kernel cannot take {problem}")
+    return True
+
+
+# wgmma="auto" runs the Gluon wgmma kernel (wgmma.py) for WGMMA_AUTO_MIN_M..WGMMA_AUTO_MAX_M tokens on Hopper
+WGMMA_AUTO_MIN_M, WGMMA_AUTO_MAX_M = 0, -1  # off until measured
+
+
 def _takes_swap(swap_ab, m: int, dtype: torch.dtype, unpinned: bool) -> bool:
     """Whether this call runs the swapped-operand kernel (``swap_ab``: "auto", True or False)."""
     ok_dtype = dtype in (torch.bfloat16, torch.float16)
@@ -207,7 +231,7 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
                fast_dequant: int | str = "auto", gemv: str = "auto",
                counters: torch.Tensor | None = None, swap_ab: bool | str = "auto",
                fragments: bool | str = "auto", prefetch_weights: bool = False,
-               dequant_gemm: bool | str = "auto") -> torch.Tensor:
+               dequant_gemm: bool | str = "auto", wgmma: bool | str = "auto") -> torch.Tensor:
     """y = x @ W.T for W = int4 codes × group scales.
 
     x: [..., K] bf16/fp16/fp32 (last dim contiguous); weight_packed: int32 [N, K/8]; weight_scale:
@@ -269,6 +293,12 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     "auto" takes it from ``DEQUANT_GEMM_MIN_M`` tokens when neither ``config`` nor a ``fast_dequant`` level is given:
     prefill, where the tiles that dequantize in their main loop run at a third of the bf16 MMA rate. It holds an
     [N, K] temporary in x's dtype for the call (264 MB for Kimi's 18432 × 7168 gate projection in bf16).
+
+    ``wgmma`` ("auto", the default; True; False): the Gluon kernel of ``wgmma.py`` for 1 to 128 tokens on Hopper —
+    the weight dequantized in registers straight into the wgmma A operand, words and activations by TMA through a
+    ring of shared-memory slots (bf16 / fp16 x with scales of its dtype, K a multiple of 64). True forces it (a
+    call it cannot take raises, naming why); "auto" takes it for ``WGMMA_AUTO_MIN_M`` to ``WGMMA_AUTO_MAX_M``
+    tokens when nothing else is pinned.
     """
     if gemv not in GEMV_FORMS:
         raise ValueError(f"gemv: {gemv!r} not in {GEMV_FORMS}")
@@ -276,15 +306,18 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     m = x2.shape[0]
     unpinned = config is None and isinstance(fast_dequant, str) and fast_dequant == "auto"
-    if fragments is True and swap_ab is True:
-        raise ValueError("fragments=True and swap_ab=True: pick one kernel")
-    free = unpinned and fragments is not True and swap_ab is not True  # no config, level or small-batch kernel forced
+    forced = fragments is True or swap_ab is True or wgmma is True
+    if sum(v is True for v in (fragments, swap_ab, wgmma)) > 1:
+        raise ValueError("fragments=True, swap_ab=True, wgmma=True: pick one kernel")
+    free = unpinned and not forced  # no config, level or small-batch kernel forced
     dequant = _takes_dequant_gemm(dequant_gemm, m, free)
     if dequant and not free:
-        raise ValueError("dequant_gemm=True with a pinned config, a fast_dequant level, fragments=True or "
-                         "swap_ab=True: pick one path")
-    swap = not dequant and _takes_swap(swap_ab, m, x.dtype, unpinned)
-    frag = not dequant and _takes_frag(fragments, m, x2, weight_packed, weight_scale.dtype,
+        raise ValueError("dequant_gemm=True with a pinned config, a fast_dequant level, fragments=True, "
+                         "swap_ab=True or wgmma=True: pick one path")
+    wg = not dequant and _takes_wgmma(wgmma, m, x2, weight_packed, weight_scale.dtype,
+                                      free and not isinstance(fragments, bool) and not isinstance(swap_ab, bool))
+    swap = not (dequant or wg) and _takes_swap(swap_ab, m, x.dtype, unpinned)
+    frag = not (dequant or wg) and _takes_frag(fragments, m, x2, weight_packed, weight_scale.dtype,
                                        unpinned and not isinstance(swap_ab, bool))
     swap = swap and not frag
     fast_dequant = _fast_level(fast_dequant if config is None else config.get("FAST_DEQUANT", fast_dequant),
@@ -341,6 +374,10 @@ def w4a16_gemm(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch
         return y.view(*lead, n)
     sms = num_sms(x.device)
     interpreted = triton_interpreted()
+    if wg:
+        from .wgmma import wgmma_launch
+
+        return wgmma_launch(x2, weight_packed, weight_scale, y, group_size, counters, sms).view(*lead, n)
     if frag:
         return _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, interpreted).view(*lead, n)
     if swap:
