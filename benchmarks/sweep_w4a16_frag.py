@@ -26,7 +26,7 @@ import torch
 from mla_quant.kernels._gemm_utils import num_sms
 from mla_quant.kernels.w4a16_gemm import _frag_launch, _swap_launch, fragments, w4a16_gemm, w4a16_gemm_reference
 from mla_quant.kernels.w4a16_gemm.kernel import SWAP_TILE, swap_plan
-from mla_quant.kernels.w4a16_gemm.wgmma import WGMMA_TILE, wgmma_launch, wgmma_plan
+from mla_quant.kernels.w4a16_gemm.wgmma import WGMMA_TILE, permute_x, wgmma_launch, wgmma_plan
 
 from .common import interleaved_graph_us, module_attrs, rel_err, sweep_args
 from .sweep_w4a16_gemv import GROUP, NKS, _sets, _shape_list, _write, timing_rows
@@ -50,14 +50,15 @@ def swap_settings(m: int, n: int, k: int, sms: int = 132) -> dict[str, dict]:
 
 # --wgmma: the Gluon wgmma kernel (wgmma=True) as name -> wgmma_launch keywords: the default tile (8 warps = 128
 # weight rows, 6 stages) and plan, 4 / 16 warps (64 / 256 rows: the activation tile shared by fewer / more warp
-# groups), 4 and 8 stages, half / twice the planned split
+# groups), 4 and 8 stages, half / twice the planned split, and x permuted before the graph (the gather's cost)
 def wgmma_settings(m: int, n: int, k: int, sms: int = 132) -> dict[str, dict]:
     warps, stages = WGMMA_TILE
     split = wgmma_plan(m, n, k, sms)[1]
     return {"wgmma": {}, "wgmma_w4": {"tile": (4, stages), "split": wgmma_plan(m, n, k, sms, 4, 4)[1]},
             "wgmma_w16": {"tile": (16, 4), "split": wgmma_plan(m, n, k, sms, 16, 1)[1]},
             "wgmma_s4": {"tile": (warps, 4)}, "wgmma_s8": {"tile": (warps, 8)},
-            "wgmma_half_split": {"split": max(1, split // 2)}, "wgmma_twice_split": {"split": 2 * split}}
+            "wgmma_half_split": {"split": max(1, split // 2)}, "wgmma_twice_split": {"split": 2 * split},
+            "wgmma_prepermuted": {"permuted": True}}
 
 
 def chunk_tile_name(setting) -> str:
@@ -111,8 +112,10 @@ def main(argv=None) -> None:
                 return run
 
             def wgmma(weights=sets, **form):
+                xw = permute_x(x) if form.get("permuted") else x
+
                 def run():
-                    return [wgmma_launch(x, s["p4"], s["s4"], y, GROUP, counters, sms, **form) for s in weights]
+                    return [wgmma_launch(xw, s["p4"], s["s4"], y, GROUP, counters, sms, **form) for s in weights]
                 return run
 
             settings = {"plain": (frag, {}), "stream": (frag, {"stream": True})}

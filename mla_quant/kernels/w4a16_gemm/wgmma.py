@@ -234,9 +234,11 @@ def wgmma_problem(m: int, x2: torch.Tensor, weight_packed: torch.Tensor, scale_d
     return None
 
 
-def wgmma_launch(x2, weight_packed, weight_scale, y, group_size, counters, sms, tile=None, split=None):
+def wgmma_launch(x2, weight_packed, weight_scale, y, group_size, counters, sms, tile=None, split=None,
+                 permuted=False):
     """Run the kernel for x2 [M, K] into y [M, N] (contiguous rows). ``tile`` (warps, STAGES) and ``split`` override
-    ``WGMMA_TILE`` / ``wgmma_plan`` (sweeps)."""
+    ``WGMMA_TILE`` / ``wgmma_plan`` (sweeps). ``permuted``: x2 is already :func:`permute_x`'s output (contiguous),
+    e.g. shared by several projections of the same activations."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .._gemm_utils import split_k_workspace
@@ -248,7 +250,7 @@ def wgmma_launch(x2, weight_packed, weight_scale, y, group_size, counters, sms, 
     per = cdiv(k // WGMMA_BK, split)
     split = cdiv(k // WGMMA_BK, per)  # no empty split
     bn = 16 * warps
-    xp = permute_x(x2)
+    xp = x2 if permuted else permute_x(x2)
     x_gl = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
     w_desc = TensorDescriptor.from_tensor(weight_packed, [bn, WGMMA_BK // 8],
                                           gl.NVMMASharedLayout.get_default_for([bn, WGMMA_BK // 8], gl.int32))
