@@ -171,10 +171,17 @@ def _targets(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module
             or (isinstance(m, (nn.Linear, QuantLinear)) and (rx is None or rx.search(name)))]
 
 
+def _shared_name(name: str) -> str | None:
+    """The name under which :class:`HessianCollector` (``all_experts=True``) keeps the one gate / up Hessian every
+    expert of a layer shares: ``...experts.{e}.{gate,up}_proj`` -> ``...experts.*.gate_proj``; None for others."""
+    match = re.fullmatch(r"((?:.*\.)?experts)\.\d+\.(gate|up)_proj", name)
+    return f"{match.group(1)}.*.gate_proj" if match else None
+
+
 def _with_up_proj(per_layer: dict) -> dict:
     """``per_layer`` with each routed expert's ``up_proj`` entry the same as its ``gate_proj`` one (same inputs)."""
     out = dict(per_layer)
-    for name in [n for n in per_layer if n.endswith(".gate_proj") and ".experts." in n]:
+    for name in [n for n in per_layer if re.search(r"(^|\.)experts\.\d+\.gate_proj$", n)]:
         out[name[:-len("gate_proj")] + "up_proj"] = per_layer[name]
     return out
 
@@ -191,15 +198,23 @@ class HessianCollector:
     Names are the model's module names; a ``StackedExperts`` module ``...mlp.experts`` yields one per expert and
     projection, ``...mlp.experts.{e}.{gate,up,down}_proj`` as the checkpoints name them (gate and up share one
     Hessian tensor: the same inputs). ``hessians()`` returns ``{name: H / tokens}`` and ``tokens()`` the rows each
-    saw. ``targets`` (``[(name, module)]``, instead of matching ``pattern``) hooks exactly those modules. Memory: K² floats per layer (7168² · 4 B = 205 MB for one of Kimi's gate / up inputs), so a real model is
-    calibrated layer by layer (a pattern per layer), not all at once."""
+    saw. ``targets`` (``[(name, module)]``, instead of matching ``pattern``) hooks exactly those modules. Memory: K²
+    floats per layer (7168² · 4 B = 205 MB for one of Kimi's gate / up inputs), so a real model is calibrated layer
+    by layer (a pattern per layer), not all at once.
+
+    ``all_experts``: every calibration token goes to every routed expert, for the Hessians only (the layer's output
+    is the routed one): each expert's gate / up Hessian is the layer's whole input (one tensor, shared; saved once
+    as ``...experts.*.gate_proj``) and its down Hessian is of silu(gate) · up of every token. An expert then sees
+    all T calibration rows instead of ``T · top_k / E`` (docs/recipes.md "How much calibration text"), at E times
+    the routed experts' compute while calibrating."""
 
     def __init__(self, model: nn.Module, pattern: str | None = None, dtype: torch.dtype = torch.float32, *,
-                 targets: list[tuple[str, nn.Module]] | None = None):
+                 targets: list[tuple[str, nn.Module]] | None = None, all_experts: bool = False):
         from .modules.experts import StackedExperts
 
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
+        self.all_experts = all_experts
         self._dtype, self._handles, self._experts = dtype, [], {}  # StackedExperts name -> its expert count
         for name, module in _targets(model, pattern) if targets is None else targets:
             if isinstance(module, StackedExperts):
@@ -227,12 +242,15 @@ class HessianCollector:
         def hook(module, args, kwargs):   # forward(x, topk_weights, topk_ids, shared_out=None), by position or name
             named = dict(zip(("x", "topk_weights", "topk_ids"), args), **kwargs)
             x, topk_ids = named["x"].detach(), named["topk_ids"]
-            for e in torch.unique(topk_ids).tolist():
-                rows = (topk_ids == e).any(dim=-1)
-                xe = x[rows].float()
+            x = x.reshape(-1, x.shape[-1]).float()
+            if self.all_experts:
+                self._add(f"{name}.*.gate_proj", x)
+            for e in range(module.num_experts) if self.all_experts else torch.unique(topk_ids).tolist():
+                xe = x if self.all_experts else x[(topk_ids.reshape(x.shape[0], -1) == e).any(dim=-1)]
                 gate = xe @ module.expert_weight(e, "gate_proj").T
                 up = xe @ module.expert_weight(e, "up_proj").T
-                self._add(f"{name}.{e}.gate_proj", xe)
+                if not self.all_experts:
+                    self._add(f"{name}.{e}.gate_proj", xe)
                 self._add(f"{name}.{e}.down_proj", torch.nn.functional.silu(gate) * up)
         return hook
 
@@ -247,25 +265,40 @@ class HessianCollector:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _per_expert(self, per_layer: dict) -> dict:
+        """``per_layer`` with a shared ``...experts.*.gate_proj`` entry (``all_experts``) given to every expert."""
+        out = {n: v for n, v in per_layer.items() if ".*." not in n}
+        for name, experts in self._experts.items():
+            if f"{name}.*.gate_proj" in per_layer:
+                out.update({f"{name}.{e}.gate_proj": per_layer[f"{name}.*.gate_proj"] for e in range(experts)})
+        return _with_up_proj(out)
+
     def hessians(self) -> dict[str, torch.Tensor]:
-        """``{name: X^T X / tokens}``, with ``up_proj`` entries sharing their expert's ``gate_proj`` tensor."""
-        return _with_up_proj({name: s / max(self.counts[name], 1) for name, s in self.sums.items()})
+        """``{name: X^T X / tokens}``, with ``up_proj`` entries sharing their expert's ``gate_proj`` tensor (and, with
+        ``all_experts``, every expert of a layer sharing one gate / up tensor)."""
+        return self._per_expert({name: s / max(self.counts[name], 1) for name, s in self.sums.items()})
 
     def tokens(self) -> dict[str, int]:
         """Rows each layer saw; every projection of a hooked ``StackedExperts`` is listed, 0 for an expert that no
         calibration token was routed to (GPTQ rounds it to nearest: an all-zero Hessian)."""
         counts = {f"{name}.{e}.{p}": 0 for name, experts in self._experts.items() for e in range(experts)
                   for p in ("gate_proj", "down_proj")}
-        return _with_up_proj({**counts, **self.counts})
+        return self._per_expert({**counts, **self.counts})
 
     def save(self, path: str | Path) -> None:
         """One safetensors file: ``{name}.hessian`` fp32 [K, K] and ``{name}.tokens`` int64 [1] per layer that saw
-        tokens (``up_proj`` entries written as their own copies: safetensors stores no shared tensors), and only
+        tokens (``up_proj`` entries written as their own copies: safetensors stores no shared tensors; with
+        ``all_experts`` the gate / up Hessian every expert shares once, as ``...experts.*.gate_proj``), and only
         ``{name}.tokens`` = 0 for an expert that saw none."""
         tensors = {name + TOKENS_SUFFIX: torch.tensor([count], dtype=torch.int64)
                    for name, count in self.tokens().items()}
-        for name, h in self.hessians().items():
-            tensors[name + HESSIAN_SUFFIX] = h.float().cpu().clone()
+        hessians = self.hessians()
+        shared = {_shared_name(n) for n in hessians} & {n for n in self.sums if ".*." in n}
+        for name, h in hessians.items():
+            if _shared_name(name) not in shared:
+                tensors[name + HESSIAN_SUFFIX] = h.float().cpu().clone()
+        for name in shared:
+            tensors[name + HESSIAN_SUFFIX] = (self.sums[name] / max(self.counts[name], 1)).float().cpu()
         save_file(tensors, str(path), metadata={"format": "pt", "content": "mla_quant GPTQ hessians"})
 
 
@@ -279,9 +312,16 @@ class HessianFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"hessians: no file {str(self.path)!r}")
         self._file = safe_open(str(self.path), "pt")
-        keys = set(self._file.keys())
-        self.names = {k[:-len(TOKENS_SUFFIX)] for k in keys if k.endswith(TOKENS_SUFFIX)}
-        self.unseen = {n for n in self.names if n + HESSIAN_SUFFIX not in keys}
+        self._keys = set(self._file.keys())
+        self.names = {k[:-len(TOKENS_SUFFIX)] for k in self._keys if k.endswith(TOKENS_SUFFIX)}
+        self.unseen = {n for n in self.names if self._hessian_key(n) is None}
+
+    def _hessian_key(self, name: str) -> str | None:
+        """The stored Hessian of ``name``: its own, or the one its layer's experts share (``all_experts``)."""
+        for candidate in (name, _shared_name(name)):
+            if candidate and candidate + HESSIAN_SUFFIX in self._keys:
+                return candidate + HESSIAN_SUFFIX
+        return None
 
     def find(self, name: str) -> str | None:
         for candidate in (name, name.removeprefix("language_model.")):
@@ -298,7 +338,7 @@ class HessianFile:
             if size is None:
                 raise ValueError(f"hessians: {name!r} saw no calibration token; pass size= for its zero Hessian")
             return torch.zeros(size, size)
-        return self._file.get_tensor(found + HESSIAN_SUFFIX)
+        return self._file.get_tensor(self._hessian_key(found))
 
 
 # ---------------------------------------------------------------------------------------------- in memory
@@ -352,7 +392,7 @@ def _error_row(name: str, w: torch.Tensor, fmt, got: tuple, h: torch.Tensor, tok
 
 @torch.no_grad()
 def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=None, *, clip: str = "absmax",
-          damp: float = 0.01, act_order: bool = False, expert_batch: int = 32) -> list[dict]:
+          damp: float = 0.01, act_order: bool = False, expert_batch: int = 32, all_experts: bool = False) -> list[dict]:
     """Quantize ``model``'s layers matching ``pattern`` to INT4 by GPTQ, in memory and in order: decoder layer by
     decoder layer, the Hessians of that layer's matching modules are collected while ``calibration`` runs (an
     iterable of model inputs, run as ``model(batch)``, once per decoder layer), the layer is quantized, and the
@@ -361,8 +401,9 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
 
     ``fmt``: an ``Int4Group`` (default group 32); routed experts (``StackedExperts``) go ``expert_batch`` experts
     per ``gptq_quantize`` call (``clip``, ``damp``, ``act_order`` passed on); ``QuantLinear`` layers one at a
-    time. Returns one row per quantized weight: its calibration rows (``tokens``) and its output error on those
-    inputs after GPTQ and after round-to-nearest (``output_error``)."""
+    time. ``all_experts``: each routed expert calibrated on every calibration token (:class:`HessianCollector`).
+    Returns one row per quantized weight: its calibration rows (``tokens``) and its output error on those inputs
+    after GPTQ and after round-to-nearest (``output_error``)."""
     from .formats import Int4Group
     from .modules.experts import StackedExperts
 
@@ -382,7 +423,7 @@ def gptq_(model: nn.Module, calibration, pattern: str = EXPERTS_PATTERN, fmt=Non
         layers.setdefault(_layer_prefix(name), []).append((name, module))
     rows = []
     for prefix in sorted(layers, key=lambda p: (p == "", int(re.findall(r"\d+", p)[-1]) if p else 0)):
-        with HessianCollector(model, targets=layers[prefix]) as hc:
+        with HessianCollector(model, targets=layers[prefix], all_experts=all_experts) as hc:
             for batch in batches:
                 model(batch)
         hessians, tokens = hc.hessians(), hc.tokens()

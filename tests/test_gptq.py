@@ -234,6 +234,38 @@ def test_hessian_collector_per_expert_and_linear(tmp_path):
         hf.get("mlp.experts.5.gate_proj")
 
 
+def test_hessian_collector_all_experts(tmp_path):
+    """``all_experts``: every expert's gate / up Hessian is the layer's whole input (one tensor for all of them, saved
+    once), its down Hessian that of silu(gate)·up over every token, every expert counted with all tokens — expert 5,
+    which routing never picks, included; the layer's output is the routed one all the same."""
+    torch.manual_seed(1)
+    moe = MoE(64, 32, n_routed_experts=6, num_experts_per_tok=2, dtype=torch.float32)
+    for e in range(6):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            moe.experts.set_expert_weight(e, proj, torch.randn(moe.experts.proj_shape(proj)) * 0.2)
+    moe.gate.e_score_correction_bias.data[5] = -1e4
+    xs = torch.randn(2, 9, 64)                           # [batch, seq, hidden]: rows flattened by the collector
+    routed = moe(xs)
+    with HessianCollector(moe, r"^experts\.", all_experts=True) as hc:
+        assert torch.equal(moe(xs), routed)
+    x = xs.reshape(-1, 64)
+    hs, counts = hc.hessians(), hc.tokens()
+    torch.testing.assert_close(hs["experts.0.gate_proj"], x.T @ x / 18, rtol=1e-5, atol=1e-6)
+    for e in range(6):
+        assert hs[f"experts.{e}.gate_proj"] is hs["experts.0.gate_proj"] is hs[f"experts.{e}.up_proj"]
+        act = F.silu(x @ moe.experts.expert_weight(e, "gate_proj").T) * (x @ moe.experts.expert_weight(e, "up_proj").T)
+        torch.testing.assert_close(hs[f"experts.{e}.down_proj"], act.T @ act / 18, rtol=1e-5, atol=1e-6)
+        assert all(counts[f"experts.{e}.{p}"] == 18 for p in ("gate_proj", "up_proj", "down_proj"))
+    hc.save(tmp_path / "h.safetensors")
+    hf = HessianFile(tmp_path / "h.safetensors")
+    stored = [k for k in hf._file.keys() if k.endswith(HESSIAN_SUFFIX)]
+    assert sorted(stored) == sorted(["experts.*.gate_proj" + HESSIAN_SUFFIX]
+                                    + [f"experts.{e}.down_proj{HESSIAN_SUFFIX}" for e in range(6)])
+    assert not hf.unseen
+    for name in ("experts.5.up_proj", "language_model.experts.2.gate_proj", "experts.3.down_proj"):
+        assert torch.equal(hf.get(name), hs[name.removeprefix("language_model.")])
+
+
 def test_hessian_collector_takes_the_experts_arguments_by_name():
     moe = MoE(64, 32, n_routed_experts=4, num_experts_per_tok=2, dtype=torch.float32)
     x = torch.randn(6, 64)
@@ -281,10 +313,10 @@ def test_gptq_in_memory_layer_by_layer():
     seen = []
     real = HessianCollector.__init__
 
-    def spy(self, m, pattern=None, dtype=torch.float32, *, targets=None):
+    def spy(self, m, pattern=None, dtype=torch.float32, *, targets=None, **options):
         seen.append(([name for name, _ in targets], [type(mod.experts.fmt).__name__ for mod in m.modules()
                                                      if hasattr(mod, "experts") and hasattr(mod.experts, "fmt")]))
-        real(self, m, pattern, dtype, targets=targets)
+        real(self, m, pattern, dtype, targets=targets, **options)
 
     HessianCollector.__init__ = spy
     try:

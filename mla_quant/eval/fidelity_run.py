@@ -66,7 +66,7 @@ KV_VARIANTS = {
     "kv fp8_ds_mla": KVFormat("fp8_ds_mla"),
 }
 WEIGHT_VARIANTS = ("experts int4 rtn", "experts int4 mse", "experts int4 gptq", "experts int4 gptq act-order",
-                   "experts int4 qat", "weights fp8 block w8a8")
+                   "experts int4 gptq all-experts", "experts int4 qat", "weights fp8 block w8a8")
 INDEXER_VARIANTS = ("indexer bf16 sparse", "indexer fp8 sparse")   # DSA models only
 # a DSA model's default rows, run in this order (under a time budget the last ones may not run)
 DSA_DEFAULT = INDEXER_VARIANTS + ("experts int4 rtn", "weights fp8 block w8a8", "kv fp8_ds_mla",
@@ -101,7 +101,7 @@ def weight_variant(name: str, reference: nn.Module, args, device: torch.device,
         from ..gptq import gptq_
 
         model = copy.deepcopy(reference)
-        gptq_(model, calib.split(1), act_order=name.endswith("act-order"))
+        gptq_(model, calib.split(1), act_order=name.endswith("act-order"), all_experts=name.endswith("all-experts"))
         return model.eval()
     if name == "experts int4 qat":
         return _load(args.qat_checkpoint, device) if args.qat_checkpoint else None
