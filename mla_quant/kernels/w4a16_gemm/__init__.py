@@ -106,14 +106,23 @@ FRAG_AUTO_MAX_M = 32
 FRAG_MAX_M = 128
 
 
-def _frag_problem(m: int, x: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
-    """Why the fragment kernel cannot take this call (None: it can)."""
-    if m > FRAG_MAX_M:
-        return f"{m} tokens (it takes up to {FRAG_MAX_M})"
+def _tokens_problem(m: int, max_m: int, x: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
+    """Why a kernel that takes up to ``max_m`` tokens of bf16 / fp16 x, its weight rounded to x's dtype once, cannot
+    take this call (None: it can)."""
+    if m > max_m:
+        return f"{m} tokens (it takes up to {max_m})"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x of {x.dtype} (it takes bf16 / fp16)"
     if scale_dtype != x.dtype:
         return f"weight_scale of {scale_dtype} (it needs x's dtype, {x.dtype}: the weight is rounded to it once)"
+    return None
+
+
+def _frag_problem(m: int, x: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
+    """Why the fragment kernel cannot take this call (None: it can)."""
+    problem = _tokens_problem(m, FRAG_MAX_M, x, scale_dtype)
+    if problem is not None:
+        return problem
     if x.data_ptr() % 4 or (m > 1 and x.stride(0) % 2):
         return "x rows not 4-byte aligned"
     if weight_packed.data_ptr() % 16:
@@ -157,19 +166,29 @@ def _frag_launch(x2, weight_packed, weight_scale, y, group_size, counters, inter
     return y
 
 
+def _wgmma_problem(m: int, x2: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
+    """Why the wgmma kernel cannot take this call (None: it can; the device is checked by the caller)."""
+    from .wgmma import WGMMA_BK, WGMMA_MAX_M
+
+    problem = _tokens_problem(m, WGMMA_MAX_M, x2, scale_dtype)
+    if problem is None and x2.shape[1] % WGMMA_BK:
+        problem = f"K = {x2.shape[1]}, not a multiple of {WGMMA_BK}"
+    if problem is None and weight_packed.data_ptr() % 16:
+        problem = "weight_packed not 16-byte aligned (TMA)"
+    return problem
+
+
 def _takes_wgmma(wgmma, m: int, x2: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype,
                  unpinned: bool) -> bool:
     """Whether this call runs the Gluon wgmma kernel (``wgmma``: "auto", True or False; x2 [M, K])."""
-    from .wgmma import wgmma_problem
-
     if isinstance(wgmma, str) and wgmma == "auto":
         return (unpinned and WGMMA_AUTO_MIN_M <= m <= WGMMA_AUTO_MAX_M and use_triton(x2) and is_hopper(x2.device)
-                and not triton_interpreted() and wgmma_problem(m, x2, weight_packed, scale_dtype) is None)
+                and not triton_interpreted() and _wgmma_problem(m, x2, weight_packed, scale_dtype) is None)
     if wgmma is False:
         return False
     if wgmma is not True:
         raise ValueError(f"wgmma: {wgmma!r} must be True, False or 'auto'")
-    problem = wgmma_problem(m, x2, weight_packed, scale_dtype)
+    problem = _wgmma_problem(m, x2, weight_packed, scale_dtype)
     if problem is None and use_triton(x2) and (triton_interpreted() or not is_hopper(x2.device)):
         problem = "this device: it is a Gluon kernel for Hopper (sm_90); the interpreter cannot run it"
     if problem is not None:

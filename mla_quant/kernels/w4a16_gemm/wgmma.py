@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .._host import cdiv
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier                     # (3.9: gl.barrier)
 
 WGMMA_BK = 64  # K per block: x's TMA box is then 128 bytes wide (one 128-byte swizzle span)
 WGMMA_MIN_BM = 32
@@ -189,7 +190,7 @@ def _w4a16_wgmma_kernel(w_desc, x_desc, s_ptr, y_ptr, part_ptr, count_ptr, M, N,
     else:  # the last of the row tile's SPLIT_K programs sums the partials in split order (deterministic)
         part = part_ptr + (rm.to(gl.int64)[None, :] * N + rn[:, None])
         gl.store(part + pid_k.to(gl.int64) * M * N, acc, mask=mask)
-        gl.thread_barrier()  # every thread's partial is written before the release below
+        _cta_barrier()  # every thread's partial is written before the release below
         arrived = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = gl.zeros([BN, BM], gl.float32, mma)
@@ -216,22 +217,6 @@ def wgmma_plan(m: int, n: int, k: int, sms: int, warps: int = WGMMA_TILE[0],
         split *= 2
     per = cdiv(n_kb, split)
     return bm, cdiv(n_kb, per)  # no empty split
-
-
-def wgmma_problem(m: int, x2: torch.Tensor, weight_packed: torch.Tensor, scale_dtype: torch.dtype) -> str | None:
-    """Why this kernel cannot take the call (None: it can)."""
-    k = x2.shape[1]
-    if m > WGMMA_MAX_M:
-        return f"{m} tokens (it takes up to {WGMMA_MAX_M})"
-    if x2.dtype not in (torch.bfloat16, torch.float16):
-        return f"x of {x2.dtype} (it takes bf16 / fp16)"
-    if scale_dtype != x2.dtype:
-        return f"weight_scale of {scale_dtype} (it needs x's dtype, {x2.dtype})"
-    if k % WGMMA_BK:
-        return f"K = {k}, not a multiple of {WGMMA_BK}"
-    if weight_packed.data_ptr() % 16:
-        return "weight_packed not 16-byte aligned (TMA)"
-    return None
 
 
 def wgmma_launch(x2, weight_packed, weight_scale, y, group_size, counters, sms, tile=None, split=None,
