@@ -66,6 +66,44 @@ def test_permuted_x_times_assembled_weights_is_the_product(m, blocks):
     assert torch.equal(W.permute_x(x) @ a.T, x @ codes.float().T)
 
 
+def _emulate(x, packed, scale, group, bn=128, split=1):
+    """The kernel's index math in torch, program by program: row tiles of ``bn`` (rows past N zero, as TMA fills
+    them), this split's K blocks of 64, each word's scale at group (kb·BK + 8·word) // G, the weight rounded to x's
+    dtype as ``_pairs`` does, assembled in the A operand's order, times x' in fp32; partials summed in split order."""
+    bk, (m, k), n = W.WGMMA_BK, x.shape, packed.shape[0]
+    n_kb = k // bk
+    per = -(-n_kb // split)
+    xp = W.permute_x(x).float()
+    y = torch.zeros(m, n)
+    word_k = torch.arange(bk // 8) * 8
+    for row0 in range(0, n, bn):
+        rows = torch.arange(row0, row0 + bn)
+        ok = rows < n
+        total = torch.zeros(bn, m)
+        for pid_k in range(split):
+            acc = torch.zeros(bn, m)
+            for kb in range(pid_k * per, min(pid_k * per + per, n_kb)):
+                words = torch.zeros(bn, bk // 8, dtype=torch.int32)
+                words[ok] = packed[rows[ok], kb * (bk // 8):(kb + 1) * (bk // 8)]
+                sc = torch.zeros(bn, bk // 8, dtype=x.dtype)
+                sc[ok] = scale[rows[ok]][:, (kb * bk + word_k) // group]
+                # logical column L holds physical K k_order[L], of word k_order[L] // 8: q · s rounded to x's dtype
+                a = (_assembled_codes(words, bk).float() * sc[:, W.k_order(bk) // 8].float()).to(x.dtype)
+                acc += a.float() @ xp[:, kb * bk:(kb + 1) * bk].T
+            total += acc
+        y[:, rows[ok]] = total[ok].T
+    return y
+
+
+@pytest.mark.parametrize("group,n,split", [(32, 200, 1), (64, 130, 3), (128, 256, 2), (32, 64, 4)])
+def test_emulated_kernel_matches_the_reference(group, n, split):
+    """The kernel's index math (tiles, ragged rows, splits, each word's group scale) reproduces the reference."""
+    packed, scale = _weights(n, 512, group, seed=group + n)
+    x = torch.randn(5, 512).to(torch.bfloat16)
+    ref = w4a16_gemm_reference(x, packed, scale, group).float()
+    assert_rel_close(_emulate(x, packed, scale, group, split=split), ref, 1e-2, f"g{group} n{n} split {split}")
+
+
 def test_plan_fills_the_sms_and_leaves_no_split_empty():
     for m, n, k in ((17, 2048, 7168), (64, 7168, 18432), (128, 4096, 7168), (40, 8192, 64), (33, 100, 640)):
         bm, split = W.wgmma_plan(m, n, k, 132)

@@ -19,12 +19,12 @@ One program owns ``BN = 64 · warp groups`` weight rows (each warp group one m64
 **Why x is permuted.** wgmma's A fragment gives lane ``l`` of a warp the K pairs ``{2j, 2j+1, 2j+8, 2j+9}`` of
 each 16-wide K slice (``j = l % 4``) for rows ``l / 4`` and ``l / 4 + 8``. Dequantizing a word yields its nibbles
 as the bf16 pairs (n0, n4), (n1, n5), (n2, n6), (n3, n7) (one lop3 each: Marlin's trick). So this kernel lets lane
-``j`` of each quad read the contiguous words ``WPL·j .. WPL·j + WPL - 1`` (``WPL = BK / 32``; 32 contiguous K, one
-quantization group) of its two rows and gives each pair a slot of the A fragment: pair ``i`` of word ``v`` goes to
-slice ``t = 2v + i // 2`` at offset ``8 (i % 2)``. The dot product sums over K in whatever order both operands
-share, so x's columns are permuted the same way (``k_order``): logical column ``L = 16t + 8s + 2j + h`` of a block
-holds x's physical column ``p = 32j + 8v + i + 4h`` (``v = t // 2``, ``i = 2 (t % 2) + s``), one gather of x per
-call. The scale of lane ``j``'s group is one value per row and block.
+``j`` of each quad read the contiguous words ``WPL·j .. WPL·j + WPL - 1`` (``WPL = BK / 32``: 8·WPL contiguous K,
+16 at BK = 64, inside one quantization group) of its two rows and gives each pair a slot of the A fragment: pair
+``i`` of word ``v`` goes to slice ``t = 2v + i // 2`` at offset ``8 (i % 2)``. The dot product sums over K in
+whatever order both operands share, so x's columns are permuted the same way (``k_order``): logical column
+``L = 16t + 8s + 2j + h`` of a block holds x's physical column ``p = 8·WPL·j + 8v + i + 4h`` (``v = t // 2``,
+``i = 2 (t % 2) + s``), one gather of x per call. A lane's scale is one value per row and block.
 
 x: bf16 / fp16 [M, K], K a multiple of BK; weight_packed int32 [N, K/8] (compressed-tensors ``pack-quantized``);
 weight_scale [N, K/G] in x's dtype (G = 32, 64 or 128). Rows past N and tokens past M read zeros (TMA) or zero
@@ -152,12 +152,12 @@ def _w4a16_wgmma_kernel(w_desc, x_desc, s_ptr, y_ptr, part_ptr, count_ptr, M, N,
         _tma_load(w_desc, [pid_n * BN, (kb0 + i) * (BK // 8)], ready.index(i), w_bufs.index(i), pred=here)
         _tma_load(x_desc, [0, (kb0 + i) * BK], ready.index(i), x_bufs.index(i), pred=here)
 
-    # each thread's scale per word: its row's group of lane j's words (one group per lane and block)
+    # each thread's scale per word: the group of the word's 8 K (a lane's words lie in one group: one value)
     rows = pid_n * BN + gl.arange(0, BN, gl.SliceLayout(1, wl))
-    lane_k = (gl.arange(0, BK // 8, gl.SliceLayout(0, wl)) // (BK // 32)) * 32  # K offset of lane j's words
+    word_k = gl.arange(0, BK // 8, gl.SliceLayout(0, wl)) * 8  # K offset of each word in the block
     s_rows = s_ptr + rows.to(gl.int64)[:, None] * (K // GROUP)
-    s_mask = (rows < N)[:, None] & (lane_k >= 0)[None, :]
-    sc = gl.load(s_rows + ((kb0 * BK + lane_k) // GROUP)[None, :], mask=s_mask, other=0.0)
+    s_mask = (rows < N)[:, None] & (word_k >= 0)[None, :]
+    sc = gl.load(s_rows + ((kb0 * BK + word_k) // GROUP)[None, :], mask=s_mask, other=0.0)
 
     acc = gl.zeros([BN, BM], gl.float32, mma)
     for it in range(n_it):
@@ -165,7 +165,7 @@ def _w4a16_wgmma_kernel(w_desc, x_desc, s_ptr, y_ptr, part_ptr, count_ptr, M, N,
         mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
         a = _dequant(w_bufs.index(slot).load(wl), sc, a_layout, BN, BK, DT)
         nxt_kb = kb0 + gl.minimum(it + 1, n_it - 1)
-        sc = gl.load(s_rows + ((nxt_kb * BK + lane_k) // GROUP)[None, :], mask=s_mask, other=0.0)  # next block's
+        sc = gl.load(s_rows + ((nxt_kb * BK + word_k) // GROUP)[None, :], mask=s_mask, other=0.0)  # next block's
         acc = warpgroup_mma(a, x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         # the previous block's wgmma is done: its slot takes block it + STAGES - 1
